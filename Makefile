@@ -1,0 +1,31 @@
+# Two commands on a fresh machine:  `make demo` (the main job) and `make test` (the tests).
+# Each creates .venv and installs what it needs. GPU users: override TORCH, e.g.
+#   make demo TORCH="torch==2.9.1"   (or install torch into .venv yourself first; any torch>=2.4 works)
+VENV  ?= .venv
+PY    := $(VENV)/bin/python
+TORCH ?= torch==2.13.0
+PIP   := $(PY) -m pip install -q --disable-pip-version-check
+
+$(VENV)/.torch:
+	python3 -m venv $(VENV)
+	$(PIP) "$(TORCH)"
+	touch $@
+
+$(VENV)/.train: $(VENV)/.torch pyproject.toml
+	$(PIP) -e ".[train]"
+	touch $@
+
+$(VENV)/.test: $(VENV)/.torch pyproject.toml
+	$(PIP) -e ".[test,verl,trl]"
+	touch $@ $(VENV)/.train
+
+.PHONY: demo test bench
+demo: $(VENV)/.train
+	$(VENV)/bin/bapo demo
+
+test: $(VENV)/.test
+	$(PY) -m pytest -q
+
+bench: $(VENV)/.test
+	$(PY) bench/bound_search.py
+	$(PY) bench/trainer.py

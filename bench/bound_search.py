@@ -1,0 +1,117 @@
+"""Benchmark of the one-pass BAPO bound search on CPU (not a test; prints ratios from one run).
+
+    python bench/bound_search.py [--tokens 1000000 8000000] [--repeats 5]
+
+Prints, per size: search time / fixed-clip loss forward+backward time (target <= 0.25 at 1M),
+search time vs the candidate-by-candidate reference loop on a batch where the search moves
+>= 10 candidates (target >= 5x faster), and the search's peak extra memory per token
+(target: O(tokens + candidates), i.e. a constant number of bytes per token, far below the
+8 bytes x candidates per token a [tokens x candidates] tensor would take).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.core.reference
+
+from bapo.core import BAPOConfig, BoundStats, aggregate_loss, clipped_surrogate, token_ratio  # noqa: E402
+
+CONFIG = BAPOConfig(target=0.5, lower_start=0.6, lower_max=0.9, lower_step=0.05,
+                    upper_start=1.2, upper_max=3.0, upper_step=0.05)
+
+
+def make_batch(tokens: int, seed: int = 0, length: int = 1024):
+    """A stale-looking batch: log-ratio spread 0.3, advantages leaning negative so the search moves."""
+    generator = torch.Generator().manual_seed(seed)
+    batch = tokens // length
+    old_log_prob = -torch.rand(batch, length, generator=generator) * 3
+    log_prob = old_log_prob + 0.3 * torch.randn(batch, length, generator=generator)
+    advantages = torch.randn(batch, 1, generator=generator).expand(batch, length) - 0.35
+    mask = torch.rand(batch, length, generator=generator) > 0.1
+    return log_prob, old_log_prob, advantages.contiguous(), mask
+
+
+def best_time(fn, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def search(ratio, advantages, mask):
+    return BoundStats(CONFIG).add(ratio, advantages, mask).solve(sync=False)
+
+
+def fixed_clip_forward_backward(log_prob, old_log_prob, advantages, mask):
+    log_prob = log_prob.detach().requires_grad_()
+    loss = aggregate_loss(clipped_surrogate(token_ratio(log_prob, old_log_prob), advantages, 0.8, 1.2), mask)
+    loss.backward()
+
+
+def peak_extra_bytes(tokens: int) -> int:
+    """Peak RSS growth of one search, measured in a fresh process holding only the inputs."""
+    code = (
+        "import resource, torch, sys; sys.path.insert(0, %r)\n"
+        "from bench.bound_search import make_batch, search\n"
+        "from bapo.core import token_ratio\n"
+        "log_prob, old, adv, mask = make_batch(%d)\n"
+        "ratio = token_ratio(log_prob, old)\n"
+        "search(ratio[:2], adv[:2], mask[:2])\n"  # load kernels before the baseline
+        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "search(ratio, adv, mask)\n"
+        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)\n"
+    ) % (str(Path(__file__).resolve().parents[1]), tokens)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    from tests.core.reference import reference_search
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--tokens", type=int, nargs="+", default=[1_000_000, 8_000_000])
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, candidates "
+          f"{len(CONFIG.lower_grid)} lower x {len(CONFIG.upper_grid)} upper")
+    rows = []
+    for tokens in args.tokens:
+        log_prob, old_log_prob, advantages, mask = make_batch(tokens)
+        ratio = token_ratio(log_prob, old_log_prob)
+        found = search(ratio, advantages, mask)
+        search_s = best_time(lambda: search(ratio, advantages, mask), args.repeats)
+        loss_s = best_time(lambda: fixed_clip_forward_backward(log_prob, old_log_prob, advantages, mask), args.repeats)
+        reference_s = best_time(lambda: reference_search(ratio, advantages, mask, CONFIG), 1)
+        assert reference_search(ratio, advantages, mask, CONFIG)[:2] == (found.lower, found.upper)
+        extra = peak_extra_bytes(tokens)
+        row = {
+            "tokens": tokens, "candidates_moved": found.steps, "search_s": round(search_s, 4),
+            "fixed_clip_fwd_bwd_s": round(loss_s, 4), "search_over_loss": round(search_s / loss_s, 3),
+            "reference_loop_s": round(reference_s, 3), "speedup_vs_reference": round(reference_s / search_s, 1),
+            "peak_extra_bytes_per_token": round(extra / tokens, 1),
+        }
+        rows.append(row)
+        print(json.dumps(row))
+    print("\n| tokens | moved | search s | fixed-clip fwd+bwd s | search/loss | reference loop s | speed-up | extra bytes/token |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['tokens']:,} | {r['candidates_moved']} | {r['search_s']} | {r['fixed_clip_fwd_bwd_s']} | "
+              f"{r['search_over_loss']} | {r['reference_loop_s']} | {r['speedup_vs_reference']}x | "
+              f"{r['peak_extra_bytes_per_token']} |")
+
+
+if __name__ == "__main__":
+    main()
