@@ -2,7 +2,8 @@
 
     python bench/bound_search.py [--tokens 1000000 8000000] [--repeats 5]
 
-Prints, per size: search time / fixed-clip loss forward+backward time (target <= 0.25 at 1M),
+Prints, per size: search time / fixed-clip loss forward+backward time (target <= 0.25 at 1M; both the bare
+surrogate and bapo's policy_loss with its diagnostics are timed),
 search time vs the candidate-by-candidate reference loop on a batch where the search moves
 >= 10 candidates (target >= 5x faster), and the search's peak extra memory per token
 (target: O(tokens + candidates), i.e. a constant number of bytes per token, far below the
@@ -24,7 +25,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.core.reference
 
-from bapo.core import BAPOConfig, BoundStats, aggregate_loss, clipped_surrogate, token_ratio  # noqa: E402
+from bapo.core import BAPOConfig, BoundStats, aggregate_loss, clipped_surrogate, policy_loss, token_ratio  # noqa: E402
 
 CONFIG = BAPOConfig(target=0.5, lower_start=0.6, lower_max=0.9, lower_step=0.05,
                     upper_start=1.2, upper_max=3.0, upper_step=0.05)
@@ -61,19 +62,27 @@ def fixed_clip_forward_backward(log_prob, old_log_prob, advantages, mask):
     loss.backward()
 
 
+def policy_loss_forward_backward(log_prob, old_log_prob, advantages, mask):
+    """The same fixed-clip loss as bapo's trainer calls it: with validation and every diagnostic."""
+    log_prob = log_prob.detach().requires_grad_()
+    loss, _ = policy_loss(log_prob, old_log_prob, advantages, mask, "grpo")
+    loss.backward()
+
+
 def peak_extra_bytes(tokens: int) -> int:
-    """Peak RSS growth of one search, measured in a fresh process holding only the inputs."""
+    """Peak RSS growth of one search, in a fresh process whose inputs were filled in place (so
+    that no larger temporary raised the peak before the search starts)."""
     code = (
         "import resource, torch, sys; sys.path.insert(0, %r)\n"
-        "from bench.bound_search import make_batch, search\n"
-        "from bapo.core import token_ratio\n"
-        "log_prob, old, adv, mask = make_batch(%d)\n"
-        "ratio = token_ratio(log_prob, old)\n"
-        "search(ratio[:2], adv[:2], mask[:2])\n"  # load kernels before the baseline
+        "from bench.bound_search import search\n"
+        "ratio = torch.empty(%d, 1024).log_normal_(0.0, 0.3)\n"
+        "advantages = torch.empty_like(ratio).normal_().sub_(0.35)\n"
+        "mask = torch.empty_like(ratio, dtype=torch.bool).bernoulli_(0.9)\n"
+        "search(ratio[:2], advantages[:2], mask[:2])\n"  # load kernels before the baseline
         "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
-        "search(ratio, adv, mask)\n"
+        "search(ratio, advantages, mask)\n"
         "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)\n"
-    ) % (str(Path(__file__).resolve().parents[1]), tokens)
+    ) % (str(Path(__file__).resolve().parents[1]), tokens // 1024)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])
 
@@ -94,22 +103,25 @@ def main() -> None:
         found = search(ratio, advantages, mask)
         search_s = best_time(lambda: search(ratio, advantages, mask), args.repeats)
         loss_s = best_time(lambda: fixed_clip_forward_backward(log_prob, old_log_prob, advantages, mask), args.repeats)
+        full_loss_s = best_time(lambda: policy_loss_forward_backward(log_prob, old_log_prob, advantages, mask), args.repeats)
         reference_s = best_time(lambda: reference_search(ratio, advantages, mask, CONFIG), 1)
         assert reference_search(ratio, advantages, mask, CONFIG)[:2] == (found.lower, found.upper)
         extra = peak_extra_bytes(tokens)
         row = {
             "tokens": tokens, "candidates_moved": found.steps, "search_s": round(search_s, 4),
             "fixed_clip_fwd_bwd_s": round(loss_s, 4), "search_over_loss": round(search_s / loss_s, 3),
+            "search_over_policy_loss_with_diagnostics": round(search_s / full_loss_s, 3),
             "reference_loop_s": round(reference_s, 3), "speedup_vs_reference": round(reference_s / search_s, 1),
             "peak_extra_bytes_per_token": round(extra / tokens, 1),
         }
         rows.append(row)
         print(json.dumps(row))
-    print("\n| tokens | moved | search s | fixed-clip fwd+bwd s | search/loss | reference loop s | speed-up | extra bytes/token |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("\n| tokens | moved | search s | fixed-clip fwd+bwd s | search/loss | search/policy_loss(grpo) | "
+          "reference loop s | speed-up | extra bytes/token |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['tokens']:,} | {r['candidates_moved']} | {r['search_s']} | {r['fixed_clip_fwd_bwd_s']} | "
-              f"{r['search_over_loss']} | {r['reference_loop_s']} | {r['speedup_vs_reference']}x | "
+              f"{r['search_over_loss']} | {r['search_over_policy_loss_with_diagnostics']} | {r['reference_loop_s']} | {r['speedup_vs_reference']}x | "
               f"{r['peak_extra_bytes_per_token']} |")
 
 

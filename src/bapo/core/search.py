@@ -200,7 +200,7 @@ class BoundStats:
         positive, negative = counted & (advantages > 0), counted & (advantages < 0)
 
         lower_count = len(self.config.lower_grid)
-        below = torch.bucketize(ratio, self._boundaries_for(compute), right=True)  # #{B_i <= r}, one pass
+        below = torch.bucketize(ratio, self._boundaries_for(compute), right=True, out_int32=True)  # #{B_i <= r}
         upper_bucket = (below - lower_count).clamp_(min=0)
         lower_bucket = below.clamp_(max=lower_count)
         # One histogram for both sides: positive tokens in [0, n_upper], negative ones after them.

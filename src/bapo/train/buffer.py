@@ -1,0 +1,57 @@
+"""Which rollout batch an update trains on: the exact-staleness FIFO or a replay mix.
+
+fifo, staleness k: a queue of k+1 batches. Each rollout step pushes the batch it just generated
+and pops the oldest, so rollout step s trains on the batch generated at step s-k. Warm-up: the
+first k batches are generated up front by the initial policy (version 0), so steps 0..k-1 train
+on version-0 data (token staleness 0, U, ..., (k-1)U with U updates per batch) and from step k on
+the staleness is exactly k batches.
+replay: the last `replay_batches` batches are kept; each step trains on prompts_per_batch
+groups drawn uniformly without replacement from all of them (ages 0 .. replay_batches-1 mix).
+Draws use a generator seeded by (seed, step), so they need no saved state.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from bapo.train.config import TrainConfig
+from bapo.train.rollout import Batch
+
+
+class BatchBuffer:
+    def __init__(self, cfg: TrainConfig, pad_id: int):
+        self.mode, self.k = cfg.offpolicy.mode, cfg.offpolicy.staleness
+        self.capacity = self.k + 1 if self.mode == "fifo" else cfg.offpolicy.replay_batches
+        self.group_size, self.groups = cfg.rollout.group_size, cfg.rollout.prompts_per_batch
+        self.seed, self.pad_id = cfg.run.seed, pad_id
+        self.batches: deque[Batch] = deque()
+
+    @property
+    def warmup(self) -> int:
+        """Batches to generate with the initial policy before the first update."""
+        return self.k if self.mode == "fifo" else 0
+
+    def push(self, batch: Batch) -> None:
+        self.batches.append(batch)
+        if self.mode == "replay" and len(self.batches) > self.capacity:
+            self.batches.popleft()
+
+    def pop(self, step: int) -> Batch:
+        if self.mode == "fifo":
+            assert len(self.batches) == self.capacity, "FIFO not full: warm-up missing"
+            return self.batches.popleft()
+        G = self.group_size
+        pool = Batch.cat(list(self.batches), self.pad_id)
+        n_groups = len(pool) // G
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        chosen = torch.randperm(n_groups, generator=gen)[: self.groups].sort().values
+        rows = (chosen[:, None] * G + torch.arange(G)).flatten()
+        return pool.select(rows)
+
+    def state_dict(self) -> list[dict]:
+        return [b.state_dict() for b in self.batches]
+
+    def load_state_dict(self, state: list[dict]) -> None:
+        self.batches = deque(Batch(**b) for b in state)

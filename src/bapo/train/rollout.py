@@ -1,0 +1,295 @@
+"""Rollout: G sampled responses per prompt with HF `generate` (KV cache), behaviour log-probs
+recomputed by a forward pass of the same weights at the same temperature, rewards from the
+verifier, group advantages.
+
+Partial rollout (rollout.segment_tokens = L) runs through the same code: every generation pass
+adds at most L tokens to each unfinished response; a group trains once all its G responses are
+finished (EOS, stop string, or max_new_tokens), and every token keeps the log-prob and the
+policy version that produced it. Without L a pass generates the whole response, so one pass
+per step finishes everything and this is plain on-policy GRPO sampling.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, fields
+
+import torch
+from torch import Tensor
+
+from bapo.core import group_advantages
+from bapo.train.config import TrainConfig
+from bapo.train.data import PromptSampler
+from bapo.train.rewards import score
+
+
+@dataclass
+class Batch:
+    """N = groups * G finished responses, padded; lives on CPU between rollout and update."""
+
+    prompt_ids: Tensor     # [N, P] long, left-padded
+    prompt_mask: Tensor    # [N, P] bool
+    response_ids: Tensor   # [N, R] long, right-padded
+    response_mask: Tensor  # [N, R] bool: sampled tokens (EOS included)
+    old_log_prob: Tensor   # [N, R] float32, behaviour log-prob of each token (logits / T)
+    versions: Tensor       # [N, R] int64, policy version that sampled each token (-1 on padding)
+    rewards: Tensor        # [N] float32
+    advantages: Tensor     # [N] float32, group-normalised
+    truncated: Tensor      # [N] bool: reached max_new_tokens without EOS / stop string
+    example_idx: Tensor    # [N] int64, row of the dataset
+    ref_log_prob: Tensor | None = None  # [N, R] reference-model log-prob (only with loss.kl_coef > 0)
+
+    def __len__(self) -> int:
+        return self.response_ids.shape[0]
+
+    @property
+    def tokens(self) -> int:
+        return int(self.response_mask.sum())
+
+    def select(self, rows: Tensor) -> "Batch":
+        return Batch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows] for f in fields(self)})
+
+    def to(self, device) -> "Batch":
+        return Batch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device) for f in fields(self)})
+
+    def state_dict(self) -> dict:
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+    @staticmethod
+    def cat(batches: list["Batch"], pad_id: int) -> "Batch":
+        """Rows of several batches (replay); prompts re-padded on the left, responses on the right."""
+        width_p = max(b.prompt_ids.shape[1] for b in batches)
+        width_r = max(b.response_ids.shape[1] for b in batches)
+        fill = {"prompt_ids": pad_id, "prompt_mask": False, "response_ids": pad_id, "response_mask": False,
+                "old_log_prob": 0.0, "versions": -1, "ref_log_prob": 0.0}
+        out = {}
+        for f in fields(Batch):
+            parts = [getattr(b, f.name) for b in batches]
+            if parts[0] is None:
+                out[f.name] = None
+            elif parts[0].dim() == 1:
+                out[f.name] = torch.cat(parts)
+            else:
+                left = f.name.startswith("prompt")
+                width = width_p if left else width_r
+                padded = []
+                for t in parts:
+                    extra = t.new_full((t.shape[0], width - t.shape[1]), fill[f.name])
+                    padded.append(torch.cat([extra, t] if left else [t, extra], dim=1))
+                out[f.name] = torch.cat(padded)
+        return Batch(**out)
+
+
+def pad(rows: list[list], value, left: bool, dtype=torch.long) -> tuple[Tensor, Tensor]:
+    """Lists of unequal length -> [N, W] tensor and [N, W] bool mask."""
+    width = max((len(r) for r in rows), default=0)
+    out = torch.full((len(rows), width), value, dtype=dtype)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    for i, r in enumerate(rows):
+        if r:
+            span = slice(width - len(r), width) if left else slice(0, len(r))
+            out[i, span] = torch.tensor(r, dtype=dtype)
+            mask[i, span] = True
+    return out, mask
+
+
+def token_log_probs(model, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
+                    temperature: float, with_entropy: bool = False,
+                    entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+    """log pi(y_t | prefix) of every response token under logits / T: [N, R] float32, and the
+    per-token entropy [N, R] when asked (differentiable only with entropy_grad). One forward over prompt + response; only the last
+    R+1 positions are projected to the vocabulary. Columns that are padding in every row are
+    trimmed first (speed), which does not change any value."""
+    keep_p = prompt_mask.any(0).nonzero()
+    start = int(keep_p[0]) if len(keep_p) else prompt_ids.shape[1]
+    keep_r = response_mask.any(0).nonzero()
+    width_r = int(keep_r[-1]) + 1 if len(keep_r) else 0
+    n, r_full = response_ids.shape
+    prompt_ids, prompt_mask = prompt_ids[:, start:], prompt_mask[:, start:]
+    response_ids, response_mask_t = response_ids[:, :width_r], response_mask[:, :width_r]
+
+    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attention = torch.cat([prompt_mask, response_mask_t], dim=1).long()
+    # positions from the mask, as generate() computes them for left-padded prompts
+    position_ids = (attention.cumsum(1) - 1).clamp_min(0)
+    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
+                   logits_to_keep=width_r + 1, use_cache=False).logits[:, :-1].float() / temperature  # [N, R', V]
+    log_norm = torch.logsumexp(logits, dim=-1)
+    log_prob = logits.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1) - log_norm
+    entropy = None
+    if with_entropy:  # a diagnostic unless it is a loss term: no graph for it then
+        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
+            entropy = log_norm - (torch.softmax(logits, -1) * logits).sum(-1)
+    # back to the full response width so callers can keep their own masks
+    if width_r < r_full:
+        log_prob = torch.nn.functional.pad(log_prob, (0, r_full - width_r))
+        entropy = None if entropy is None else torch.nn.functional.pad(entropy, (0, r_full - width_r))
+    return log_prob, entropy
+
+
+@torch.no_grad()
+def batched_log_probs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature, chunk: int) -> Tensor:
+    """token_log_probs without grad, `chunk` rows at a time, on the model's device -> [N, R] CPU."""
+    device = next(model.parameters()).device
+    parts = []
+    for s in range(0, len(response_ids), chunk):
+        rows = slice(s, s + chunk)
+        lp, _ = token_log_probs(model, prompt_ids[rows].to(device), prompt_mask[rows].to(device),
+                                response_ids[rows].to(device), response_mask[rows].to(device), temperature)
+        parts.append(lp.cpu())
+    return torch.cat(parts) if parts else torch.zeros(response_ids.shape)
+
+
+class Rollout:
+    """Prompt groups in flight (partial responses), finished groups waiting to train, and the
+    step that turns them into a `Batch`. Its whole state is plain lists (checkpointed)."""
+
+    def __init__(self, cfg: TrainConfig, tokenizer, prompts: list[list[int]], examples: list[dict],
+                 verifier, sampler: PromptSampler, eos_ids: list[int]):
+        self.cfg, self.r = cfg, cfg.rollout
+        self.tokenizer, self.prompts, self.examples = tokenizer, prompts, examples
+        self.verifier, self.sampler = verifier, sampler
+        self.eos_ids = torch.tensor(sorted(set(eos_ids)))
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(self.eos_ids[0])
+        self.segment = self.r.segment_tokens or self.r.max_new_tokens
+        # groups in flight + finished ones: enough for every step to finish a batch in one pass
+        # once the pipeline is full (one cohort of prompts per segment of the response)
+        self.capacity = self.r.prompts_per_batch * math.ceil(self.r.max_new_tokens / self.segment)
+        self.in_flight: list[dict] = []
+        self.ready: list[dict] = []
+        self.stop = None
+        if self.r.stop:
+            from transformers.generation.stopping_criteria import StopStringCriteria
+            self.stop = StopStringCriteria(tokenizer, self.r.stop)
+
+    # -- state ------------------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        return {"in_flight": self.in_flight, "ready": self.ready, "sampler": self.sampler.state_dict()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.in_flight, self.ready = state["in_flight"], state["ready"]
+        self.sampler.load_state_dict(state["sampler"])
+
+    # -- one rollout step -------------------------------------------------------------------
+    def step(self, model, version: int) -> tuple[Batch, dict]:
+        """Generate with the current policy (version) until prompts_per_batch groups are ready,
+        then return them as a Batch (plus rollout metrics). At least one pass always runs, so
+        unfinished responses advance every step."""
+        start, new_tokens, passes, failures = time.perf_counter(), 0, 0, 0
+        want = self.r.prompts_per_batch
+        while passes == 0 or len(self.ready) < want:
+            if len(self.in_flight) + len(self.ready) + want <= self.capacity:
+                self.in_flight += [self._new_group(i) for i in self.sampler.take(want)]
+            if not self.in_flight:
+                break
+            new_tokens += self._generate_pass(model, version)
+            failures += self._collect_finished()
+            passes += 1
+        groups, self.ready = self.ready[:want], self.ready[want:]
+        batch, dropped, zero_var = self._to_batch(groups)
+        metrics = {"rollout/passes": passes, "verifier/failures": failures,
+                   "groups/zero_variance": zero_var, "groups/dropped": dropped,
+                   "groups/in_flight": len(self.in_flight), "groups/waiting": len(self.ready),
+                   "tokens/rollout": new_tokens, "time/rollout_s": time.perf_counter() - start}
+        return batch, metrics
+
+    def _new_group(self, example: int) -> dict:
+        seq = lambda: {"response": [], "logp": [], "version": [], "done": False, "truncated": False}
+        return {"example": example, "seqs": [seq() for _ in range(self.r.group_size)], "rewards": None}
+
+    @torch.no_grad()
+    def _generate_pass(self, model, version: int) -> int:
+        """Up to `segment` new tokens for every unfinished response; returns tokens added."""
+        from transformers import GenerationConfig
+
+        live = [s for g in self.in_flight for s in g["seqs"] if not s["done"]]
+        owners = [g for g in self.in_flight for s in g["seqs"] if not s["done"]]
+        if not live:
+            return 0
+        device = next(model.parameters()).device
+        context = [self.prompts[g["example"]] + s["response"] for g, s in zip(owners, live)]
+        ctx_ids, ctx_mask = pad(context, self.pad_id, left=True)
+        remaining = torch.tensor([self.r.max_new_tokens - len(s["response"]) for s in live])
+        budget = min(self.segment, int(remaining.max()))
+        # Neutral values set explicitly: generate() fills unset fields from the model's own
+        # generation_config (a repetition penalty, min_p, ...), which would sample from another
+        # distribution than the one the behaviour log-probs describe.
+        gen = GenerationConfig(
+            do_sample=True, temperature=self.r.temperature, top_p=self.r.top_p, top_k=self.r.top_k,
+            max_new_tokens=budget, min_new_tokens=0, pad_token_id=self.pad_id,
+            eos_token_id=self.eos_ids.tolist(), stop_strings=self.r.stop or None, use_cache=True,
+            repetition_penalty=1.0, no_repeat_ngram_size=0, min_p=0.0, typical_p=1.0,
+            epsilon_cutoff=0.0, eta_cutoff=0.0)
+        was_training = model.training  # (train mode only for gradient checkpointing, which breaks the KV cache)
+        model.eval()
+        out = model.generate(input_ids=ctx_ids.to(device), attention_mask=ctx_mask.to(device).long(),
+                             generation_config=gen, tokenizer=self.tokenizer if self.r.stop else None).cpu()
+        model.train(was_training)
+        width = ctx_ids.shape[1]
+        new = out[:, width:]  # [n, <= budget]
+        length, ended = self._segment_ends(out, width, remaining)
+        new_mask = torch.arange(new.shape[1]) < length[:, None]
+        # behaviour log-prob of the new tokens: same weights, same temperature (verl recomputes too)
+        log_prob = batched_log_probs(model, ctx_ids, ctx_mask, new, new_mask, self.r.temperature,
+                                     self.r.logprob_batch_size)
+        lengths = length.tolist()
+        for i, s in enumerate(live):
+            n = lengths[i]
+            s["response"] += new[i, :n].tolist()
+            s["logp"] += log_prob[i, :n].tolist()
+            s["version"] += [version] * n
+            if bool(ended[i]) or len(s["response"]) >= self.r.max_new_tokens:
+                s["done"], s["truncated"] = True, not bool(ended[i])
+        return int(length.sum())
+
+    def _segment_ends(self, out: Tensor, width: int, remaining: Tensor) -> tuple[Tensor, Tensor]:
+        """Tokens to keep per row [n] and whether the row ended by EOS or a stop string [n]."""
+        new = out[:, width:]
+        n, m = new.shape
+        cols = torch.arange(m).expand(n, m)
+        hit = torch.isin(new, self.eos_ids)
+        if self.stop is not None:  # a stop string ends with token j: test every prefix, all rows at once
+            ends_stop = torch.stack([self.stop(out[:, : width + j + 1], None) for j in range(m)], dim=1) if m else hit
+            hit = hit | ends_stop.to(hit.device)
+        first = torch.where(hit, cols, m).amin(1) if m else torch.zeros(n, dtype=torch.long)  # m = none
+        ended = (first < m) & (first < remaining)
+        length = torch.minimum(torch.where(ended, first + 1, torch.full_like(first, m)), remaining)
+        return length, ended
+
+    def _collect_finished(self) -> int:
+        """Score groups whose responses are all done, move them to `ready`; returns failures."""
+        finished = [g for g in self.in_flight if all(s["done"] for s in g["seqs"])]
+        if not finished:
+            return 0
+        self.in_flight = [g for g in self.in_flight if not all(s["done"] for s in g["seqs"])]
+        seqs = [s for g in finished for s in g["seqs"]]
+        texts = self.tokenizer.batch_decode([s["response"] for s in seqs], skip_special_tokens=True)
+        rows = [self.examples[g["example"]] for g in finished for _ in g["seqs"]]
+        rewards, failures = score(self.verifier, texts, rows, self.cfg.reward.timeout_s)
+        for k, g in enumerate(finished):
+            g["rewards"] = rewards[k * self.r.group_size:(k + 1) * self.r.group_size].tolist()
+        self.ready += finished
+        return failures
+
+    def _to_batch(self, groups: list[dict]) -> tuple[Batch, int, int]:
+        """Finished groups -> Batch with group advantages; drops zero-variance groups when asked."""
+        G = self.r.group_size
+        rewards = torch.tensor([r for g in groups for r in g["rewards"]], dtype=torch.float32)
+        advantages, zero_var = group_advantages(rewards, G, scale_by_std=self.cfg.loss.scale_by_std)
+        zero_groups = zero_var.reshape(-1, G)[:, 0]
+        keep = torch.ones(len(groups), dtype=torch.bool)
+        if self.cfg.loss.zero_variance == "drop":
+            keep = ~zero_groups
+        seqs = [s for g, k in zip(groups, keep.tolist()) if k for s in g["seqs"]]
+        examples = [g["example"] for g, k in zip(groups, keep.tolist()) if k for _ in g["seqs"]]
+        rows = keep.repeat_interleave(G)
+        prompt_ids, prompt_mask = pad([self.prompts[e] for e in examples], self.pad_id, left=True)
+        response_ids, response_mask = pad([s["response"] for s in seqs], self.pad_id, left=False)
+        old_log_prob, _ = pad([s["logp"] for s in seqs], 0.0, left=False, dtype=torch.float32)
+        versions, _ = pad([s["version"] for s in seqs], -1, left=False)
+        batch = Batch(prompt_ids, prompt_mask, response_ids, response_mask, old_log_prob, versions,
+                      rewards[rows], advantages[rows].float(),
+                      torch.tensor([s["truncated"] for s in seqs], dtype=torch.bool),
+                      torch.tensor(examples, dtype=torch.long))
+        return batch, int((~keep).sum()), int(zero_groups.sum())

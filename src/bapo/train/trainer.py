@@ -1,0 +1,303 @@
+"""The training loop: rollout -> staleness FIFO / replay -> updates -> metrics -> checkpoint.
+
+`Trainer.fit` is the loop (one screen); `rollout_step` and `update_step` are the two halves, timed
+separately, for benchmarks and for callers that drive the loop themselves.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import shutil
+import time
+import warnings
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+
+from bapo.train.buffer import BatchBuffer
+from bapo.train.checkpoint import latest_checkpoint, load_state, rng_state, save_checkpoint, set_rng_state
+from bapo.train.config import ConfigError, TrainConfig
+from bapo.train.data import PromptSampler, load_examples, tokenize_prompts
+from bapo.train.metrics import MetricsLog, ProgressFn, RichProgress
+from bapo.train.rewards import resolve_verifier
+from bapo.train.rollout import Batch, Rollout, batched_log_probs
+from bapo.train.update import optimizer_update
+
+OnUpdate = Callable[[int, object, object], "dict | None"]
+
+
+class TrainingStopped(RuntimeError):
+    """Raised when training cannot go on (e.g. N non-finite updates in a row); a checkpoint is kept."""
+
+
+def _lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
+    warmup, total, kind = cfg.optim.warmup_updates, cfg.total_updates, cfg.optim.schedule
+
+    def factor(update: int) -> float:
+        if update < warmup:
+            return (update + 1) / warmup
+        progress = (update - warmup) / max(total - warmup, 1)
+        if kind == "linear":
+            return max(0.0, 1.0 - progress)
+        if kind == "cosine":
+            return 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0)))
+        return 1.0
+
+    return factor
+
+
+def _batch_stats(batch: Batch, threshold: float, prefix: str = "") -> dict:
+    """Reward / accuracy / length of one batch of responses."""
+    if len(batch) == 0:
+        return {}
+    lengths = batch.response_mask.sum(1).float()
+    versions = batch.versions[batch.response_mask]
+    stats = {"reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std(correction=0).item(),
+             "accuracy": (batch.rewards >= threshold).float().mean().item(),
+             "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
+             "response_length/truncated_frac": batch.truncated.float().mean().item(),
+             "batch/version_min": int(versions.min()) if len(versions) else -1,
+             "batch/version_max": int(versions.max()) if len(versions) else -1}
+    return {prefix + k: v for k, v in stats.items()}
+
+
+def _check_data(cfg: TrainConfig, examples: list[dict] | None, custom_verifier: bool) -> list[dict]:
+    if examples is None:
+        if cfg.data.path is None:
+            raise ConfigError("data.path: set a JSONL/Parquet file (or pass examples= to train())")
+        if not Path(cfg.data.path).exists():
+            raise ConfigError(f"data.path={cfg.data.path!r}: file not found")
+        examples = load_examples(cfg.data)
+    if not examples:
+        raise ConfigError("data: no examples (empty file or list)")
+    needs_answer = not custom_verifier and cfg.reward.verifier in ("exact", "math")
+    for key, name in ((cfg.data.prompt_key, "prompt_key"), (cfg.data.answer_key, "answer_key")):
+        if key not in examples[0] and (name == "prompt_key" or needs_answer):
+            raise ConfigError(f"data.{name}={key!r}: rows have no such key; they have {sorted(examples[0])}")
+    return examples
+
+
+def _check_backend(cfg: TrainConfig) -> None:
+    if cfg.rollout.backend == "vllm":
+        try:
+            import vllm  # noqa: F401
+        except ImportError:
+            raise ConfigError("rollout.backend=vllm: vllm is not installed (pip install bapo[vllm]); "
+                              "use rollout.backend=hf") from None
+        raise ConfigError("rollout.backend=vllm: the vLLM rollout engine is not implemented yet; use rollout.backend=hf")
+
+
+def _find_run(cfg: TrainConfig, resume: str | Path | None) -> tuple[Path, Path | None]:
+    """The run directory and the checkpoint to resume from (None for a fresh run)."""
+    if resume is None:
+        run_dir = Path(cfg.run.output_dir)
+        if (run_dir / "checkpoints").exists() and not cfg.run.overwrite:
+            raise ConfigError(f"run.output_dir={str(run_dir)!r} already holds a run: resume it "
+                              "(--resume), choose another directory, or set run.overwrite=true")
+        return run_dir, None
+    checkpoint = latest_checkpoint(Path(resume))
+    if checkpoint is None:
+        raise ConfigError(f"--resume {resume}: no checkpoint under {Path(resume) / 'checkpoints'}")
+    return Path(resume), checkpoint
+
+
+def _load_model(cfg: TrainConfig, source: str):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    device = cfg.model.device if cfg.model.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.model.trust_remote_code)
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(
+        source, dtype=getattr(torch, cfg.model.dtype), trust_remote_code=cfg.model.trust_remote_code).to(device)
+    return model, tokenizer
+
+
+class Trainer:
+    def __init__(self, cfg: TrainConfig, *, examples: list[dict] | None = None,
+                 verifier: Callable[[str, dict], float] | None = None, on_update: OnUpdate | None = None,
+                 progress: ProgressFn | bool | None = None, resume: str | Path | None = None):
+        # Everything that can fail cheaply fails here, before the model is loaded.
+        self.cfg, self.on_update = cfg, on_update
+        self.verifier = verifier or self._resolve_verifier(cfg)
+        examples = _check_data(cfg, examples, verifier is not None)
+        _check_backend(cfg)
+        self.run_dir, checkpoint = _find_run(cfg, resume)
+
+        self.model, self.tokenizer = _load_model(cfg, str(checkpoint / "model") if checkpoint else cfg.model.path)
+        if cfg.model.gradient_checkpointing:
+            self.model.gradient_checkpointing_enable()
+        # dropout off for rollout and update alike (as verl): behaviour and current log-probs
+        # must come from the same function of the weights; checkpointing needs train mode.
+        self.model.train(cfg.model.gradient_checkpointing)
+        self.ref_model = None
+        if cfg.loss.kl_coef > 0:  # KL to the initial model, also after a resume
+            self.ref_model = _load_model(cfg, cfg.model.path)[0].eval().requires_grad_(False)
+
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
+                                           eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
+        self.examples, prompts, dropped = tokenize_prompts(examples, self.tokenizer, cfg.data)
+        if dropped:
+            warnings.warn(f"{dropped} prompts are longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}: dropped")
+        eos = self.model.generation_config.eos_token_id
+        eos_ids = ([eos] if isinstance(eos, int) else list(eos or [])) + [self.tokenizer.eos_token_id]
+        self.rollout = Rollout(cfg, self.tokenizer, prompts, self.examples, self.verifier,
+                               PromptSampler(len(prompts), cfg.run.seed, cfg.data.shuffle),
+                               [e for e in eos_ids if e is not None])
+        self.buffer = BatchBuffer(cfg, self.rollout.pad_id)
+        self.step = 0          # rollout steps done
+        self.version = 0       # optimizer updates done = version of the current policy
+        self.nonfinite_streak = 0
+        if cfg.run.deterministic:
+            torch.use_deterministic_algorithms(True)
+        if checkpoint:
+            self._load(checkpoint)
+        else:
+            random.seed(cfg.run.seed)
+            np.random.seed(cfg.run.seed)
+            torch.manual_seed(cfg.run.seed)
+            for old in ("checkpoints", "tensorboard"):  # run.overwrite: nothing of the old run survives
+                shutil.rmtree(self.run_dir / old, ignore_errors=True)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
+        self.log = MetricsLog(self.run_dir, cfg.run.tensorboard, resume_step=self.version if checkpoint else None)
+        self.progress_arg = cfg.run.progress if progress is None else progress
+        self.progress: ProgressFn | None = None
+
+    @staticmethod
+    def _resolve_verifier(cfg: TrainConfig):
+        try:
+            return resolve_verifier(cfg.reward.verifier, cfg.data.answer_key, cfg.reward.format_pattern)
+        except ValueError as err:
+            raise ConfigError(str(err)) from None
+
+    # -- the loop -----------------------------------------------------------------------------
+    def fit(self) -> Path:
+        """Run until run.steps rollout steps are done; returns the run directory."""
+        if self.progress_arg is True:  # started here, not in __init__: rollout/update-only callers get no bar
+            self.progress = RichProgress(self.cfg.total_updates, self.version)
+        elif callable(self.progress_arg):
+            self.progress = self.progress_arg
+        try:
+            while len(self.buffer.batches) < self.buffer.warmup:  # FIFO warm-up: version-0 batches
+                self.buffer.push(self.rollout_step()[0])
+            while self.step < self.cfg.run.steps:
+                start = time.perf_counter()
+                fresh, rollout_metrics = self.rollout_step()     # generated by policy `self.version`
+                self.buffer.push(fresh)
+                batch = self.buffer.pop(self.step)                # generated k steps ago, or a replay mix
+                rows = self.update_step(batch)                    # mini_batches x epochs updates
+                self.step += 1
+                extra = self._call_on_update()
+                for i, row in enumerate(rows):
+                    row.update(rollout_metrics)
+                    row.update(_batch_stats(fresh, self.cfg.reward.correct_threshold, prefix="rollout/"))
+                    row["time/step_s"] = time.perf_counter() - start
+                    row["tokens_per_s"] = (rollout_metrics["tokens/rollout"] + row["tokens/update"]) / row["time/step_s"]
+                    if i == len(rows) - 1:
+                        row.update(extra)
+                    self.log.write(row)
+                    if self.progress:
+                        self.progress(row["step"], self.cfg.total_updates, row)
+                if self.nonfinite_streak >= self.cfg.run.max_nonfinite:
+                    path = self.save()
+                    raise TrainingStopped(
+                        f"stopped: {self.nonfinite_streak} updates in a row had a non-finite loss or gradient "
+                        f"(skipped, weights unchanged); checkpoint {path}. Lower optim.lr or check the data.")
+                every = self.cfg.run.checkpoint_every
+                if self.step == self.cfg.run.steps or (every and self.step % every == 0):
+                    self.save()
+        finally:
+            self.close()
+        return self.run_dir
+
+    # -- the two halves -----------------------------------------------------------------------
+    def rollout_step(self) -> tuple[Batch, dict]:
+        """One rollout batch from the current policy (+ reference log-probs when KL is on).
+        Metrics carry time/rollout_s and tokens/rollout (new tokens generated)."""
+        batch, metrics = self.rollout.step(self.model, self.version)
+        if self.ref_model is not None and len(batch):
+            batch.ref_log_prob = batched_log_probs(self.ref_model, batch.prompt_ids, batch.prompt_mask,
+                                                   batch.response_ids, batch.response_mask,
+                                                   self.cfg.rollout.temperature, self.cfg.rollout.logprob_batch_size)
+        metrics["tokens_per_s/rollout"] = metrics["tokens/rollout"] / max(metrics["time/rollout_s"], 1e-9)
+        return batch, metrics
+
+    def update_step(self, batch: Batch) -> list[dict]:
+        """offpolicy.epochs x offpolicy.mini_batches optimizer updates on one batch; one metrics
+        row per update (time/update_s, tokens/update, staleness of its tokens, ...)."""
+        rows, off = [], self.cfg.offpolicy
+        stats = _batch_stats(batch, self.cfg.reward.correct_threshold)
+        device = next(self.model.parameters()).device
+        for epoch in range(off.epochs):
+            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(
+                self.cfg.run.seed * 7919 + self.step * 101 + epoch)) if off.mini_batches > 1 else torch.arange(len(batch))
+            for rows_idx in order.chunk(off.mini_batches) if len(batch) else []:
+                mini = batch.select(rows_idx.sort().values)
+                staleness = (self.version - mini.versions[mini.response_mask]).float()
+                metrics = optimizer_update(self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg)
+                self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["skipped"] else 0
+                self.version += 1
+                metrics["tokens_per_s/update"] = metrics["tokens/update"] / max(metrics["time/update_s"], 1e-9)
+                rows.append({"step": self.version, "rollout_step": self.step, "epoch": epoch, **stats,
+                             "staleness/mean": staleness.mean().item() if len(staleness) else 0.0,
+                             "staleness/max": staleness.max().item() if len(staleness) else 0.0, **metrics})
+        if not rows:  # every group was dropped (zero variance): no update, but the step is logged
+            self.version += self.cfg.updates_per_batch
+            rows.append({"step": self.version, "rollout_step": self.step, "skipped": 1, "empty_batch": 1,
+                         "tokens/update": 0, "time/update_s": 0.0})
+        return rows
+
+    def _call_on_update(self) -> dict:
+        """The caller's hook, with every RNG state protected so it cannot change the run."""
+        if self.on_update is None:
+            return {}
+        state = rng_state()
+        try:
+            out = self.on_update(self.version, self.model, self.tokenizer) or {}
+        finally:
+            set_rng_state(state)
+            self.model.train(self.cfg.model.gradient_checkpointing)
+        return dict(out)
+
+    # -- checkpoints --------------------------------------------------------------------------
+    def save(self) -> Path:
+        state = {"step": self.step, "version": self.version, "nonfinite_streak": self.nonfinite_streak,
+                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
+                 "rng": rng_state(), "buffer": self.buffer.state_dict(), "rollout": self.rollout.state_dict()}
+        return save_checkpoint(self.run_dir, self.version, self.model, self.tokenizer, state,
+                               self.cfg.run.keep_checkpoints)
+
+    def _load(self, checkpoint: Path) -> None:
+        state = load_state(checkpoint)
+        self.step, self.version = state["step"], state["version"]
+        self.nonfinite_streak = state["nonfinite_streak"]
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.scheduler.load_state_dict(state["scheduler"])
+        self.buffer.load_state_dict(state["buffer"])
+        self.rollout.load_state_dict(state["rollout"])
+        set_rng_state(state["rng"])
+
+    def close(self) -> None:
+        self.log.close()
+        if isinstance(self.progress, RichProgress):
+            self.progress.close()
+
+
+def train(cfg: TrainConfig, on_update: OnUpdate | None = None, *, examples: list[dict] | None = None,
+          verifier: Callable[[str, dict], float] | None = None, progress: ProgressFn | bool | None = None,
+          resume: str | Path | None = None) -> Path:
+    """Train with `cfg`; returns the run directory (metrics.jsonl, checkpoints/, config.yaml).
+
+    on_update(step, model, tokenizer) -> dict | None: called after every rollout step's updates
+      (step = optimizer updates done); its dict joins that step's last metrics row.
+    examples: rows {"prompt", "answer", ...} instead of data.path; verifier: a callable instead
+      of reward.verifier; progress: True/False (rich bar or nothing) or fn(step, total, row);
+      resume: a run directory to continue exactly from its latest checkpoint.
+    """
+    return Trainer(cfg, examples=examples, verifier=verifier, on_update=on_update,
+                   progress=progress, resume=resume).fit()

@@ -1,0 +1,117 @@
+"""One optimizer update on one mini-batch: micro-batch gradient accumulation, the BAPO bound
+search over the whole update, optional KL / entropy terms, gradient clipping, and skipping of
+non-finite updates."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from bapo.core import BAPOConfig, BoundStats, aggregate_loss, policy_loss, token_ratio
+from bapo.train.config import TrainConfig
+from bapo.train.rollout import Batch, token_log_probs
+
+# metrics of policy_loss that combine across micro-batches by sum / max / min (others: token-weighted mean)
+SUMMED = ("loss", "tokens", "kl_loss", "entropy_loss")
+MAXED, MINNED = ("ratio/max",), ("ratio/min",)
+
+
+def _normalizer(cfg: TrainConfig, batch: Batch) -> float:
+    """The denominator of the whole update, so that micro-batch losses add up to it."""
+    mode = cfg.loss.agg_mode
+    if mode == "token-mean":
+        return float(max(batch.tokens, 1))
+    if mode == "seq-mean-token-sum-norm":
+        return float(len(batch) * cfg.rollout.max_new_tokens)
+    return float(len(batch))
+
+
+def _forward(model, mb: Batch, cfg: TrainConfig):
+    """Current-policy log-probs [n, R] (with grad) and entropy [n, R] (grad only when it is a loss term)."""
+    return token_log_probs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+                           cfg.rollout.temperature, with_entropy=True, entropy_grad=cfg.loss.entropy_coef > 0)
+
+
+def _merge(parts: list[tuple[int, dict]]) -> dict:
+    total = sum(n for n, _ in parts) or 1
+    out: dict[str, float] = {}
+    for key in parts[0][1]:
+        values = [(n, m[key]) for n, m in parts if key in m]
+        if key in SUMMED or key.endswith("/count"):
+            out[key] = sum(v for _, v in values)
+        elif all(v == values[0][1] for _, v in values):  # e.g. fixed bounds: keep the exact value
+            out[key] = values[0][1]
+        elif key in MAXED:
+            out[key] = max(v for _, v in values)
+        elif key in MINNED:
+            out[key] = min(v for _, v in values)
+        else:
+            out[key] = sum(n * v for n, v in values) / total
+    return out
+
+
+def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig) -> dict:
+    """Forward+backward over micro-batches of `batch` (on the model's device), then one step.
+
+    Returns metrics: every policy_loss diagnostic (token-weighted over micro-batches), grad_norm
+    (before clipping), lr, skipped (1 when the loss or gradient was non-finite and no step was taken).
+    """
+    start = time.perf_counter()
+    micro = [batch.select(torch.arange(s, min(s + cfg.optim.micro_batch_size, len(batch))))
+             for s in range(0, len(batch), cfg.optim.micro_batch_size)]
+    normalizer = _normalizer(cfg, batch)
+    params = dict(cfg.loss.params)
+    extra: dict[str, float] = {}
+    if cfg.loss.method == "bapo":
+        bapo_cfg = BAPOConfig(**cfg.loss.bapo.model_dump())
+        if len(micro) == 1:  # policy_loss searches on the ratio of the forward it is given
+            params["bapo"] = bapo_cfg
+        else:  # the search must see every token of the update: a no-grad pass first
+            stats = BoundStats(bapo_cfg)
+            with torch.no_grad():
+                for mb in micro:
+                    log_prob, _ = token_log_probs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
+                                                  mb.response_mask, cfg.rollout.temperature)
+                    stats.add(token_ratio(log_prob, mb.old_log_prob), mb.advantages, mb.response_mask)
+            found = stats.solve()
+            params["bounds"] = (found.lower, found.upper)
+            extra = {"bapo/reached": float(found.reached), "bapo/steps": float(found.steps),
+                     "bapo/search_positive_share": found.positive_share}
+
+    optimizer.zero_grad(set_to_none=True)
+    parts, finite = [], True
+    for mb in micro:
+        log_prob, entropy = _forward(model, mb, cfg)
+        loss, metrics = policy_loss(log_prob, mb.old_log_prob, mb.advantages, mb.response_mask, cfg.loss.method,
+                                    loss_agg_mode=cfg.loss.agg_mode, normalizer=normalizer, entropy=entropy, **params)
+        if cfg.loss.kl_coef > 0:  # k3 estimate of KL(pi || ref), verl's "low_var_kl"
+            log_ref = (mb.ref_log_prob - log_prob).clamp(-20, 20)
+            kl = aggregate_loss(log_ref.exp() - log_ref - 1, mb.response_mask, cfg.loss.agg_mode, normalizer)
+            loss = loss + cfg.loss.kl_coef * kl
+            metrics["kl_loss"] = float(kl.detach())
+        if cfg.loss.entropy_coef > 0:
+            bonus = aggregate_loss(entropy, mb.response_mask, cfg.loss.agg_mode, normalizer)
+            loss = loss - cfg.loss.entropy_coef * bonus
+            metrics["entropy_loss"] = float(bonus.detach())
+        if not math.isfinite(metrics["loss"]) or not torch.isfinite(loss):
+            finite = False
+            break
+        loss.backward()
+        parts.append((int(mb.response_mask.sum()), metrics))
+
+    max_norm = cfg.optim.max_grad_norm or float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)) if finite else float("nan")
+    skipped = not (finite and math.isfinite(grad_norm))
+    lr = scheduler.get_last_lr()[0]
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+        scheduler.step()
+    out = _merge(parts) if parts else {}
+    out.update(extra)
+    out.update({"grad_norm": grad_norm, "lr": lr, "skipped": int(skipped), "tokens/update": batch.tokens,
+                "time/update_s": time.perf_counter() - start})
+    return out

@@ -1,0 +1,140 @@
+"""The loop on the tiny model: exact staleness, updates per batch, replay, partial rollout."""
+
+import copy
+
+import pytest
+import torch
+
+from bapo.train import Trainer, read_metrics, train
+from bapo.train.rollout import token_log_probs
+from tests.train.conftest import arithmetic_examples, digit_share, make_config
+
+
+def run(tiny_model, tmp_path, **overrides):
+    cfg = make_config(tiny_model, tmp_path / "run", **overrides)
+    return read_metrics(train(cfg, examples=arithmetic_examples(), verifier=digit_share))
+
+
+@pytest.mark.parametrize("k", [0, 2])
+def test_staleness_is_exact(tiny_model, tmp_path, k):
+    rows = run(tiny_model, tmp_path, **{"offpolicy.staleness": k, "run.steps": 5})
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    for t, row in enumerate(rows):  # update t (0-based) trains on data of policy version t - k
+        expected = max(t - k, 0)  # warm-up: the first k updates use version-0 batches
+        assert row["batch/version_min"] == row["batch/version_max"] == expected
+        assert row["staleness/mean"] == row["staleness/max"] == t - expected
+        assert row["rollout/batch/version_min"] == t  # the fresh batch comes from the current policy
+    if k == 0:  # on-policy: behaviour log-probs are the current ones, nothing is clipped
+        assert all(abs(r["ratio/mean"] - 1) < 1e-5 and r["clip_frac"] == 0 for r in rows)
+    else:
+        assert max(abs(r["ratio/max"] - 1) for r in rows[2:]) > 1e-3
+    # the trained batch at update t is exactly the fresh batch of rollout step t - k
+    for t in range(k, len(rows)):
+        assert rows[t]["reward/mean"] == rows[t - k]["rollout/reward/mean"]
+
+
+def test_updates_per_batch_split_one_batch(tiny_model, tmp_path):
+    rows = run(tiny_model, tmp_path, **{"offpolicy.mini_batches": 2, "offpolicy.epochs": 2, "run.steps": 2})
+    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["rollout_step"] for r in rows] == [0] * 4 + [1] * 4
+    assert [r["epoch"] for r in rows] == [0, 0, 1, 1] * 2
+    # four updates on one batch of version 4s: token staleness 0, 1, 2, 3 within each batch
+    assert [r["staleness/mean"] for r in rows] == [0, 1, 2, 3] * 2
+    assert [r["batch/version_min"] for r in rows[4:]] == [4] * 4
+    assert all(r["tokens/update"] > 0 and r["time/update_s"] > 0 for r in rows)
+
+
+def test_replay_mixes_several_ages(tiny_model, tmp_path):
+    rows = run(tiny_model, tmp_path, **{"offpolicy.mode": "replay", "offpolicy.replay_batches": 3, "run.steps": 6})
+    assert rows[0]["batch/version_max"] == 0
+    assert all(r["batch/version_max"] <= r["step"] - 1 for r in rows)
+    assert all(r["step"] - 1 - r["batch/version_min"] <= 2 for r in rows)  # never older than the buffer
+    assert any(r["batch/version_min"] < r["batch/version_max"] for r in rows[3:])  # ages mix
+
+
+def test_partial_rollout_keeps_version_and_logprob_of_every_token(tiny_model, tmp_path):
+    L, max_new = 3, 8
+    cfg = make_config(tiny_model, tmp_path / "run", **{"rollout.segment_tokens": L, "rollout.max_new_tokens": max_new,
+                                                       "rollout.prompts_per_batch": 2})
+    trainer = Trainer(cfg, examples=arithmetic_examples(), verifier=digit_share)
+    snapshots = {0: copy.deepcopy(trainer.model.state_dict())}
+    batches, passes = [], {}
+    for _ in range(5):
+        batch, metrics = trainer.rollout_step()
+        batches.append(batch)
+        passes[trainer.version] = metrics["rollout/passes"]
+        assert len(batch) == 2 * 4 and metrics["tokens/rollout"] > 0
+        trainer.update_step(batch)
+        snapshots[trainer.version] = copy.deepcopy(trainer.model.state_dict())
+    trainer.close()
+    # a response spans several policy versions, in order, at most L tokens per generation pass
+    mixed = 0
+    for batch in batches:
+        for versions, mask in zip(batch.versions, batch.response_mask):
+            v = versions[mask].tolist()
+            assert v == sorted(v) and len(v) <= max_new
+            assert all(v.count(x) <= L * passes[x] for x in set(v))
+            mixed += len(set(v)) > 1
+    assert mixed > 0
+    assert max(passes.values()) > 1 and passes[4] == 1  # the pipeline fills at first, then one pass a step
+    # every stored behaviour log-prob is the log-prob under the version that sampled the token
+    probe = copy.deepcopy(trainer.model)
+    for batch in batches[2:]:
+        for version in batch.versions[batch.response_mask].unique().tolist():
+            probe.load_state_dict(snapshots[version])
+            with torch.no_grad():
+                lp, _ = token_log_probs(probe, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                        batch.response_mask, cfg.rollout.temperature)
+            at = batch.response_mask & (batch.versions == version)
+            torch.testing.assert_close(lp[at], batch.old_log_prob[at], atol=1e-4, rtol=0)
+
+
+def test_stop_strings_end_responses(tiny_model, tmp_path):
+    cfg = make_config(tiny_model, tmp_path / "run", **{"rollout.stop": "['1', 'a']", "rollout.max_new_tokens": 12})
+    trainer = Trainer(cfg, examples=arithmetic_examples(), verifier=digit_share)
+    batch, _ = trainer.rollout_step()
+    trainer.close()
+    texts = trainer.tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(batch.response_ids, batch.response_mask)],
+                                           skip_special_tokens=True)
+    ended = [t for t, cut in zip(texts, batch.truncated.tolist()) if not cut]
+    assert ended, "some response should hit a stop string or EOS"
+    for text in texts:
+        body = text[:-1] if text.endswith(("1", "a")) else text
+        assert "1" not in body and "a" not in body, text  # nothing generated past a stop string
+
+
+def test_zero_variance_groups_dropped_or_kept(tiny_model, tmp_path):
+    constant = lambda response, example: 1.0
+    cfg = make_config(tiny_model, tmp_path / "a", **{"loss.zero_variance": "drop", "run.steps": 2})
+    rows = read_metrics(train(cfg, examples=arithmetic_examples(), verifier=constant))
+    assert all(r["groups/dropped"] == 4 and r.get("empty_batch") == 1 and r["skipped"] == 1 for r in rows)
+    cfg = make_config(tiny_model, tmp_path / "b", **{"run.steps": 2})
+    rows = read_metrics(train(cfg, examples=arithmetic_examples(), verifier=constant))
+    assert all(r["groups/zero_variance"] == 4 and r["groups/dropped"] == 0 for r in rows)
+    assert all(r["grad_norm"] == 0.0 for r in rows)  # zero advantages: no gradient
+
+
+def test_kl_entropy_and_callback(tiny_model, tmp_path):
+    seen = []
+
+    def on_update(step, model, tokenizer):
+        seen.append(step)
+        torch.rand(100)  # consumes RNG: must not change the run
+        return {"eval/accuracy": 0.5}
+
+    cfg = make_config(tiny_model, tmp_path / "run", **{"loss.kl_coef": 0.1, "loss.entropy_coef": 0.01,
+                                                       "loss.method": "clip-higher", "run.steps": 2})
+    rows = read_metrics(train(cfg, on_update, examples=arithmetic_examples(), verifier=digit_share))
+    assert seen == [1, 2] and all(r["eval/accuracy"] == 0.5 for r in rows)
+    assert rows[0]["kl_loss"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl_loss"] > 0
+    assert all(r["entropy_loss"] > 0 and r["upper"] == 1.28 for r in rows)
+
+
+def test_gradient_checkpointing_keeps_train_mode_for_updates(tiny_model, tmp_path):
+    cfg = make_config(tiny_model, tmp_path / "run", **{"model.gradient_checkpointing": True})
+    trainer = Trainer(cfg, examples=arithmetic_examples(), verifier=digit_share)
+    batch, _ = trainer.rollout_step()
+    assert trainer.model.training  # generate() ran in eval mode (KV cache), then train mode came back
+    rows = trainer.update_step(batch)
+    trainer.close()
+    assert rows[0]["grad_norm"] > 0 and rows[0]["skipped"] == 0
