@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import difflib
 import math
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Any, Literal, Optional
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
+from bapo.core import BAPOConfig
 
 
 class ConfigError(ValueError):
@@ -62,18 +64,13 @@ class RewardSection(Section):
     correct_threshold: float = 1.0  # accuracy = share of responses with reward >= this
 
 
-class BAPOSection(Section):
-    """Fields of bapo.core.BAPOConfig (paper Algorithm 1)."""
-
-    target: float = 0.4
-    lower_start: float = 0.6
-    lower_max: float = 0.9
-    lower_step: float = 0.02
-    upper_start: float = 1.2
-    upper_max: float = 3.0
-    upper_step: float = 0.05
-    order: Literal["upper-first", "lower-first"] = "upper-first"
-    target_kind: Literal["share", "pos_neg"] = "share"
+# The fields of bapo.core.BAPOConfig (Algorithm 1's search space), derived so that the two never
+# drift apart; BAPOConfig's own checks run on them in TrainConfig._check_loss_params.
+BAPOSection = create_model(
+    "BAPOSection",
+    __base__=Section,
+    **{f.name: (type(f.default), f.default) for f in dataclass_fields(BAPOConfig)},
+)
 
 
 class LossSection(Section):
@@ -159,7 +156,7 @@ class TrainConfig(Section):
         """Method parameters and the BAPO search space, checked by bapo.core's own rules."""
         import inspect
 
-        from bapo.core import POLICY_LOSSES, BAPOConfig
+        from bapo.core import POLICY_LOSSES
 
         try:
             BAPOConfig(**self.loss.bapo.model_dump())

@@ -1,0 +1,23 @@
+"""bapo inside verl 0.9: `bapo`, `topr` and `dcpo` as verl policy losses, BAPO bounds per optimizer step.
+
+Importing this module registers the three losses in verl's policy-loss registry (verl imports it
+in every process through the `verl.plugins` entry point, and Hydra imports it when it builds
+`BAPOPolicyLossConfig`). Select a loss and its parameters in verl's config:
+
+    actor_rollout_ref.actor.policy_loss._target_=bapo.integrations.verl.BAPOPolicyLossConfig
+    actor_rollout_ref.actor.policy_loss.loss_mode=bapo        # or topr, dcpo
+    +actor_rollout_ref.actor.policy_loss.target=0.5           # any BAPOConfig field, see config.py
+
+With that config every actor worker solves BAPO's bounds once per optimizer step over the
+whole mini-batch and all data-parallel ranks (`worker.BAPOTrainingWorker`); metrics appear as
+actor/bapo/lower, actor/bapo/upper, actor/bapo/positive_share, ... next to verl's own.
+`BAPOTrainingWorker` and `install` live in `bapo.integrations.verl.worker`, which imports verl's
+worker stack (Ray, FastAPI, uvicorn); this module imports only verl's loss registry and configs.
+"""
+
+from bapo.integrations.verl.config import BAPOPolicyLossConfig
+from bapo.integrations.verl.losses import VERL_LOSSES, core_aggregation, make_verl_loss, register_verl_losses
+
+register_verl_losses()
+
+__all__ = ["BAPOPolicyLossConfig", "VERL_LOSSES", "core_aggregation", "make_verl_loss", "register_verl_losses"]

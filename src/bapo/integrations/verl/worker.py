@@ -1,0 +1,140 @@
+"""BAPO's bounds per optimizer step, over the whole mini-batch and every data-parallel rank.
+
+In verl 0.9 one optimizer step is `TrainingWorker.train_batch(mini_batch)`
+(verl/workers/engine_workers.py): the engine splits the mini-batch into micro-batches and runs
+forward, loss and backward on each in turn (`BaseEngine.train_batch` -> `forward_backward_batch`),
+so the loss of the first micro-batch runs before the later ones have been seen. BAPO's bounds
+depend on the ratios of all of them, so `BAPOTrainingWorker.train_batch` first runs a no-grad
+forward of the mini-batch through the same engine (`engine.infer_batch`, the path verl's own
+`compute_log_prob` takes) with a "loss" that only adds each micro-batch's ratios to a
+`bapo.core.BoundStats`; then one all-reduce over the data-parallel group (`BoundStats.solve`)
+gives every rank the same bounds, which the registered `bapo` loss reads from
+`config.policy_loss.solved` during the real step.
+
+Collectives: bapo adds one all-reduce per mini-batch, issued after the pre-pass, and nothing per
+micro-batch. Every rank runs the same number of mini-batches (verl gives each the same per-rank
+mini-batch size) while micro-batch counts may differ (dynamic batch sizes). The pre-pass also
+runs the engine's own once-per-call collectives (global token count; with dynamic batch sizes,
+FSDP's micro-batch count), as verl's compute_log_prob does. Cost: one extra forward without
+grad per mini-batch, with verl's log-prob micro-batch sizes.
+
+`install()` makes verl's `ActorRolloutRefWorker` build this worker as its actor
+(`ActorRolloutRefWorker.actor_worker_cls`, the extension point verl's own Tinker worker uses).
+With any loss other than `bapo` it behaves exactly like verl's `TrainingWorker`.
+"""
+
+from __future__ import annotations
+
+import logging
+from functools import partial
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+from tensordict import TensorDict
+from verl.utils import tensordict_utils as tu
+from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+from verl.workers.utils.padding import no_padding_2_padding
+
+from bapo.core import BoundStats, SearchResult, token_ratio
+from bapo.integrations.verl.config import BAPOPolicyLossConfig
+
+logger = logging.getLogger(__name__)
+
+# What the pre-pass reads from each micro-batch, besides the model's log-probs.
+PROBE_FIELDS = ("response_mask", "old_log_probs", "advantages")
+
+
+def add_bound_stats(model_output: dict, data: TensorDict, dp_group=None, *, stats: BoundStats) -> tuple[torch.Tensor, dict]:
+    """A verl loss_function for the no-grad pre-pass: add one micro-batch to `stats`, return loss 0.
+
+    model_output["log_probs"]: nested [B, j] over prompt + response (verl's no-padding layout);
+    data: the micro-batch, with response_mask, old_log_probs, advantages ([B, T] padded or
+    nested) and optionally rollout_is_weights. A token's contribution is w*|r*A| (w = its
+    rollout importance weight, 1 without), the weight it has in the loss.
+    """
+    log_prob = no_padding_2_padding(model_output["log_probs"], data)  # [B, T]
+    fields = [*PROBE_FIELDS, *(["rollout_is_weights"] if "rollout_is_weights" in data else [])]
+    tokens = data.select(*fields).to_padded_tensor()
+    advantages = tokens["advantages"]
+    if "rollout_is_weights" in tokens:
+        advantages = advantages * tokens["rollout_is_weights"]  # w > 0: same sign, weighted |r*A|
+    ratio = token_ratio(log_prob, tokens["old_log_probs"].to(log_prob.dtype))
+    stats.add(ratio, advantages.to(log_prob.dtype), tokens["response_mask"].to(torch.bool))
+    return torch.zeros((), device=log_prob.device), {}
+
+
+def collective_device(group) -> torch.device:
+    """Where a tensor must live for a collective on `group` (CPU for gloo, the accelerator else)."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_backend(group) == "gloo":
+        return torch.device("cpu")
+    from verl.utils.device import get_device_id, get_device_name
+
+    return torch.device(get_device_name(), get_device_id())
+
+
+def bound_search_config(loss_fn: Any) -> Optional[BAPOPolicyLossConfig]:
+    """The BAPO policy-loss config behind verl's actor loss_fn (partial(ppo_loss, config=ActorConfig)),
+    when its loss needs bounds over the whole mini-batch; None otherwise."""
+    actor_config = getattr(loss_fn, "keywords", {}).get("config")
+    policy_loss = getattr(actor_config, "policy_loss", None)
+    if isinstance(policy_loss, BAPOPolicyLossConfig) and policy_loss.searches_bounds:
+        return policy_loss
+    return None
+
+
+class BAPOTrainingWorker(TrainingWorker):
+    """verl's TrainingWorker whose optimizer step first solves BAPO's bounds over the mini-batch.
+
+    Used as the inner actor of `ActorRolloutRefWorker` (see `install`); `train_mini_batch`
+    calls `train_batch` once per mini-batch.
+    """
+
+    def train_batch(self, data: TensorDict) -> TensorDict:
+        policy_loss = bound_search_config(self.loss_fn)
+        if policy_loss is None:
+            return super().train_batch(data)
+        policy_loss.solved = self.solve_bounds(data, policy_loss)
+        try:
+            return super().train_batch(data)
+        finally:
+            policy_loss.solved = None
+
+    def solve_bounds(self, data: TensorDict, policy_loss: BAPOPolicyLossConfig) -> SearchResult:
+        """No-grad forward of the mini-batch `data`, then one all-reduce: the same bounds on every rank."""
+        dp_group = self.engine.get_data_parallel_group()
+        stats = BoundStats(policy_loss.bapo_config(), device=collective_device(dp_group))
+        probe = data.copy()  # shallow: the engine writes its batch info here, not into `data`
+        # The engine settings verl's own log-prob forward (TrainingWorker.infer_batch) uses;
+        # keys the trainer already set on the mini-batch win. No entropy or distillation outputs.
+        defaults = dict(
+            use_remove_padding=self.model_config.get("use_remove_padding", False),
+            use_dynamic_bsz=self.engine_config.use_dynamic_bsz,
+            max_token_len_per_gpu=self.engine_config.infer_max_token_len_per_gpu,
+            micro_batch_size_per_gpu=self.engine_config.infer_micro_batch_size_per_gpu,
+            use_fused_kernels=self.engine_config.use_fused_kernels,
+        )
+        tu.assign_non_tensor(probe, **{key: value for key, value in defaults.items() if key not in data.keys()})
+        tu.assign_non_tensor(probe, calculate_entropy=False, distillation_use_topk=False)
+        disable_auto_offload = tu.get(data, key="disable_auto_offload", default=False)
+        with self.engine.train_mode(disable_auto_offload=disable_auto_offload):
+            self.engine.infer_batch(probe, loss_function=partial(add_bound_stats, stats=stats))
+        return stats.solve(process_group=dp_group)
+
+
+def install() -> None:
+    """Make verl's ActorRolloutRefWorker build a BAPOTrainingWorker as its actor (idempotent).
+
+    Leaves a worker class someone else installed in place (with a warning): then the bounds are
+    searched per micro-batch.
+    """
+    current = ActorRolloutRefWorker.actor_worker_cls
+    if issubclass(current, BAPOTrainingWorker):
+        return
+    if current is not TrainingWorker:
+        logger.warning(
+            "bapo: ActorRolloutRefWorker.actor_worker_cls is %s, not verl's TrainingWorker; "
+            "leaving it, so BAPO bounds are searched per micro-batch", current.__qualname__
+        )
+        return
+    ActorRolloutRefWorker.actor_worker_cls = BAPOTrainingWorker

@@ -1,0 +1,116 @@
+"""examples/verl composes into verl's config; verl loads bapo in its workers; the worker hook installs."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("verl")
+
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "verl"
+PYTHON_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def launch_arguments(**env: str) -> list[str]:
+    """The verl command run_bapo.sh would run (DRY_RUN), one argument per element."""
+    printed = subprocess.run(["bash", str(EXAMPLE / "run_bapo.sh"), "trainer.total_epochs=1"],
+                             env={**os.environ, "DRY_RUN": "1", "MODEL_PATH": "/models/m",
+                                  "TRAIN_FILES": "/data/train.parquet", **env},
+                             capture_output=True, text=True, check=True)
+    return printed.stdout.splitlines()
+
+
+def compose(arguments: list[str]):
+    """verl's Hydra config as main_ppo would see it for these command-line arguments."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    config_dir = next(a.split("=", 1)[1] for a in arguments if a.startswith("--config-path="))
+    config_name = next(a.split("=", 1)[1] for a in arguments if a.startswith("--config-name="))
+    overrides = [a for a in arguments[3:] if not a.startswith("--")]
+    with initialize_config_dir(config_dir=config_dir, version_base=None):
+        return hydra_compose(config_name=config_name, overrides=overrides)
+
+
+def test_example_config_is_the_papers_setting():
+    from verl.utils.config import omega_conf_to_dataclass
+
+    from bapo.integrations.verl import BAPOPolicyLossConfig
+
+    config = compose(launch_arguments(STALENESS="3"))
+    assert config.algorithm.adv_estimator == "grpo"
+    assert config.actor_rollout_ref.rollout.n == 16
+    updates = config.data.train_batch_size // config.actor_rollout_ref.actor.ppo_mini_batch_size
+    assert updates * config.actor_rollout_ref.actor.ppo_epochs == 4  # staleness 0..3
+
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)  # what ActorRolloutRefWorker builds
+    policy_loss = actor.policy_loss
+    assert isinstance(policy_loss, BAPOPolicyLossConfig) and policy_loss.loss_mode == "bapo"
+    search = policy_loss.bapo_config()
+    assert (search.target, search.target_kind) == (0.5, "share")
+    assert (search.lower_grid[0], search.lower_grid[-1]) == pytest.approx((0.6, 0.9))
+    assert (search.upper_grid[0], search.upper_grid[-1]) == pytest.approx((1.2, 3.0))
+
+
+def test_staleness_sets_the_mini_batch_size():
+    config = compose(launch_arguments(STALENESS="1", TRAIN_PROMPTS="128"))
+    assert config.actor_rollout_ref.actor.ppo_mini_batch_size == 64
+
+
+def test_import_verl_loads_bapo_through_the_verl_plugins_entry_point(tmp_path):
+    """verl loads every `verl.plugins` entry point at `import verl`, so each Ray worker registers
+    bapo's losses. The distribution here declares only the entry point bapo's pyproject declares."""
+    dist_info = tmp_path / "bapo_entry_point_probe-0.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: bapo-entry-point-probe\nVersion: 0\n")
+    (dist_info / "entry_points.txt").write_text("[verl.plugins]\nbapo = bapo.integrations.verl\n")
+    probe = ("import sys, verl; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as r; "
+             "print('bapo.integrations.verl' in sys.modules, sorted(k for k in ('bapo', 'topr', 'dcpo') if k in r))")
+    env = {**PYTHON_ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]), "VERL_USE_EXTERNAL_PLUGINS": "bapo"}
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip().splitlines()[-1] == "True ['bapo', 'dcpo', 'topr']", done.stderr[-2000:]
+
+
+def test_building_the_config_in_a_worker_process_installs_the_hook(monkeypatch):
+    pytest.importorskip("verl.workers.engine_workers")
+    from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+
+    from bapo.integrations.verl import BAPOPolicyLossConfig
+    from bapo.integrations.verl.worker import BAPOTrainingWorker
+
+    monkeypatch.setattr(ActorRolloutRefWorker, "actor_worker_cls", TrainingWorker)
+    BAPOPolicyLossConfig(loss_mode="bapo")
+    assert ActorRolloutRefWorker.actor_worker_cls is BAPOTrainingWorker
+
+
+def test_example_sets_only_keys_verl_has_or_bapo_adds():
+    """A typo in bapo_grpo.yaml would merge silently into verl's config: compare with verl's own."""
+    from dataclasses import fields
+
+    from omegaconf import OmegaConf
+    from verl.workers.config import PolicyLossConfig
+
+    from bapo.integrations.verl import BAPOPolicyLossConfig
+
+    def leaves(node, prefix=""):
+        for key, value in node.items():
+            path = f"{prefix}{key}"
+            yield from leaves(value, path + ".") if isinstance(value, dict) else [path]
+
+    ours = OmegaConf.to_container(OmegaConf.load(EXAMPLE / "bapo_grpo.yaml"))
+    ours = {k: v for k, v in ours.items() if k not in ("hydra", "defaults")}
+    verl = compose(["python3", "-m", "main", f"--config-path={EXAMPLE}", "--config-name=bapo_grpo"])
+    base = compose(["python3", "-m", "main", f"--config-path={verl_config_dir()}", "--config-name=ppo_trainer"])
+    added = {f"actor_rollout_ref.actor.policy_loss.{f.name}" for f in fields(BAPOPolicyLossConfig)} - {
+        f"actor_rollout_ref.actor.policy_loss.{f.name}" for f in fields(PolicyLossConfig)}
+    for path in leaves(ours):
+        assert OmegaConf.select(verl, path) is not None, path
+        assert path in added or OmegaConf.select(base, path, default="<absent>") != "<absent>", path
+
+
+def verl_config_dir() -> str:
+    import verl.trainer.config
+
+    return str(Path(verl.trainer.config.__file__).parent)

@@ -1,0 +1,177 @@
+"""bapo's losses registered in verl: same values and gradients as bapo.core, verl's normalisation."""
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+
+from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, compute_policy_loss_vanilla  # noqa: E402
+from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
+
+import bapo.integrations.verl  # noqa: E402,F401  (registers the losses)
+from bapo.core import SearchResult, aggregate_loss, policy_loss  # noqa: E402
+from bapo.integrations.verl import BAPOPolicyLossConfig, core_aggregation  # noqa: E402
+
+VERL_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+# One micro-batch of a bigger update on 2 ranks (what verl's ppo_loss writes), and a lone batch.
+GLOBAL_INFOS = (
+    {},
+    {"dp_size": 2, "batch_num_tokens": 41, "global_batch_size": 12, "loss_scale_factor": None},
+    {"dp_size": 2, "batch_num_tokens": 41, "global_batch_size": 12, "loss_scale_factor": 32},
+)
+BATCH, LENGTH = 6, 9
+
+
+def make_tokens(seed: int = 0) -> dict[str, torch.Tensor]:
+    """One micro-batch [BATCH, LENGTH]: ratios spread over ~[0.4, 2.7], one fully masked row."""
+    generator = torch.Generator().manual_seed(seed)
+    old_log_prob = -torch.rand(BATCH, LENGTH, generator=generator) * 3.0
+    log_prob = old_log_prob + torch.randn(BATCH, LENGTH, generator=generator) * 0.5
+    lengths = torch.tensor([9, 7, 5, 3, 8, 0])
+    mask = torch.arange(LENGTH)[None, :] < lengths[:, None]
+    advantages = torch.randn(BATCH, 1, generator=generator).expand(BATCH, LENGTH).contiguous()
+    weights = torch.rand(BATCH, LENGTH, generator=generator) * 0.5 + 0.75
+    return {"old_log_prob": old_log_prob, "log_prob": log_prob, "advantages": advantages,
+            "response_mask": mask, "rollout_is_weights": weights}
+
+
+def actor_config(mode: str, policy_loss_config: PolicyLossConfig, global_info: dict) -> ActorConfig:
+    config = ActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, rollout_n=4,
+                         loss_agg_mode=mode, policy_loss=policy_loss_config)
+    config.global_batch_info.update(global_info)
+    return config
+
+
+def expected_normalizer(mode: str, mask: torch.Tensor, info: dict) -> float:
+    """verl's agg_loss denominators written out by hand, divided by dp_size (bapo.core's normalizer)."""
+    dp = info.get("dp_size", 1)
+    tokens = info.get("batch_num_tokens") or float(mask.sum())
+    sequences = info.get("global_batch_size") or float((mask.sum(-1) > 0).sum())
+    return {
+        "token-mean": tokens / dp,
+        "token-sum": 1.0 / dp,
+        "seq-mean-token-sum": sequences / dp,
+        "seq-mean-token-mean": sequences / dp,
+        "seq-mean-token-sum-norm": sequences * (info.get("loss_scale_factor") or mask.shape[-1]) / dp,
+    }[mode]
+
+
+def run_registered(method: str, mode: str, config: ActorConfig, tokens: dict, weighted: bool):
+    log_prob = tokens["log_prob"].clone().requires_grad_(True)
+    loss, metrics = POLICY_LOSS_REGISTRY[method](
+        old_log_prob=tokens["old_log_prob"], log_prob=log_prob, advantages=tokens["advantages"],
+        response_mask=tokens["response_mask"], loss_agg_mode=mode, config=config,
+        rollout_is_weights=tokens["rollout_is_weights"] if weighted else None,
+    )
+    loss.backward()
+    return loss.detach(), log_prob.grad, metrics
+
+
+def run_core(method: str, mode: str, info: dict, tokens: dict, weighted: bool, **params):
+    log_prob = tokens["log_prob"].clone().requires_grad_(True)
+    core_mode = "token-mean" if mode == "token-sum" else mode
+    loss, _ = policy_loss(
+        log_prob, tokens["old_log_prob"], tokens["advantages"], tokens["response_mask"], method,
+        loss_agg_mode=core_mode, normalizer=expected_normalizer(mode, tokens["response_mask"], info),
+        importance_weights=tokens["rollout_is_weights"] if weighted else None, **params,
+    )
+    loss.backward()
+    return loss.detach(), log_prob.grad
+
+
+def test_import_registers_bapo_topr_dcpo():
+    for method in ("bapo", "topr", "dcpo"):
+        assert POLICY_LOSS_REGISTRY[method].__module__ == "bapo.integrations.verl.losses"
+
+
+@pytest.mark.parametrize("mode", VERL_MODES)
+@pytest.mark.parametrize("info", GLOBAL_INFOS)
+def test_core_aggregation_reproduces_verl_agg_loss(mode, info):
+    tokens = make_tokens()
+    loss_mat = torch.randn(BATCH, LENGTH)
+    mask = tokens["response_mask"]
+    core_mode, normalizer = core_aggregation(mode, mask, **info)
+    torch.testing.assert_close(aggregate_loss(loss_mat, mask, core_mode, normalizer),
+                               agg_loss(loss_mat, mask, mode, **info), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("mode", VERL_MODES)
+@pytest.mark.parametrize("info", GLOBAL_INFOS[:2])
+@pytest.mark.parametrize("weighted", [False, True])
+@pytest.mark.parametrize(
+    ("method", "loss_config", "core_params"),
+    [
+        ("bapo", {"target": 0.5}, {"bounds": (0.7, 1.6)}),
+        ("topr", {"negative_ratio_max": 1.5}, {"negative_ratio_max": 1.5}),
+        ("dcpo", {"eps_low": 0.1, "eps_high": 0.3}, {"eps_low": 0.1, "eps_high": 0.3}),
+    ],
+)
+def test_registered_loss_equals_core(method, loss_config, core_params, mode, info, weighted):
+    tokens = make_tokens(seed=1)
+    policy_loss_config = BAPOPolicyLossConfig(loss_mode=method, **loss_config)
+    if method == "bapo":  # bounds as BAPOTrainingWorker leaves them for the step
+        policy_loss_config.solved = SearchResult(lower=0.7, upper=1.6, positive_share=0.55, reached=True, steps=9)
+    config = actor_config(mode, policy_loss_config, info)
+    loss, grad, _ = run_registered(method, mode, config, tokens, weighted)
+    expected_loss, expected_grad = run_core(method, mode, info, tokens, weighted, **core_params)
+    torch.testing.assert_close(loss, expected_loss)
+    torch.testing.assert_close(grad, expected_grad)
+
+
+@pytest.mark.parametrize("mode", VERL_MODES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_bapo_with_ppo_bounds_equals_verl_vanilla(mode, weighted):
+    """bapo at bounds (0.8, 1.2) is verl's own PPO loss with eps 0.2 (dual clip off), every mode."""
+    tokens = make_tokens(seed=2)
+    info = GLOBAL_INFOS[1]
+    bapo_config = BAPOPolicyLossConfig(loss_mode="bapo")
+    bapo_config.solved = SearchResult(lower=0.8, upper=1.2, positive_share=0.5, reached=True, steps=0)
+    loss, grad, _ = run_registered("bapo", mode, actor_config(mode, bapo_config, info), tokens, weighted)
+
+    vanilla = actor_config(mode, PolicyLossConfig(), info)
+    object.__setattr__(vanilla, "clip_ratio_c", 1e9)  # no dual clip
+    log_prob = tokens["log_prob"].clone().requires_grad_(True)
+    expected, _ = compute_policy_loss_vanilla(
+        tokens["old_log_prob"], log_prob, tokens["advantages"], tokens["response_mask"], mode, vanilla,
+        tokens["rollout_is_weights"] if weighted else None,
+    )
+    expected.backward()
+    torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grad, log_prob.grad, rtol=1e-5, atol=1e-6)
+
+
+def test_metrics_use_verl_names_and_the_solved_bounds():
+    tokens = make_tokens(seed=3)
+    policy_loss_config = BAPOPolicyLossConfig(loss_mode="bapo")
+    policy_loss_config.solved = SearchResult(lower=0.66, upper=1.85, positive_share=0.52, reached=True, steps=13)
+    _, _, metrics = run_registered("bapo", "token-mean", actor_config("token-mean", policy_loss_config, {}), tokens, True)
+    assert metrics["actor/bapo/lower"] == 0.66 and metrics["actor/bapo/upper"] == 1.85
+    assert metrics["actor/bapo/positive_share"] == 0.52 and metrics["actor/bapo/steps"] == 13.0
+    for key in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/bapo/clip_frac/upper", "actor/bapo/clip_frac/lower",
+                "actor/bapo/approx_kl", "actor/bapo/quadrant/low_pos/clip_frac"):
+        assert math.isfinite(metrics[key]), key
+    assert "actor/pg_clipfrac_lower" not in metrics  # verl's name means the dual-clip fraction
+    assert all(isinstance(value, float) for value in metrics.values())
+
+
+def test_topr_leaves_out_its_unbounded_upper():
+    _, _, metrics = run_registered("topr", "token-mean", actor_config("token-mean", BAPOPolicyLossConfig(loss_mode="topr"), {}),
+                                   make_tokens(), False)
+    assert "actor/bapo/upper" not in metrics and all(math.isfinite(v) for v in metrics.values())
+
+
+def test_plain_policy_loss_config_searches_per_micro_batch():
+    """loss_mode=bapo without BAPOPolicyLossConfig still works: core's search on this micro-batch alone."""
+    tokens = make_tokens(seed=4)
+    config = actor_config("token-mean", PolicyLossConfig(loss_mode="bapo"), {})
+    loss, grad, _ = run_registered("bapo", "token-mean", config, tokens, False)
+    expected_loss, expected_grad = run_core("bapo", "token-mean", {}, tokens, False)
+    torch.testing.assert_close(loss, expected_loss)
+    torch.testing.assert_close(grad, expected_grad)
+
+
+def test_config_rejects_a_bad_search_space():
+    with pytest.raises(ValueError, match="lower"):
+        BAPOPolicyLossConfig(lower_start=0.95, lower_max=0.9)

@@ -1,0 +1,325 @@
+"""BAPOTrainingWorker through verl's real actor update path, on CPU, 2 data-parallel ranks (gloo).
+
+verl 0.9's FSDP engine is registered for cuda/npu only (and its `get_device_id` needs CUDA), so
+the ranks run verl's own `TrainingWorker.train_mini_batch` -> `BAPOTrainingWorker.train_batch`
+-> `BaseEngine.train_batch` / `BaseEngine.infer_batch` -> `ppo_loss` -> the registered `bapo` loss,
+with `CPUEngine` below in place of `FSDPEngine`: it follows FSDPEngine.forward_backward_batch
+(global token count, verl's `prepare_micro_batches` with dynamic batch sizes) around a tiny
+random Qwen2 built from a config, and averages gradients over ranks in its optimizer step as
+FSDP would. The ranks hold different shards (short answers on rank 0, long on rank 1): in the
+no-grad bound pre-pass each keeps its own micro-batch count, so a collective issued per
+micro-batch there would hang the run (the training pass equalises counts, as FSDPEngine does).
+"""
+
+import os
+import socket
+from contextlib import nullcontext
+from datetime import timedelta
+from functools import partial
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("verl")
+pytest.importorskip("transformers")
+pytest.importorskip("verl.workers.engine_workers")  # needs verl's worker deps (ray, fastapi, uvicorn)
+
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from tensordict import TensorDict  # noqa: E402
+from verl.utils import tensordict_utils as tu  # noqa: E402
+from verl.workers.engine.base import BaseEngine  # noqa: E402
+from verl.workers.engine.utils import postprocess_batch_func, prepare_micro_batches  # noqa: E402
+from verl.workers.utils.padding import left_right_2_no_padding  # noqa: E402
+
+PROMPT, RESPONSE, VOCAB = 3, 12, 48
+PER_RANK, MINI_BATCH, EPOCHS = 8, 8, 2  # 2 mini-batches of 4 per rank per epoch: 4 optimizer steps
+# Rank 0 answers short, rank 1 long: with these token budgets their micro-batch counts differ.
+RESPONSE_LENGTHS = ([2, 3, 4, 2, 3, 4, 2, 3], [12, 10, 11, 9, 12, 10, 11, 9])
+TRAIN_TOKENS, PROBE_TOKENS = 16, 32
+LOSS_CONFIG = {"_target_": "bapo.integrations.verl.BAPOPolicyLossConfig", "loss_mode": "bapo",
+               "target": 0.6, "lower_step": 0.05, "upper_step": 0.1}
+
+
+def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
+    """A random 2-layer Qwen2 (hidden 32), float64, built locally from a config (no download)."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    return Qwen2ForCausalLM(config).double()
+
+
+def sequence_log_probs(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
+    """verl's no-padding log-probs: nested [B, j] like input_ids, entry i = log p(token i+1 | tokens <= i)."""
+    per_sequence = []
+    for ids in input_ids.unbind():
+        logits = model(input_ids=ids[None]).logits[0]  # [j, V]
+        next_ids = torch.roll(ids, -1)
+        per_sequence.append(torch.log_softmax(logits, -1).gather(-1, next_ids[:, None]).squeeze(-1))
+    return torch.nested.as_nested_tensor(per_sequence, layout=torch.jagged)
+
+
+class CPUEngine(BaseEngine):
+    """verl BaseEngine on CPU for tests: FSDPEngine.forward_backward_batch's steps, a plain module."""
+
+    def __init__(self, module: torch.nn.Module, group, lr: float = 0.5):
+        self.module, self.group = module, group
+        self.optimizer = torch.optim.SGD(module.parameters(), lr=lr)
+        self.probe_micro_batch_counts: list[int] = []  # per no-grad forward_backward_batch call
+        self.mode = None
+
+    is_param_offload_enabled = property(lambda self: False)
+    is_optimizer_offload_enabled = property(lambda self: False)
+
+    def train_mode(self, **kwargs):
+        return nullcontext()
+
+    def get_data_parallel_group(self):
+        return self.group
+
+    def get_data_parallel_size(self):
+        return dist.get_world_size(self.group)
+
+    def get_data_parallel_rank(self):
+        return dist.get_rank(self.group)
+
+    def is_mp_src_rank_with_outputs(self):
+        return True
+
+    def optimizer_zero_grad(self):
+        self.optimizer.zero_grad()
+
+    def optimizer_step(self):
+        """Average gradients over the DP group (what FSDP's reduce-scatter does), then step."""
+        grads = [p.grad for p in self.module.parameters()]
+        flat = torch.cat([g.flatten() for g in grads])
+        dist.all_reduce(flat, group=self.group)
+        flat /= self.get_data_parallel_size()
+        torch.nn.utils.vector_to_parameters(flat, grads)  # writes the averaged values back into .grad
+        grad_norm = flat.norm()
+        self.optimizer.step()
+        return grad_norm
+
+    def lr_scheduler_step(self):
+        return self.optimizer.param_groups[0]["lr"]
+
+    def split(self, data: TensorDict, same_count_on_all_ranks: bool):
+        """verl's dynamic-batch-size micro-batches. FSDPEngine asks for the same count on every rank
+        (same_micro_num_in_dp=True, needed by TrainingWorker's metric aggregation); its all-reduce
+        wants an accelerator, so it is done here. The no-grad pass keeps each rank's own count."""
+        micro_batches, indices = prepare_micro_batches(data=data, dp_group=self.group, same_micro_num_in_dp=False)
+        if not same_count_on_all_ranks:
+            return micro_batches, indices
+        count = torch.tensor(len(micro_batches))
+        dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
+        return prepare_micro_batches(data=data, dp_group=self.group, same_micro_num_in_dp=False,
+                                     min_num_micro_batch=int(count))
+
+    def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
+        tu.assign_non_tensor(data, sp_size=1)
+        batch_num_tokens = data["loss_mask"].sum()
+        dist.all_reduce(batch_num_tokens, group=self.group)
+        tu.assign_non_tensor(data, batch_num_tokens=batch_num_tokens.item(), dp_size=self.get_data_parallel_size())
+        micro_batches, indices = self.split(data, same_count_on_all_ranks=not forward_only)
+        if forward_only:
+            self.probe_micro_batch_counts.append(len(micro_batches))
+        outputs = []
+        for micro_batch in micro_batches:
+            log_probs = sequence_log_probs(self.module, micro_batch["input_ids"])
+            loss, metrics = loss_function(model_output={"log_probs": log_probs}, data=micro_batch, dp_group=self.group)
+            if not forward_only:
+                loss.backward()
+            outputs.append({"model_output": {"log_probs": log_probs.detach()}, "loss": loss.item(), "metrics": metrics})
+        return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
+
+
+def make_shard(rank: int, model: torch.nn.Module) -> TensorDict:
+    """One rank's rollout batch, left-right padded as verl's trainer holds it.
+
+    old_log_probs: the model's log-probs plus noise (a stale behaviour policy), [PER_RANK, RESPONSE];
+    advantages: +1 / -1 per sequence, alternating.
+    """
+    generator = torch.Generator().manual_seed(100 + rank)
+    lengths = torch.tensor(RESPONSE_LENGTHS[rank])
+    prompts = torch.randint(1, VOCAB, (PER_RANK, PROMPT), generator=generator)
+    response_mask = (torch.arange(RESPONSE)[None, :] < lengths[:, None]).long()
+    responses = torch.randint(1, VOCAB, (PER_RANK, RESPONSE), generator=generator) * response_mask
+    input_ids = torch.cat([prompts, responses], dim=1)
+    attention_mask = torch.cat([torch.ones_like(prompts), response_mask], dim=1)
+    with torch.no_grad():
+        logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+        token_log_probs = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
+    current = token_log_probs[:, PROMPT - 1:]
+    old_log_probs = (current + 0.6 * torch.randn(current.shape, generator=generator, dtype=current.dtype)) * response_mask
+    advantages = torch.where(torch.arange(PER_RANK) % 2 == 0, 1.0, -1.0).double()[:, None] * response_mask
+    return TensorDict(
+        {"prompts": prompts, "responses": responses, "input_ids": input_ids, "attention_mask": attention_mask,
+         "position_ids": (attention_mask.cumsum(-1) - 1).clamp_min(0), "response_mask": response_mask,
+         "old_log_probs": old_log_probs, "advantages": advantages},
+        batch_size=[PER_RANK],
+    )
+
+
+def no_padding(batch: TensorDict) -> TensorDict:
+    """verl's layout for update_actor (what the trainer does before sending the batch)."""
+    return left_right_2_no_padding(batch.clone())
+
+
+def interleave(shards: list[TensorDict], per_rank_mini_batch: int) -> TensorDict:
+    """The concatenation whose k-th global mini-batch is every rank's k-th mini-batch."""
+    pieces = [shard[start:start + per_rank_mini_batch] for start in range(0, PER_RANK, per_rank_mini_batch)
+              for shard in shards]
+    return torch.cat(pieces, dim=0)
+
+
+def make_worker(group, model):
+    """BAPOTrainingWorker wired as ActorRolloutRefWorker.init_model wires it, minus Ray and FSDP."""
+    from omegaconf import OmegaConf
+    from verl.utils.config import omega_conf_to_dataclass
+    from verl.utils.profiler import DistProfiler
+    from verl.workers.utils.losses import ppo_loss
+
+    import bapo.integrations.verl.worker as bapo_worker
+
+    class RecordingWorker(bapo_worker.BAPOTrainingWorker):
+        def solve_bounds(self, data, policy_loss):
+            found = super().solve_bounds(data, policy_loss)
+            self.solved.append(found)
+            return found
+
+    actor_config = omega_conf_to_dataclass(OmegaConf.create({  # Hydra instantiation, as init_model does
+        "_target_": "verl.workers.config.FSDPActorConfig", "strategy": "fsdp", "ppo_mini_batch_size": MINI_BATCH,
+        "use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": TRAIN_TOKENS, "rollout_n": 1, "policy_loss": LOSS_CONFIG,
+    }))
+    worker = RecordingWorker.__new__(RecordingWorker)  # TrainingWorker.__init__ needs Ray and an engine registry
+    worker.engine = CPUEngine(model, group)
+    worker.engine_config = OmegaConf.create({
+        "use_dynamic_bsz": True, "max_token_len_per_gpu": TRAIN_TOKENS, "micro_batch_size_per_gpu": None,
+        "infer_max_token_len_per_gpu": PROBE_TOKENS, "infer_micro_batch_size_per_gpu": None,
+        "use_fused_kernels": False, "forward_only": False,
+    })
+    worker.model_config = {}
+    worker.device_name = "cpu"
+    worker.flops_counter = None
+    worker.profiler = DistProfiler(rank=dist.get_rank())
+    worker.loss_fn = partial(ppo_loss, config=actor_config)
+    worker.solved = []
+    return worker
+
+
+def train(worker, data: TensorDict):
+    tu.assign_non_tensor(data, mini_batch_size=MINI_BATCH, global_batch_size=MINI_BATCH, epochs=EPOCHS, seed=0,
+                         dataloader_kwargs={"shuffle": False}, calculate_entropy=False)
+    return tu.get(worker.train_mini_batch(data), "metrics")
+
+
+def rank_main(rank: int, world_size: int, port: int, out_dir: str):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world_size, timeout=timedelta(seconds=90))
+    import verl.workers.engine_workers as engine_workers
+
+    # TrainingWorker._postprocess_output logs accelerator memory; there is no accelerator here.
+    no_device = SimpleNamespace(max_memory_allocated=lambda: 0, max_memory_reserved=lambda: 0)
+    engine_workers.get_torch_device = lambda: no_device
+    shards = [make_shard(r, tiny_qwen2()) for r in range(world_size)]
+    all_reduces = count_calls(dist, "all_reduce")
+
+    worker = make_worker(dist.group.WORLD, tiny_qwen2())
+    metrics = train(worker, no_padding(shards[rank]))
+    result = {"solved": worker.solved, "probe_micro_batch_counts": worker.engine.probe_micro_batch_counts,
+              "all_reduces": all_reduces.count,
+              "metrics": {k: v for k, v in metrics.items() if k.startswith("actor/") or k in ("loss", "grad_norm")}}
+
+    alone = dist.new_group([0])  # every rank takes part in creating it; only rank 0 uses it
+    if rank == 0:
+        reference = make_worker(alone, tiny_qwen2())
+        train(reference, no_padding(interleave(shards, MINI_BATCH // world_size)))
+        result["reference_solved"] = reference.solved
+        result["first_step_direct"] = direct_search(shards, MINI_BATCH // world_size)
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def count_calls(module, name: str) -> SimpleNamespace:
+    """Count calls of module.name from now on (every caller looks it up at call time)."""
+    counter, original = SimpleNamespace(count=0), getattr(module, name)
+
+    def counted(*args, **kwargs):
+        counter.count += 1
+        return original(*args, **kwargs)
+
+    setattr(module, name, counted)
+    return counter
+
+
+def direct_search(shards: list[TensorDict], per_rank_mini_batch: int):
+    """bapo.core.search_bounds on every rank's first mini-batch, at the initial weights, in one process."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    from bapo.core import search_bounds, token_ratio
+    from bapo.integrations.verl import BAPOPolicyLossConfig
+
+    model, pieces = tiny_qwen2(), []
+    for shard in shards:
+        first = no_padding(shard[:per_rank_mini_batch])
+        with torch.no_grad():
+            log_prob = no_padding_2_padding(sequence_log_probs(model, first["input_ids"]), first)
+        tokens = first.select("old_log_probs", "advantages", "response_mask").to_padded_tensor()
+        pieces.append((token_ratio(log_prob, tokens["old_log_probs"]), tokens["advantages"], tokens["response_mask"]))
+    ratio, advantages, mask = (torch.cat(parts) for parts in zip(*pieces))
+    config = BAPOPolicyLossConfig(**{k: v for k, v in LOSS_CONFIG.items() if k != "_target_"}).bapo_config()
+    return search_bounds(ratio, advantages, mask.bool(), config)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ranks(tmp_path_factory):
+    out_dir = str(tmp_path_factory.mktemp("verl_dp"))
+    mp.start_processes(rank_main, args=(2, free_port(), out_dir), nprocs=2, join=True, start_method="spawn")
+    return [torch.load(os.path.join(out_dir, f"rank{r}.pt"), weights_only=False) for r in range(2)]
+
+
+def test_ranks_run_different_micro_batch_counts_in_the_pre_pass(ranks):
+    counts = [rank["probe_micro_batch_counts"] for rank in ranks]
+    assert len(counts[0]) == len(counts[1]) == 4  # one pre-pass per optimizer step
+    assert all(short < long for short, long in zip(*counts))
+
+
+def test_ranks_issue_the_same_collectives(ranks):
+    assert ranks[0]["all_reduces"] == ranks[1]["all_reduces"]
+
+
+def test_every_rank_gets_the_same_bounds_each_step(ranks):
+    assert len(ranks[0]["solved"]) == EPOCHS * PER_RANK // (MINI_BATCH // 2) == 4
+    assert ranks[0]["solved"] == ranks[1]["solved"]
+    assert len({(s.lower, s.upper) for s in ranks[0]["solved"]}) > 1 or ranks[0]["solved"][0].steps > 0
+
+
+def test_bounds_equal_one_process_on_the_concatenation(ranks):
+    reference = ranks[0]["reference_solved"]
+    assert [(s.lower, s.upper) for s in ranks[0]["solved"]] == [(s.lower, s.upper) for s in reference]
+    for dp, alone in zip(ranks[0]["solved"], reference):
+        assert dp.positive_share == pytest.approx(alone.positive_share, rel=1e-6)  # weights differ by rounding
+    direct = ranks[0]["first_step_direct"]
+    assert (direct.lower, direct.upper) == (reference[0].lower, reference[0].upper)
+    assert direct.positive_share == pytest.approx(reference[0].positive_share, rel=1e-9)
+
+
+def test_update_logs_bapo_metrics_under_verl_names(ranks):
+    metrics = ranks[0]["metrics"]
+    solved = ranks[0]["solved"]
+    assert metrics["actor/bapo/lower"] == pytest.approx([s.lower for s in solved])
+    assert metrics["actor/bapo/upper"] == pytest.approx([s.upper for s in solved])
+    assert metrics["actor/bapo/positive_share"] == pytest.approx([s.positive_share for s in solved])
+    for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/bapo/clip_frac/upper", "grad_norm"):
+        assert all(torch.isfinite(torch.tensor(metrics[key]))), key
