@@ -1,0 +1,273 @@
+"""`BAPOGRPOTrainer`: TRL's `GRPOTrainer` with its clipped surrogate replaced by `bapo.core.policy_loss`.
+
+TRL has no extension point for the surrogate (it is one branch of `GRPOTrainer._compute_loss`),
+so this subclass overrides exactly that method and keeps everything else of TRL: generation,
+rewards, advantages, buffering, old log-probs, the vLLM importance-sampling correction, the
+KL term, logging. Shapes below: B = sequences of one micro-batch, T = completion length.
+
+How one optimizer step goes (TRL buffers `steps_per_generation` micro-batches per generation,
+serves micro-batch s from `_buffered_inputs[s % steps_per_generation]`, and accumulates
+`gradient_accumulation_steps` micro-batches per optimizer step):
+
+1. At the first micro-batch of a step, one no-grad forward per micro-batch of that step gives
+   the current ratios; their `BoundStats` are summed and solved once (one all-reduce across
+   ranks when torch.distributed is up). So BAPO's bounds see the whole step, not one micro-batch.
+2. Every micro-batch of the step then runs `policy_loss(method="bapo", bounds=those bounds)`
+   with the normalizer of TRL's `loss_type`, so the summed micro-batch losses equal the loss of
+   the whole step, as in TRL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import Tensor
+from trl import GRPOTrainer
+from trl.models.utils import disable_gradient_checkpointing
+
+from bapo.core import BoundStats, SearchResult, aggregate_loss, policy_loss, token_ratio
+from bapo.integrations.trl.config import BAPOGRPOConfig
+
+#: Optional (multimodal) fields of TRL's batch that its forward helper takes by the same name.
+FORWARD_FIELDS = (
+    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
+    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+)
+
+
+class BAPOGRPOTrainer(GRPOTrainer):
+    """`GRPOTrainer` whose loss is `bapo.core.policy_loss(method=args.bapo_method)`.
+
+    Takes the same arguments as `GRPOTrainer`; `args` must be a `BAPOGRPOConfig` (default: one
+    named after the model). Logs `bapo/...` metrics (bounds, positive share, clip fractions per
+    side, quadrants, ratio statistics) and `bapo/search/...` (the step's search) into TRL's log.
+    """
+
+    def __init__(self, model, reward_funcs, args: BAPOGRPOConfig | None = None, **kwargs: Any) -> None:
+        if args is None:
+            name = model if isinstance(model, str) else model.config._name_or_path
+            args = BAPOGRPOConfig(f"{name.split('/')[-1]}-BAPO")
+        if not isinstance(args, BAPOGRPOConfig):
+            raise TypeError(f"args: expected a BAPOGRPOConfig, got {type(args).__name__}; the BAPO fields live there")
+        super().__init__(model, reward_funcs, args=args, **kwargs)
+        self._loss_params = args.bapo_loss_params()
+        self._step_search: SearchResult | None = None
+        self._micro_batches_left = 0  # micro-batches of the current optimizer step still to use _step_search
+
+    # ---- the loss (overrides GRPOTrainer._compute_loss) -------------------------------------------------
+
+    def _compute_loss(self, model, inputs: dict[str, Any]) -> Tensor:
+        """Loss of one micro-batch, scaled so that the step's micro-batch losses add up to the step loss."""
+        mode = "train" if self.model.training else "eval"
+        params = self._step_loss_params(model, inputs, mode)  # before this forward's graph exists
+        mask = self._loss_mask(inputs)
+        advantages = self._advantages(inputs, mask)
+        log_prob, entropy, aux_loss = self._completion_log_probs(
+            model, inputs, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
+        )
+        old_log_prob = self._old_log_prob(inputs, log_prob)
+        weights = self._token_weights(inputs, log_prob.detach(), old_log_prob, entropy, mask, advantages)
+        loss_agg_mode, normalizer = self._aggregation(inputs, mask, mode)
+        loss, metrics = policy_loss(
+            log_prob, old_log_prob, advantages, mask, self.args.bapo_method,
+            loss_agg_mode=loss_agg_mode, normalizer=normalizer, importance_weights=weights, entropy=entropy, **params,
+        )
+        if self.beta != 0.0:
+            kl = self._reference_kl(inputs, log_prob, old_log_prob)
+            loss = loss + self.beta * aggregate_loss(kl, mask, loss_agg_mode, normalizer)
+            metrics["kl"] = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1.0))
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
+        self._log_bapo_metrics(mode, metrics)
+        return loss
+
+    # ---- the bounds of one optimizer step ----------------------------------------------------------------
+
+    def _step_loss_params(self, model, inputs: dict[str, Any], mode: str) -> dict[str, Any]:
+        """`policy_loss` parameters of this micro-batch: the configured ones, plus BAPO's step bounds."""
+        if self.args.bapo_method != "bapo":
+            return self._loss_params
+        if mode == "eval":  # no accumulation in evaluation: the batch is the whole step
+            search = self._solve_bounds(model, [inputs], mode)
+        else:
+            if self._micro_batches_left == 0:
+                self._step_search = self._solve_bounds(model, self._step_micro_batches(), mode)
+                self._micro_batches_left = self.current_gradient_accumulation_steps
+            self._micro_batches_left -= 1
+            search = self._step_search
+        return {**self._loss_params, "bounds": (search.lower, search.upper)}
+
+    def _step_micro_batches(self) -> list[dict[str, Any]]:
+        """TRL's buffered micro-batches of the optimizer step that starts at micro-batch `self._step`.
+
+        Micro-batches of this step that a later generation will serve (possible only when
+        gradient_accumulation_steps does not divide steps_per_generation * num_iterations) do not
+        exist yet and are left out; they are generated by this step's own weights (ratio 1).
+        """
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        first = self._step
+        steps = range(first, first + self.current_gradient_accumulation_steps)
+        return [
+            self._buffered_inputs[step % self.args.steps_per_generation]
+            for step in steps
+            if step // generate_every == first // generate_every
+        ]
+
+    @torch.no_grad()
+    def _solve_bounds(self, model, micro_batches: list[dict[str, Any]], mode: str) -> SearchResult:
+        """BAPO bounds of `micro_batches` together (one BoundStats, solved and all-reduced once); logs the search.
+
+        The share counts each token's |r*A| times TRL's per-token loss weights (vLLM IS ratio,
+        off-policy mask, entropy mask), i.e. what the token contributes to the gradient.
+        """
+        stats = BoundStats(self._loss_params["bapo"])
+        tokens = 0.0
+        # TRL generated (and scored old log-probs) in this very micro-batch, with these weights
+        just_generated = mode == "train" and self._step % (self.args.steps_per_generation * self.num_iterations) == 0
+        with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
+            for inputs in micro_batches:
+                mask = self._loss_mask(inputs)
+                advantages = self._advantages(inputs, mask)
+                log_prob, entropy = self._search_log_probs(model, inputs, mask, just_generated)
+                old_log_prob = self._old_log_prob(inputs, log_prob)
+                weights = self._token_weights(inputs, log_prob, old_log_prob, entropy, mask, advantages)
+                weighted_advantages = advantages if weights is None else advantages * weights
+                stats.add(token_ratio(log_prob, old_log_prob), weighted_advantages, mask)
+                tokens += float(mask.sum())
+        search = stats.solve()
+        search_metrics = {
+            "bapo/search/lower": search.lower,
+            "bapo/search/upper": search.upper,
+            "bapo/search/positive_share": search.positive_share,
+            "bapo/search/reached": float(search.reached),
+            "bapo/search/steps": float(search.steps),
+            "bapo/search/micro_batches": float(len(micro_batches)),
+            "bapo/search/tokens": tokens,
+        }
+        for name, value in search_metrics.items():
+            self._metrics[mode][name].append(value)
+        return search
+
+    def _search_log_probs(
+        self, model, inputs: dict[str, Any], mask: Tensor, just_generated: bool
+    ) -> tuple[Tensor, Tensor | None]:
+        """Current log-probs [B, T] (and entropy when the entropy mask needs it) for the search.
+
+        No forward (unless the entropy mask needs entropies) when the answer is known: right after
+        a generation TRL's old log-probs were computed by the current weights, so they are the
+        current log-probs; without old log-probs TRL found the batch on-policy, every ratio is 1,
+        and zeros stand for the log-probs (the old ones default to them).
+        """
+        needs_entropy = self.top_entropy_quantile < 1.0
+        old_log_prob = inputs.get("old_per_token_logps")
+        if not needs_entropy and old_log_prob is not None and just_generated:
+            return old_log_prob, None
+        if not needs_entropy and old_log_prob is None and self.off_policy_mask_threshold is None:
+            return torch.zeros_like(mask, dtype=torch.float32), None
+        log_prob, entropy, _ = self._completion_log_probs(model, inputs, compute_entropy=needs_entropy)
+        return log_prob, entropy
+
+    # ---- per-token tensors of TRL's batch -----------------------------------------------------------------
+
+    def _completion_log_probs(
+        self, model, inputs: dict[str, Any], compute_entropy: bool = False, compute_aux_loss: bool = False
+    ) -> tuple[Tensor, Tensor | None, Tensor | None]:
+        """Log-probs [B, T] of the completion tokens under `model` (and entropy [B, T], MoE aux loss), via TRL."""
+        prompt_ids, completion_ids = inputs["prompt_ids"], inputs["completion_ids"]
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
+        return self._get_per_token_logps_and_entropies(
+            model, input_ids, attention_mask, completion_ids.size(1),
+            compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
+            **{name: inputs.get(name) for name in FORWARD_FIELDS},
+        )
+
+    @staticmethod
+    def _loss_mask(inputs: dict[str, Any]) -> Tensor:
+        """[B, T] 0/1: completion tokens that count (tool-output tokens excluded, as in TRL)."""
+        mask = inputs["completion_mask"]
+        return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
+
+    @staticmethod
+    def _advantages(inputs: dict[str, Any], mask: Tensor) -> Tensor:
+        """[B, T] advantages (TRL gives [B], or [B, T] from subclasses)."""
+        advantages = inputs["advantages"]
+        return (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).expand_as(mask).float()
+
+    @staticmethod
+    def _old_log_prob(inputs: dict[str, Any], log_prob: Tensor) -> Tensor:
+        """[B, T] behaviour log-probs; TRL leaves them out when the batch is on-policy (ratio exactly 1)."""
+        old_log_prob = inputs.get("old_per_token_logps")
+        return log_prob.detach() if old_log_prob is None else old_log_prob
+
+    def _token_weights(
+        self, inputs: dict[str, Any], log_prob: Tensor, old_log_prob: Tensor, entropy: Tensor | None,
+        mask: Tensor, advantages: Tensor,
+    ) -> Tensor | None:
+        """[B, T] detached multipliers TRL applies to the per-token loss, or None when there are none.
+
+        vLLM importance-sampling correction ([B, T] token modes, [B, 1] sequence modes), the
+        off-policy sequence mask (off_policy_mask_threshold) and the top-entropy mask.
+        """
+        factors = []
+        if self.use_vllm and self.vllm_importance_sampling_correction:
+            factors.append(inputs["importance_sampling_ratio"])
+        if self.off_policy_mask_threshold is not None:
+            factors.append(self.get_off_policy_mask(
+                advantages=advantages[:, :1], per_token_logps=log_prob,
+                sampling_per_token_logps=inputs.get("sampling_per_token_logps", old_log_prob),
+                mask=mask, off_policy_threshold=self.off_policy_mask_threshold,
+            ))
+        if self.top_entropy_quantile < 1.0:
+            factors.append(self.get_high_entropy_mask(entropy, mask, 1 - self.top_entropy_quantile))
+        if not factors:
+            return None
+        weights = factors[0]
+        for factor in factors[1:]:
+            weights = weights * factor
+        return weights.detach().float().expand_as(mask)
+
+    def _reference_kl(self, inputs: dict[str, Any], log_prob: Tensor, old_log_prob: Tensor) -> Tensor:
+        """[B, T] k3 estimate of KL(current || reference), as TRL's beta term (optionally IS-corrected)."""
+        log_ratio_to_reference = inputs["ref_per_token_logps"] - log_prob
+        kl = torch.exp(log_ratio_to_reference) - log_ratio_to_reference - 1
+        if self.args.use_bias_correction_kl:
+            kl = kl * torch.exp(log_prob - old_log_prob)
+        return kl
+
+    # ---- aggregation and logging --------------------------------------------------------------------------
+
+    def _accumulation(self, mode: str) -> int:
+        """Micro-batches the loss is accumulated over (1 in evaluation)."""
+        return self.current_gradient_accumulation_steps if mode == "train" else 1
+
+    def _aggregation(self, inputs: dict[str, Any], mask: Tensor, mode: str) -> tuple[str, float]:
+        """(loss_agg_mode, normalizer) of TRL's loss_type, with TRL's gradient-accumulation scaling folded in."""
+        accumulation = self._accumulation(mode)
+        if self.loss_type == "dapo":  # tokens per optimizer step and process, as TRL computes them
+            tokens = float(inputs["num_items_in_batch"].clamp(min=1.0)) / self.accelerator.num_processes
+            if mode == "train":
+                tokens = tokens * accumulation / self.args.steps_per_generation
+            return "token-mean", tokens
+        if self.loss_type == "bnpo":
+            return "token-mean", float(mask.sum().clamp(min=1.0)) * accumulation
+        if self.loss_type == "grpo":
+            return "seq-mean-token-mean", float(mask.size(0) * accumulation)
+        # dr_grpo: sum over tokens / (sequences x max_completion_length)
+        return "seq-mean-token-sum-norm", float(mask.size(0) * self.max_completion_length * accumulation)
+
+    def _log_bapo_metrics(self, mode: str, metrics: dict[str, float]) -> None:
+        """Append `bapo/<name>` (averaged over ranks) to TRL's metrics; TRL averages them per logging step.
+
+        `entropy` and `kl` also go under TRL's own names, so TRL dashboards keep working.
+        """
+        names = list(metrics)
+        values = [metrics[name] for name in names]
+        if self.accelerator.num_processes > 1:  # one collective for all of them
+            stacked = torch.tensor(values, device=self.accelerator.device)
+            values = self.accelerator.reduce(stacked, reduction="mean").tolist()
+        for name, value in zip(names, values):
+            self._metrics[mode][name if name.startswith("bapo/") else f"bapo/{name}"].append(value)
+            if name in ("entropy", "kl"):
+                self._metrics[mode][name].append(value)

@@ -1,0 +1,261 @@
+"""bapo inside TRL's GRPOTrainer, on CPU with a tiny config-built Qwen2 and a char tokenizer.
+
+Two kinds of checks:
+- loss checks on hand-built TRL micro-batches (old log-probs perturbed so that ratios differ
+  from 1 and clipping happens): the subclass equals bapo.core, and with method="grpo" and TRL's
+  bounds it equals TRL's own loss for every supported loss_type;
+- a short real training run (steps_per_generation > gradient_accumulation_steps and
+  num_iterations > 1) whose log holds the bapo/ metrics.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+
+pytest.importorskip("trl")
+
+import torch  # noqa: E402
+from datasets import Dataset  # noqa: E402
+from trl import GRPOTrainer  # noqa: E402
+
+from bapo.core import BAPOConfig, policy_loss, search_bounds, token_ratio  # noqa: E402
+from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer  # noqa: E402
+from bapo.integrations.trl.tiny import addition_prompts, build_tiny_qwen2, digit_match_reward  # noqa: E402
+
+GROUP = 4
+MICRO_BATCH = 4
+ACCUMULATION = 2
+STEPS_PER_GENERATION = 4
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    return str(build_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2")))
+
+
+def make_args(tmp_path, **overrides) -> BAPOGRPOConfig:
+    settings = dict(
+        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
+        beta=0.0, temperature=1.0, num_generations=GROUP, per_device_train_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=ACCUMULATION, steps_per_generation=STEPS_PER_GENERATION,
+        max_completion_length=8, learning_rate=3e-3, logging_steps=1, seed=0, dataloader_num_workers=0,
+    )
+    settings.update(overrides)
+    return BAPOGRPOConfig(**settings)
+
+
+def make_trainer(tiny_model_dir, tmp_path, trainer_class=BAPOGRPOTrainer, **overrides) -> BAPOGRPOTrainer:
+    dataset = Dataset.from_list(addition_prompts(64))
+    return trainer_class(model=tiny_model_dir, reward_funcs=digit_match_reward,
+                         args=make_args(tmp_path, **overrides), train_dataset=dataset)
+
+
+def micro_batch(trainer, generator: torch.Generator, completion_len: int = 6, noise: float = 0.4) -> dict:
+    """A TRL micro-batch by hand: random prompts/completions, old log-probs = current ones + noise."""
+    vocab = trainer.model.config.vocab_size
+    prompt_ids = torch.randint(3, vocab, (MICRO_BATCH, 4), generator=generator)
+    completion_ids = torch.randint(3, vocab, (MICRO_BATCH, completion_len), generator=generator)
+    lengths = torch.randint(2, completion_len + 1, (MICRO_BATCH, 1), generator=generator)
+    completion_mask = (torch.arange(completion_len) < lengths).long()
+    batch = {
+        "prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": completion_ids, "completion_mask": completion_mask,
+        "advantages": torch.randn(MICRO_BATCH, generator=generator),
+    }
+    with torch.no_grad():
+        log_prob = trainer._completion_log_probs(trainer.model, batch)[0]
+    batch["old_per_token_logps"] = log_prob + noise * torch.randn(log_prob.shape, generator=generator)
+    return batch
+
+
+def generation_buffer(trainer, seed: int = 0) -> list[dict]:
+    """steps_per_generation micro-batches as TRL buffers them (num_items_in_batch: tokens of all of them)."""
+    generator = torch.Generator().manual_seed(seed)
+    buffer = [micro_batch(trainer, generator) for _ in range(STEPS_PER_GENERATION)]
+    tokens = sum(batch["completion_mask"].sum() for batch in buffer)
+    for batch in buffer:
+        batch["num_items_in_batch"] = tokens
+    return buffer
+
+
+def current_log_prob(trainer, batch):
+    with torch.no_grad():
+        return trainer._get_per_token_logps_and_entropies(
+            trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].size(1),
+            compute_entropy=True,
+        )[:2]
+
+
+def start_optimizer_step(trainer, buffer, step: int) -> None:
+    trainer.model.train()
+    trainer._buffered_inputs = buffer
+    trainer._step = step
+    trainer.current_gradient_accumulation_steps = ACCUMULATION
+
+
+def test_config_mirrors_core_bapo_config(tmp_path):
+    args = make_args(tmp_path, bapo_target=0.55, bapo_upper_max=2.0, bapo_order="lower-first")
+    assert args.bapo_config() == dataclasses.replace(BAPOConfig(), target=0.55, upper_max=2.0, order="lower-first")
+    for spec in dataclasses.fields(BAPOConfig):
+        assert hasattr(args, f"bapo_{spec.name}"), spec.name
+    assert args.bapo_loss_agg_mode == "token-mean"  # TRL's default loss_type "dapo"
+    grpo = make_args(tmp_path, bapo_method="grpo", epsilon=0.2, epsilon_high=0.28)
+    assert grpo.bapo_loss_params() == pytest.approx({"lower": 0.8, "upper": 1.28})
+
+
+@pytest.mark.parametrize("overrides, field_name", [
+    ({"loss_type": "sapo"}, "loss_type"),
+    ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
+    ({"delta": 3.0}, "delta"),
+    ({"bapo_method": "gpro"}, "bapo_method"),
+    ({"bapo_lower": 0.7}, "bapo_lower"),  # fixed bounds with the adaptive method
+    ({"bapo_target": 1.5}, "target"),
+])
+def test_config_refuses_what_bapo_does_not_do(tmp_path, overrides, field_name):
+    with pytest.raises(ValueError, match=field_name):
+        make_args(tmp_path, **overrides)
+
+
+def test_bapo_bounds_see_the_whole_optimizer_step_and_loss_equals_core(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, bapo_target=0.6, num_iterations=2)
+    buffer = generation_buffer(trainer)
+    config = trainer.args.bapo_config()
+    differs_per_micro_batch = False
+    # the two optimizer steps of the second pass over one generation (micro-batches 4-5 and 6-7)
+    for first in (STEPS_PER_GENERATION, STEPS_PER_GENERATION + ACCUMULATION):
+        start_optimizer_step(trainer, buffer, first)
+        step_batches = buffer[first % STEPS_PER_GENERATION:first % STEPS_PER_GENERATION + ACCUMULATION]
+        tensors = []
+        for batch in step_batches:
+            log_prob, entropy = current_log_prob(trainer, batch)
+            mask = batch["completion_mask"]
+            advantages = batch["advantages"][:, None].expand_as(mask)
+            tensors.append((log_prob, entropy, mask, advantages))
+        ratios = torch.cat([token_ratio(lp, batch["old_per_token_logps"]) for (lp, *_), batch in zip(tensors, step_batches)])
+        assert (ratios - 1).abs().max() > 0.3  # off-policy: the bounds matter
+        expected_bounds = search_bounds(ratios, torch.cat([t[3] for t in tensors]), torch.cat([t[2] for t in tensors]), config)
+        per_micro_batch = [search_bounds(token_ratio(lp, batch["old_per_token_logps"]), adv, mask, config)
+                           for (lp, _, mask, adv), batch in zip(tensors, step_batches)]
+        # a per-micro-batch search would have used other bounds (checked over both steps below)
+        differs_per_micro_batch |= any((found.lower, found.upper) != (expected_bounds.lower, expected_bounds.upper)
+                                       for found in per_micro_batch)
+        tokens_per_step = float(buffer[0]["num_items_in_batch"]) * ACCUMULATION / STEPS_PER_GENERATION
+
+        for index, (batch, (log_prob, entropy, mask, advantages)) in enumerate(zip(step_batches, tensors)):
+            trainer._step = first + index
+            loss = trainer._compute_loss(trainer.model, batch)
+            expected, _ = policy_loss(log_prob, batch["old_per_token_logps"], advantages, mask, "bapo",
+                                      normalizer=tokens_per_step, entropy=entropy,
+                                      bapo=config, bounds=(expected_bounds.lower, expected_bounds.upper))
+            torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
+            assert loss.requires_grad
+
+    assert differs_per_micro_batch
+    metrics = trainer._metrics["train"]
+    assert metrics["bapo/search/micro_batches"] == [ACCUMULATION, ACCUMULATION]
+    assert metrics["bapo/upper"][-1] == expected_bounds.upper
+    assert metrics["bapo/lower"][-1] == expected_bounds.lower
+
+
+def test_search_reuses_trl_old_log_probs_right_after_generation(tiny_model_dir, tmp_path, monkeypatch):
+    """At the step TRL generated in, its old log-probs are the current ones: no extra forward."""
+    trainer = make_trainer(tiny_model_dir, tmp_path)
+    buffer = [micro_batch(trainer, torch.Generator().manual_seed(seed), noise=0.0) for seed in range(4)]
+    for batch in buffer:
+        batch["num_items_in_batch"] = sum(b["completion_mask"].sum() for b in buffer)
+    forwards = []
+    original = trainer._completion_log_probs
+    monkeypatch.setattr(trainer, "_completion_log_probs", lambda *a, **k: forwards.append(1) or original(*a, **k))
+    start_optimizer_step(trainer, buffer, 0)
+    for step in range(ACCUMULATION):
+        trainer._step = step
+        trainer._compute_loss(trainer.model, buffer[step])
+    assert len(forwards) == ACCUMULATION  # the losses' own forwards only
+    assert trainer._metrics["train"]["bapo/search/steps"] == [0.0]  # ratio 1: nothing to move
+    start_optimizer_step(trainer, buffer, ACCUMULATION)  # a later step (weights updated): the search must look
+    trainer._compute_loss(trainer.model, buffer[ACCUMULATION])
+    assert len(forwards) == ACCUMULATION + ACCUMULATION + 1
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo"])
+def test_grpo_method_reproduces_trl_loss(tiny_model_dir, tmp_path, loss_type):
+    trainer = make_trainer(tiny_model_dir, tmp_path, bapo_method="grpo", loss_type=loss_type,
+                           epsilon=0.2, epsilon_high=0.28)
+    buffer = generation_buffer(trainer, seed=1)
+    start_optimizer_step(trainer, buffer, 0)
+    for batch in buffer[:ACCUMULATION]:
+        ours = trainer._compute_loss(trainer.model, batch)
+        trl_loss = GRPOTrainer._compute_loss(trainer, trainer.model, batch)
+        torch.testing.assert_close(ours, trl_loss, rtol=1e-5, atol=1e-7)
+    assert trainer._metrics["train"]["bapo/clip_frac"][-1] > 0  # the perturbation really clips
+
+
+def test_vllm_importance_weights_and_kl_match_trl(tiny_model_dir, tmp_path):
+    """TRL's vLLM IS ratio multiplies the per-token loss (and enters the BAPO share); beta's KL adds on."""
+    trainer = make_trainer(tiny_model_dir, tmp_path, bapo_method="grpo", beta=0.05)
+    trainer.use_vllm = trainer.vllm_importance_sampling_correction = True  # no vLLM on CPU: feed its ratio by hand
+    generator = torch.Generator().manual_seed(2)
+    buffer = generation_buffer(trainer, seed=2)
+    for batch in buffer:
+        batch["importance_sampling_ratio"] = torch.rand(batch["completion_mask"].shape, generator=generator) * 2
+        batch["ref_per_token_logps"] = batch["old_per_token_logps"] - 0.1
+    start_optimizer_step(trainer, buffer, 0)
+    ours = trainer._compute_loss(trainer.model, buffer[0])
+    torch.testing.assert_close(ours, GRPOTrainer._compute_loss(trainer, trainer.model, buffer[0]), rtol=1e-5, atol=1e-7)
+    assert "kl" in trainer._metrics["train"]
+
+    bapo = make_trainer(tiny_model_dir, tmp_path, num_iterations=2)
+    bapo.use_vllm = bapo.vllm_importance_sampling_correction = True
+    start_optimizer_step(bapo, buffer, STEPS_PER_GENERATION)  # second pass: stale
+    step = buffer[:ACCUMULATION]
+    log_probs = [current_log_prob(bapo, batch)[0] for batch in step]
+    ratios = torch.cat([token_ratio(lp, batch["old_per_token_logps"]) for lp, batch in zip(log_probs, step)])
+    masks = torch.cat([batch["completion_mask"] for batch in step])
+    weighted = torch.cat([batch["advantages"][:, None] * batch["importance_sampling_ratio"] for batch in step])
+    expected = search_bounds(ratios, weighted, masks, bapo.args.bapo_config())
+    unweighted = search_bounds(ratios, torch.cat([batch["advantages"][:, None].expand_as(batch["completion_mask"])
+                                                  for batch in step]), masks, bapo.args.bapo_config())
+    assert unweighted.upper != expected.upper  # the weights change the answer on this batch
+    bapo._compute_loss(bapo.model, step[0])
+    assert (bapo._step_search.lower, bapo._step_search.upper) == (expected.lower, expected.upper)
+
+
+def test_training_off_policy_logs_bapo_metrics(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=3, num_iterations=2, bapo_target=0.6)
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == 3
+    config = trainer.args.bapo_config()
+    for entry in logs:
+        for key in ("bapo/lower", "bapo/upper", "bapo/positive_share", "bapo/clip_frac/upper", "bapo/clip_frac/lower",
+                    "bapo/quadrant/low_pos/loss_share", "bapo/ratio/mean", "bapo/entropy", "bapo/search/reached"):
+            assert key in entry and math.isfinite(entry[key]), key
+        assert entry["bapo/search/micro_batches"] == ACCUMULATION
+        assert config.lower_start <= entry["bapo/lower"] <= config.lower_max
+        assert config.upper_start <= entry["bapo/upper"] <= config.upper_max
+        assert math.isfinite(entry["loss"])
+    # After the first update the buffered rollouts are stale: ratios leave 1.
+    later = logs[1:]
+    assert any(entry["bapo/ratio/max"] > 1 + 1e-4 or entry["bapo/ratio/min"] < 1 - 1e-4 for entry in later)
+
+
+@pytest.mark.parametrize("method, kwargs", [
+    ("clip-higher", {}), ("dual-clip", {"bapo_method_kwargs": '{"dual_clip": 3.0}'}), ("topr", {}), ("dcpo", {}),
+])
+def test_every_core_method_trains(tiny_model_dir, tmp_path, method, kwargs):
+    trainer = make_trainer(tiny_model_dir, tmp_path, bapo_method=method, max_steps=1, **kwargs)
+    trainer.train()
+    entry = next(entry for entry in trainer.state.log_history if "loss" in entry)
+    assert math.isfinite(entry["loss"]) and "bapo/clip_frac/upper" in entry
+
+
+def test_evaluate_searches_on_the_eval_batch(tiny_model_dir, tmp_path):
+    trainer = make_trainer(tiny_model_dir, tmp_path, per_device_eval_batch_size=GROUP)
+    metrics = trainer.evaluate(Dataset.from_list(addition_prompts(2 * GROUP, seed=3)))
+    assert math.isfinite(metrics["eval_loss"])
+    assert metrics["eval_bapo/search/micro_batches"] == 1
+    assert "eval_bapo/upper" in metrics
