@@ -1,0 +1,115 @@
+"""`bapo demo`, `bapo plot`, `bapo compare`, `bapo eval` (heavy imports inside the bodies)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import List, Optional
+
+import typer
+
+
+def demo(
+    quick: bool = typer.Option(False, "--quick", help="a ~2 minute glance: grpo and bapo, 20 updates"),
+    full: bool = typer.Option(False, "--full", help="adds topr, dcpo, partial rollout, 3 seeds"),
+    out: Optional[Path] = typer.Option(None, "--out", help="output dir (default runs/demo-<timestamp>)"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", help="runs in parallel processes "
+                                       "(default: one per CPU core)"),
+    threads: int = typer.Option(1, "--threads", help="torch threads per process"),
+    steps: Optional[int] = typer.Option(None, "--steps", help="updates per run (profile default)"),
+    sft_steps: Optional[int] = typer.Option(None, "--sft-steps", help="warm-start SFT steps"),
+    lr: Optional[float] = typer.Option(None, "--lr", help="RL learning rate (profile default)"),
+    staleness: Optional[int] = typer.Option(None, "--staleness",
+                                            help="the high staleness compared with 0"),
+    progress: bool = typer.Option(True, "--progress/--no-progress"),
+):
+    """The paper's staleness experiment in miniature on the built-in task and tiny model."""
+    from bapo.demo.demo import plan_for, run_demo
+
+    if quick and full:
+        raise typer.BadParameter("choose one of --quick and --full")
+    plan = plan_for("quick" if quick else "full" if full else "default", steps=steps,
+                    sft_steps=sft_steps, lr=lr,
+                    staleness=None if staleness is None else (0, staleness))
+    demo_dir = run_demo(plan, out, jobs=jobs, threads=threads, show_progress=progress)
+    typer.echo(f"report: {demo_dir / 'report.md'}")
+
+
+def plot(
+    run_dirs: List[Path] = typer.Argument(..., help="run directories, or folders of runs"),
+    out: Optional[Path] = typer.Option(None, "--out", help="default: <first RUN_DIR>/plots"),
+    target: Optional[float] = typer.Option(None, "--target", help="draw bapo's target share"),
+    smooth: Optional[int] = typer.Option(None, "--smooth", help="moving-average window (updates)"),
+):
+    """Redraw the PNG plots from the runs' metrics.jsonl."""
+    from bapo.demo.plots import plot_runs
+    from bapo.demo.runs import find_runs
+
+    paths = plot_runs(find_runs(run_dirs), out or run_dirs[0] / "plots", target, smooth)
+    for p in paths:
+        typer.echo(str(p))
+
+
+def compare(
+    run_dirs: List[Path] = typer.Argument(..., help="run directories, or folders of runs"),
+    markdown: bool = typer.Option(False, "--markdown", help="print a markdown table"),
+):
+    """Print the final table (held-out avg@k / pass@k, tail means) of several runs."""
+    from bapo.demo.report import format_cell, markdown_table, summary, table_columns
+    from bapo.demo.runs import find_runs
+
+    rows = summary(find_runs(run_dirs))
+    if markdown:
+        typer.echo(markdown_table(rows))
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    cols = table_columns(rows)
+    table = Table("setting", "method", *cols)
+    for r in rows:
+        table.add_row(r["setting"], r["method"], *(format_cell(*r[c], r["seeds"]) for c in cols))
+    Console().print(table)
+
+
+def evaluate(
+    model: str = typer.Option(..., "--model", help="model dir or Hugging Face id"),
+    data: Path = typer.Option(..., "--data", help="JSONL of {prompt, answer}"),
+    k: int = typer.Option(8, "--k", help="samples per prompt"),
+    verifier: str = typer.Option("auto", "--verifier",
+                                 help="auto | demo | math | exact | pkg.module:attr"),
+    max_new_tokens: int = typer.Option(48, "--max-new-tokens"),
+    temperature: float = typer.Option(1.0, "--temperature", help="0 = greedy"),
+    batch_size: int = typer.Option(256, "--batch-size", help="sequences per generate call"),
+    chat: bool = typer.Option(False, "--chat", help="wrap prompts with the chat template"),
+    limit: Optional[int] = typer.Option(None, "--limit", help="first N rows only"),
+    device: str = typer.Option("auto", "--device"),
+):
+    """avg@k and pass@k of a model on a JSONL file (batched sampling)."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as hf_logging
+
+    from bapo.demo.evaluate import evaluate as run_eval, load_verifier
+    from bapo.demo.task import read_jsonl
+
+    hf_logging.disable_progress_bar()  # stdout carries only the JSON line
+    rows = read_jsonl(data)[:limit]
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    tok = AutoTokenizer.from_pretrained(model)
+    if tok.pad_token_id is None:
+        tok.pad_token = tok.eos_token
+    lm = AutoModelForCausalLM.from_pretrained(model).to(device)
+    scores = run_eval(lm, tok, rows, k=k, verifier=load_verifier(verifier, rows),
+                      max_new_tokens=max_new_tokens, temperature=temperature,
+                      batch_size=batch_size, chat=chat)
+    typer.echo(json.dumps(scores))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("demo")(demo)
+    app.command("plot")(plot)
+    app.command("compare")(compare)
+    app.command("eval")(evaluate)

@@ -1,0 +1,90 @@
+"""Held-out evaluation: avg@k and pass@k with batched Hugging Face `generate`.
+
+avg@k  = mean over prompts of (correct samples / k)          (expected single-sample accuracy)
+pass@k = mean over prompts of [at least one of k is correct] (the unbiased estimator with n = k)
+Works for any causal LM + tokenizer that `AutoModelForCausalLM` loads: the demo's tiny model
+or a real one.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+Verifier = Callable[[str, dict], float]
+
+
+def load_verifier(name: str, rows: list[dict] | None = None) -> Verifier:
+    """"demo" (the built-in task's strict checker), "auto" (demo when every row is a demo-task
+    prompt, else "math"), or any bapo.train verifier: "math", "exact", "pkg.module:attr"."""
+    from bapo.demo.task import is_task_prompt, verify as demo_verify
+
+    if name == "auto":
+        name = "demo" if rows and all(is_task_prompt(r["prompt"]) for r in rows) else "math"
+    if name == "demo":
+        return demo_verify
+    from bapo.train import resolve_verifier
+
+    return resolve_verifier(name)
+
+
+def sample_responses(model, tokenizer, prompts: list[str], n: int, max_new_tokens: int,
+                     temperature: float = 1.0, batch_size: int = 256, chat: bool = False,
+                     seed: int | None = 0) -> list[list[str]]:
+    """n sampled responses per prompt -> [len(prompts)][n] decoded strings (specials dropped).
+
+    The prompts are repeated n times and generated in left-padded batches of `batch_size`
+    sequences; temperature 0 means greedy. `seed` reseeds torch first, so that two models are
+    scored with the same random numbers (a fairer comparison; None leaves the RNG alone).
+    """
+    import torch
+
+    if seed is not None:
+        torch.manual_seed(seed)
+    if chat:
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}],
+                                                 tokenize=False, add_generation_prompt=True)
+                   for p in prompts]
+    tokenizer.padding_side = "left"
+    flat = [p for p in prompts for _ in range(n)]
+    texts: list[str] = []
+    sampling = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) \
+        if temperature > 0 else dict(do_sample=False)
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        for start in range(0, len(flat), batch_size):
+            batch = tokenizer(flat[start:start + batch_size], return_tensors="pt",
+                              padding=True, add_special_tokens=not chat).to(model.device)
+            out = model.generate(**batch, max_new_tokens=max_new_tokens,
+                                 pad_token_id=tokenizer.pad_token_id, **sampling)
+            new_tokens = out[:, batch["input_ids"].shape[1]:]
+            texts += tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+    model.train(was_training)
+    return [texts[i * n:(i + 1) * n] for i in range(len(prompts))]
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k from n samples with c correct (Chen et al. 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def evaluate(model, tokenizer, rows: list[dict], k: int = 8, verifier: Verifier | None = None,
+             max_new_tokens: int = 48, temperature: float = 1.0, batch_size: int = 256,
+             chat: bool = False, seed: int | None = 0) -> dict[str, float]:
+    """Score k samples per row of `rows` ({"prompt", "answer", ...}) with `verifier`.
+
+    Returns {"avg@{k}", "pass@{k}", "response_length/mean" (characters), "n" (rows)}.
+    """
+    if verifier is None:
+        from bapo.demo.task import verify as verifier
+    samples = sample_responses(model, tokenizer, [r["prompt"] for r in rows], k,
+                               max_new_tokens, temperature, batch_size, chat, seed)
+    correct = [sum(verifier(s, r) > 0.5 for s in group) for group, r in zip(samples, rows)]
+    lengths = [len(s) for group in samples for s in group]
+    return {f"avg@{k}": sum(correct) / (k * len(rows)),
+            f"pass@{k}": sum(pass_at_k(k, c, k) for c in correct) / len(rows),
+            "response_length/mean": sum(lengths) / len(lengths),
+            "n": float(len(rows))}

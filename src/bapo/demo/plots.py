@@ -1,0 +1,103 @@
+"""PNG plots from metrics.jsonl: one figure per quantity, one panel per setting (staleness),
+one line per method (mean over seeds, shaded +- std when there are several)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+from bapo.demo.runs import Run, group_runs
+
+# file name -> (title, [(metrics key, line style)]); two keys share a panel (solid, dashed)
+FIGURES = {
+    "reward": ("training reward (mean)", [("reward/mean", "-")]),
+    "heldout_accuracy": ("held-out accuracy (avg@k, sampled)", [("heldout/accuracy", "-")]),
+    "entropy": ("policy entropy (nats / token)", [("entropy", "-")]),
+    "positive_share": ("positive-advantage share of the loss", [("positive_share", "-")]),
+    "grad_norm": ("gradient norm (before clipping)", [("grad_norm", "-")]),
+    "bounds": ("clip bounds: upper (solid), lower (dashed)", [("upper", "-"), ("lower", "--")]),
+    "clip_fraction": ("clipped tokens: upper (solid), lower (dashed)",
+                      [("clip_frac/upper", "-"), ("clip_frac/lower", "--")]),
+}
+COLORS = {"grpo": "tab:blue", "clip-higher": "tab:orange", "bapo": "tab:green",
+          "topr": "tab:purple", "dcpo": "tab:brown", "dual-clip": "tab:gray"}
+
+
+def _smooth(values: list[float], window: int) -> list[float]:
+    """Trailing moving average (the first points average what exists so far)."""
+    out, acc = [], 0.0
+    for i, v in enumerate(values):
+        acc += v
+        if i >= window:
+            acc -= values[i - window]
+        out.append(acc / min(i + 1, window))
+    return out
+
+
+def _seed_band(runs: list[Run], key: str, window: int):
+    """(steps, mean, std) over seeds at the steps every seed logged; None when no data."""
+    per_seed = [dict(zip(*r.series(key))) for r in runs]
+    steps = sorted(set.intersection(*(set(s) for s in per_seed)))
+    if not steps:
+        return None
+    curves = [_smooth([s[t] for t in steps], window) for s in per_seed]
+    mean = [sum(c[i] for c in curves) / len(curves) for i in range(len(steps))]
+    std = [math.sqrt(sum((c[i] - mean[i]) ** 2 for c in curves) / max(1, len(curves) - 1))
+           for i in range(len(steps))]
+    return steps, mean, std
+
+
+def plot_runs(runs: list[Run], out_dir: Path, target_share: float | None = None,
+              smooth: int | None = None) -> list[Path]:
+    """Write one PNG per entry of FIGURES that has data into `out_dir`; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    groups = group_runs(runs)
+    longest = max(len(r.rows) for r in runs)
+    window = smooth or max(1, longest // 12)
+    written = []
+    for name, (title, keys) in FIGURES.items():
+        if not any(r.series(k)[0] for r in runs for k, _ in keys):
+            continue
+        fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 3.4),
+                                 sharey=True, squeeze=False)
+        for ax, (setting, by_method) in zip(axes[0], groups.items()):
+            for rank, (method, method_runs) in enumerate(by_method.items()):
+                color = COLORS.get(method)
+                width = max(0.8, 2.6 - 0.6 * rank)  # identical curves (staleness 0) stay visible
+                for key, style in keys:
+                    band = _seed_band(method_runs, key, 1 if key.startswith("heldout") else window)
+                    if band is None:
+                        continue
+                    steps, mean, std = band
+                    label = method if style == "-" or len(keys) == 1 else None
+                    line, = ax.plot(steps, mean, style, color=color, label=label, lw=width)
+                    if len(method_runs) > 1:
+                        ax.fill_between(steps, [m - s for m, s in zip(mean, std)],
+                                        [m + s for m, s in zip(mean, std)],
+                                        color=line.get_color(), alpha=0.15, lw=0)
+            if name == "positive_share" and target_share is not None:
+                ax.axhline(target_share, color="k", ls=":", lw=1, label="bapo target")
+            ax.set_title(setting)
+            ax.set_xlabel("update")
+            ax.grid(alpha=0.3)
+        axes[0][0].set_ylabel(name.replace("_", " "))
+        legend = {}  # one legend for the figure: every method of every panel, once
+        for ax in axes[0]:
+            for handle, label in zip(*ax.get_legend_handles_labels()):
+                legend.setdefault(label, handle)
+        axes[0][-1].legend(legend.values(), legend.keys(), fontsize=8, loc="best")
+        fig.suptitle(title + (f"  (moving average over {window} updates)"
+                              if window > 1 and not name.startswith("heldout") else ""),
+                     fontsize=10)
+        fig.tight_layout()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        written.append(path)
+    return written
