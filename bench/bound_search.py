@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
 import statistics
 import subprocess
 import sys
@@ -70,18 +69,21 @@ def policy_loss_forward_backward(log_prob, old_log_prob, advantages, mask):
 
 
 def peak_extra_bytes(tokens: int) -> int:
-    """Peak RSS growth of one search, in a fresh process whose inputs were filled in place (so
-    that no larger temporary raised the peak before the search starts)."""
+    """Peak RSS growth of one search, in a fresh process holding only its inputs: the kernel's
+    high-water mark (VmHWM) is reset to the current RSS (/proc/self/clear_refs) right before the
+    search, then read after it (ru_maxrss would not do: it survives fork and exec)."""
     code = (
-        "import resource, torch, sys; sys.path.insert(0, %r)\n"
+        "import re, torch, sys; sys.path.insert(0, %r)\n"
         "from bench.bound_search import search\n"
+        "kb = lambda key: int(re.search(key + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
         "ratio = torch.empty(%d, 1024).log_normal_(0.0, 0.3)\n"
         "advantages = torch.empty_like(ratio).normal_().sub_(0.35)\n"
         "mask = torch.empty_like(ratio, dtype=torch.bool).bernoulli_(0.9)\n"
         "search(ratio[:2], advantages[:2], mask[:2])\n"  # load kernels before the baseline
-        "before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss\n"
+        "open('/proc/self/clear_refs', 'w').write('5')\n"
+        "before = kb('VmRSS')\n"
         "search(ratio, advantages, mask)\n"
-        "print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) * 1024)\n"
+        "print((kb('VmHWM') - before) * 1024)\n"
     ) % (str(Path(__file__).resolve().parents[1]), tokens // 1024)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])

@@ -9,8 +9,10 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-#: Characters of the toy vocabulary (digits and arithmetic), after the special tokens.
-CHARS = "0123456789+=-*xyz ."
+#: Characters of the toy vocabulary (digits and arithmetic), after the special tokens. No space
+#: or newline: transformers 5 reloads any tokenizer saved beside a qwen2 config as the byte-level
+#: Qwen2Tokenizer, which would silently drop plain " " / "\n" entries.
+CHARS = "0123456789+=-*xyz."
 SPECIAL_TOKENS = ["<pad>", "<eos>", "<unk>"]
 
 
