@@ -1,9 +1,9 @@
 """Rollout and update throughput of bapo's trainer vs TRL's GRPOTrainer, same model/batch/lengths, one run.
 
-    OMP_NUM_THREADS=2 python bench/trainer.py                 # tiny random Qwen2 on CPU
+    OMP_NUM_THREADS=2 python bench/trainer.py                 # tiny random Llama on CPU
     python bench/trainer.py --device cuda --hidden 256 --new-tokens 64
 
-Setup shared by every row: one locally built Qwen2 (random init, char tokenizer), P prompts x G
+Setup shared by every row: one locally built tiny Llama (random init, the demo's char tokenizer), P prompts x G
 responses per rollout, at most L new tokens, temperature 1, no top-k/top-p, two optimizer updates
 per rollout batch over micro-batches of M sequences, AdamW (lr 1e-6: lengths must not drift
 apart), grad-clip 1.0, no KL, fp32.
@@ -185,10 +185,10 @@ def main() -> None:
     if options.threads:
         torch.set_num_threads(options.threads)
 
-    from bapo.integrations.trl.tiny import addition_prompts, build_tiny_qwen2
+    from bapo.integrations.trl.tiny import addition_prompts, build_tiny_model
 
     workdir = Path(tempfile.mkdtemp(prefix="bapo-bench-"))
-    model_dir = build_tiny_qwen2(workdir / "model", hidden_size=options.hidden, num_layers=options.layers)
+    model_dir = build_tiny_model(workdir / "model", hidden_size=options.hidden, num_layers=options.layers)
     rows = addition_prompts(options.prompts * (options.rollouts + 2) * 4, seed=1)
     systems = {"bapo": lambda run_dir: bench_bapo(model_dir, rows, options, run_dir),
                "trl": lambda run_dir: bench_trl(model_dir, rows, options, run_dir, bapo=False)}
@@ -201,7 +201,7 @@ def main() -> None:
             runs[name].append(systems[name](workdir / f"repeat{repeat}"))
     results = {name: best(measured) for name, measured in runs.items()}
 
-    print(f"\nQwen2 {options.layers}x{options.hidden}, {options.prompts}x{options.group} responses <= "
+    print(f"\nLlama {options.layers}x{options.hidden}, {options.prompts}x{options.group} responses <= "
           f"{options.new_tokens} tokens, micro-batch {options.micro_batch}, {options.rollouts} timed rollouts, "
           f"device {options.device}, torch threads {torch.get_num_threads()}")
     print(f"{'system':12s} {'rollout tok/s':>14s} {'update tok/s':>13s} {'rollout s':>10s} {'update s':>9s} "

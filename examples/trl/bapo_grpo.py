@@ -1,6 +1,6 @@
 """BAPO inside TRL's GRPOTrainer: a runnable example (CPU by default, no downloads).
 
-    python examples/trl/bapo_grpo.py                          # tiny random Qwen2, toy addition task
+    python examples/trl/bapo_grpo.py                          # tiny random Llama, toy addition task
     python examples/trl/bapo_grpo.py --model PATH_OR_HF_ID    # your model (a tokenizer with a pad token)
     python examples/trl/bapo_grpo.py --method grpo            # any bapo.core loss: grpo, clip-higher, ...
 
@@ -18,7 +18,7 @@ from pathlib import Path
 from datasets import Dataset
 
 from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer
-from bapo.integrations.trl.tiny import addition_prompts, build_tiny_qwen2, digit_match_reward
+from bapo.integrations.trl.tiny import addition_prompts, build_tiny_model, digit_match_reward
 
 SHOWN = ("reward", "entropy", "bapo/lower", "bapo/upper", "bapo/positive_share", "bapo/search/positive_share",
          "bapo/clip_frac/upper", "bapo/clip_frac/lower", "bapo/ratio/max")
@@ -26,7 +26,7 @@ SHOWN = ("reward", "entropy", "bapo/lower", "bapo/upper", "bapo/positive_share",
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", default=None, help="model path or HF id (default: build a tiny Qwen2)")
+    parser.add_argument("--model", default=None, help="model path or HF id (default: build a tiny Llama)")
     parser.add_argument("--method", default="bapo", help="bapo.core loss (bapo, grpo, clip-higher, dual-clip, topr, dcpo)")
     parser.add_argument("--target", type=float, default=0.4, help="BAPO positive-share target rho0")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps")
@@ -35,7 +35,7 @@ def main() -> None:
     options = parser.parse_args()
 
     workdir = Path(options.output_dir or tempfile.mkdtemp(prefix="bapo-trl-"))
-    model = options.model or str(build_tiny_qwen2(workdir / "tiny-qwen2"))
+    model = options.model or str(build_tiny_model(workdir / "tiny-model"))
     args = BAPOGRPOConfig(
         output_dir=str(workdir / "run"),
         bapo_method=options.method,

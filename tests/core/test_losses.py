@@ -89,7 +89,7 @@ def test_bapo_uses_given_bounds_or_searches_them():
     assert (searched["lower"], searched["upper"]) == (found.lower, found.upper)
     given_loss, given = policy_loss(log_prob, old, advantages, mask, "bapo", bounds=(0.7, 2.0))
     grpo_loss, _ = policy_loss(log_prob, old, advantages, mask, "grpo", lower=0.7, upper=2.0)
-    assert (given["lower"], given["upper"]) == (0.7, 2.0) and float(given_loss) == pytest.approx(float(grpo_loss))
+    assert (given["lower"], given["upper"]) == (0.7, 2.0) and float(given_loss.detach()) == pytest.approx(float(grpo_loss.detach()))
 
 
 def test_aggregation_modes_and_micro_batch_normalizer():

@@ -1,4 +1,4 @@
-"""bapo inside TRL's GRPOTrainer, on CPU with a tiny config-built Qwen2 and a char tokenizer.
+"""bapo inside TRL's GRPOTrainer, on CPU with a tiny config-built Llama and a char tokenizer.
 
 Two kinds of checks:
 - loss checks on hand-built TRL micro-batches (old log-probs perturbed so that ratios differ
@@ -23,7 +23,7 @@ from trl import GRPOTrainer  # noqa: E402
 
 from bapo.core import BAPOConfig, policy_loss, search_bounds, token_ratio  # noqa: E402
 from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer  # noqa: E402
-from bapo.integrations.trl.tiny import addition_prompts, build_tiny_qwen2, digit_match_reward  # noqa: E402
+from bapo.integrations.trl.tiny import addition_prompts, build_tiny_model, digit_match_reward  # noqa: E402
 
 GROUP = 4
 MICRO_BATCH = 4
@@ -33,7 +33,7 @@ STEPS_PER_GENERATION = 4
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory):
-    return str(build_tiny_qwen2(tmp_path_factory.mktemp("tiny-qwen2")))
+    return str(build_tiny_model(tmp_path_factory.mktemp("tiny-model")))
 
 
 def make_args(tmp_path, **overrides) -> BAPOGRPOConfig:
