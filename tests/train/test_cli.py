@@ -41,3 +41,14 @@ def test_bapo_train_reports_config_errors(tiny_model, tmp_path):
     assert "did you mean 'loss.method'" in result.output
     result = CliRunner().invoke(app, ["train", str(tmp_path / "missing.yaml")])
     assert result.exit_code == 2 and "not found" in result.output
+
+
+def test_a_partial_last_line_from_a_kill_is_skipped_on_read_and_resume(tmp_path):
+    from bapo.train.metrics import MetricsLog
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": "nan"}\n{"step": 2, "loss": 0.25}\n{"step": 3, "lo')
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
+    log = MetricsLog(tmp_path, tensorboard="off", resume_step=2)
+    log.write({"step": 3, "loss": float("inf")})
+    log.close()
+    assert read_metrics(tmp_path) == [{"step": 1, "loss": "nan"}, {"step": 2, "loss": 0.25}, {"step": 3, "loss": "inf"}]

@@ -14,6 +14,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bapo.train.metrics import read_metrics
+
 
 @dataclass
 class Run:
@@ -37,17 +39,6 @@ class Run:
             return math.nan
         tail = values[-max(1, int(len(values) * share)):]
         return sum(tail) / len(tail)
-
-
-def read_metrics(path: Path) -> list[dict]:
-    rows = []
-    for line in Path(path).read_text().splitlines():
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError:  # a run killed mid-write leaves a partial last line
-                continue
-    return rows
 
 
 def _identity(run_dir: Path) -> tuple[str, str, int]:
@@ -74,7 +65,7 @@ def load_run(run_dir: Path) -> Run:
     method, setting, seed = _identity(run_dir)
     final_file = run_dir / "final_eval.json"
     final = json.loads(final_file.read_text()) if final_file.exists() else {}
-    return Run(run_dir, method, setting, seed, read_metrics(run_dir / "metrics.jsonl"), final)
+    return Run(run_dir, method, setting, seed, read_metrics(run_dir), final)
 
 
 def find_runs(paths: list[Path]) -> list[Run]:

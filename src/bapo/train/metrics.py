@@ -25,15 +25,30 @@ def _json_value(value):
     return value
 
 
+def _row_line(row: dict) -> str:
+    return json.dumps({k: _json_value(v) for k, v in row.items()}) + "\n"
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The rows of RUN_DIR/metrics.jsonl, in order. A line that does not parse (the partial last
+    line of a run killed mid-write) is skipped, so a killed run can still be read and resumed."""
+    rows = []
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
 class MetricsLog:
     def __init__(self, run_dir: Path, tensorboard: str = "auto", resume_step: int | None = None):
         self.path = Path(run_dir) / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
             # rows written after the checkpoint we resume from are replayed: drop them
-            rows = [line for line in self.path.read_text().splitlines()
-                    if line.strip() and json.loads(line)["step"] <= resume_step]
+            rows = [row for row in read_metrics(run_dir) if row["step"] <= resume_step]
             tmp = self.path.with_suffix(".jsonl.tmp")
-            tmp.write_text("".join(r + "\n" for r in rows))
+            tmp.write_text("".join(_row_line(row) for row in rows))
             os.replace(tmp, self.path)  # a kill now leaves the old file, never half of it
         elif resume_step is None:
             self.path.write_text("")
@@ -48,7 +63,7 @@ class MetricsLog:
                     raise RuntimeError("run.tensorboard=on needs the tensorboard package (pip install bapo[tensorboard])")
 
     def write(self, row: dict) -> None:
-        self.file.write(json.dumps({k: _json_value(v) for k, v in row.items()}) + "\n")
+        self.file.write(_row_line(row))
         self.file.flush()
         if self.writer is not None:
             for key, value in row.items():
@@ -59,11 +74,6 @@ class MetricsLog:
         self.file.close()
         if self.writer is not None:
             self.writer.close()
-
-
-def read_metrics(run_dir: Path) -> list[dict]:
-    path = Path(run_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 class RichProgress:
