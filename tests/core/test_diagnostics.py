@@ -1,5 +1,7 @@
 """Diagnostics: clip fractions, quadrants, and the Entropy-Clip Rule's sign on a softmax policy."""
 
+import math
+
 import pytest
 import torch
 
@@ -54,3 +56,13 @@ def test_entropy_change_estimate_predicts_the_sign_of_a_real_step(seed):
         after = entropy_from_logits((logits - 0.5 * logits.grad)[None, None]).item()
     assert (after - before) * metrics["entropy_change_estimate"] > 0
     assert (after < before) == favour_likely  # reinforcing likely tokens lowers entropy
+
+
+def test_k3_kl_is_nonnegative_finite_and_exact_in_range():
+    from bapo.core import k3_kl
+
+    log_ratio = torch.tensor([-1e4, -2.0, 0.0, 0.5, 1e4])
+    kl = k3_kl(log_ratio)
+    assert torch.isfinite(kl).all() and (kl >= 0).all() and kl[2] == 0
+    assert kl[3].item() == pytest.approx(math.exp(0.5) - 0.5 - 1)
+    assert kl[0].item() == pytest.approx(math.exp(-20) + 20 - 1)  # clamped like the ratio

@@ -22,6 +22,13 @@ def token_ratio(log_prob: Tensor, old_log_prob: Tensor) -> Tensor:
     return torch.exp((log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
+def k3_kl(log_ratio: Tensor) -> Tensor:
+    """Per-token k3 estimate exp(x) - x - 1 >= 0 of KL(p || q), x = log q - log p on samples of p
+    ([B, T]); x is clamped like the ratio so the estimate stays finite."""
+    clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    return clamped.exp() - clamped - 1.0
+
+
 def entropy_from_logits(logits: Tensor) -> Tensor:
     """Per-token entropy [B, T] of the softmax over logits [B, T, V]."""
     log_probs = torch.log_softmax(logits.float(), dim=-1)
@@ -63,7 +70,6 @@ def clip_diagnostics(
     counted = mask.to(torch.bool)
     weight = counted.float()
     ratio = token_ratio(log_prob, old_log_prob)
-    log_ratio = (log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
     positive = counted & (advantages > 0)
     negative = counted & (advantages < 0)
@@ -107,7 +113,7 @@ def clip_diagnostics(
         entropy = entropy_from_logits(logits)
     if entropy is not None:
         put("entropy", _masked_mean(entropy.detach().float(), weight))
-    put("approx_kl", _masked_mean(ratio - 1.0 - log_ratio, weight))
+    put("approx_kl", _masked_mean(k3_kl(log_prob - old_log_prob), weight))
     put("ratio/mean", _masked_mean(ratio, weight))
     put("ratio/max", torch.where(counted, ratio, 0.0).amax() if ratio.numel() else torch.zeros(()))
     put("ratio/min", torch.where(counted, ratio, float("inf")).amin().nan_to_num(posinf=0.0) if ratio.numel() else torch.zeros(()))

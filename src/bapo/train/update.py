@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from bapo.core import BAPOConfig, BoundStats, aggregate_loss, policy_loss, token_ratio
+from bapo.core import BAPOConfig, BoundStats, aggregate_loss, k3_kl, policy_loss, token_ratio
 from bapo.train.config import TrainConfig
 from bapo.train.rollout import Batch, token_log_probs
 
@@ -87,8 +87,7 @@ def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig
         loss, metrics = policy_loss(log_prob, mb.old_log_prob, mb.advantages, mb.response_mask, cfg.loss.method,
                                     loss_agg_mode=cfg.loss.agg_mode, normalizer=normalizer, entropy=entropy, **params)
         if cfg.loss.kl_coef > 0:  # k3 estimate of KL(pi || ref), verl's "low_var_kl"
-            log_ref = (mb.ref_log_prob - log_prob).clamp(-20, 20)
-            kl = aggregate_loss(log_ref.exp() - log_ref - 1, mb.response_mask, cfg.loss.agg_mode, normalizer)
+            kl = aggregate_loss(k3_kl(mb.ref_log_prob - log_prob), mb.response_mask, cfg.loss.agg_mode, normalizer)
             loss = loss + cfg.loss.kl_coef * kl
             metrics["kl_loss"] = float(kl.detach())
         if cfg.loss.entropy_coef > 0:
