@@ -27,6 +27,7 @@ from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
 from bapo.core import BoundStats, SearchResult, aggregate_loss, policy_loss, token_ratio
+from bapo.core.validation import per_token
 from bapo.integrations.trl.config import BAPOGRPOConfig
 
 #: Optional (multimodal) fields of TRL's batch that its forward helper takes by the same name.
@@ -192,8 +193,7 @@ class BAPOGRPOTrainer(GRPOTrainer):
     @staticmethod
     def _advantages(inputs: dict[str, Any], mask: Tensor) -> Tensor:
         """[B, T] advantages (TRL gives [B], or [B, T] from subclasses)."""
-        advantages = inputs["advantages"]
-        return (advantages.unsqueeze(1) if advantages.dim() == 1 else advantages).expand_as(mask).float()
+        return per_token(inputs["advantages"], mask).float()
 
     @staticmethod
     def _old_log_prob(inputs: dict[str, Any], log_prob: Tensor) -> Tensor:
