@@ -168,3 +168,15 @@ def test_bad_input_names_the_argument(kwargs, name):
     args.update(kwargs)
     with pytest.raises(ValueError, match=name):
         policy_loss(**args)
+
+
+def test_bapo_search_inside_the_loss_weighs_tokens_by_importance_weights():
+    generator = torch.Generator().manual_seed(5)
+    log_prob = 0.5 * torch.randn(4, 12, generator=generator)
+    advantages = torch.randn(4, generator=generator)
+    mask = torch.ones(4, 12)
+    weights = torch.rand(4, 12, generator=generator) * 2
+    cfg = BAPOConfig(target=0.5, lower_step=0.05)
+    _, metrics = policy_loss(log_prob, torch.zeros(4, 12), advantages, mask, "bapo", bapo=cfg, importance_weights=weights)
+    found = BoundStats(cfg).add(token_ratio(log_prob, torch.zeros(4, 12)), advantages, mask, weights=weights).solve(sync=False)
+    assert (metrics["lower"], metrics["upper"]) == (found.lower, found.upper)

@@ -158,3 +158,15 @@ def test_bad_config_names_the_field(kwargs, field):
 def test_bad_input_names_the_argument(bad, name):
     with pytest.raises(ValueError, match=name):
         search_bounds(*bad, CONFIGS[0])
+
+
+@settings(max_examples=100, deadline=None)
+@given(token_batches(), st.lists(st.sampled_from([0.0, 0.5, 1.0, 2.0]), min_size=48, max_size=48))
+def test_weights_scale_each_tokens_contribution(case, weight_values):
+    """A token of weight w counts w*|r*A|: the reference loop on advantages w*A decides the same."""
+    cfg, ratio, advantages, mask = case
+    weights = torch.tensor(weight_values[: ratio.numel()], dtype=ratio.dtype).reshape(ratio.shape)
+    found = search_bounds(ratio, advantages, mask, cfg, weights=weights)
+    assert (found.lower, found.upper, found.reached, found.steps) == reference_search(ratio, advantages * weights, mask, cfg)
+    with pytest.raises(ValueError, match="weights"):
+        search_bounds(ratio, advantages, mask, cfg, weights=-torch.ones_like(ratio))

@@ -24,13 +24,15 @@ LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "se
 
 @dataclass(frozen=True)
 class TokenBatch:
-    """Per-token tensors of one (micro-)batch, all [B, T]; ratio = exp(clamped log_prob - old_log_prob)."""
+    """Per-token tensors of one (micro-)batch, all [B, T]; ratio = exp(clamped log_prob - old_log_prob).
+    importance_weights are applied by policy_loss; a loss reads them only to weigh tokens (BAPO's search)."""
 
     log_prob: Tensor
     old_log_prob: Tensor
     ratio: Tensor
     advantages: Tensor
     mask: Tensor
+    importance_weights: Tensor | None = None  # [B, T] multipliers policy_loss applies to the token loss
 
 
 @dataclass
@@ -96,12 +98,14 @@ def bapo_loss(batch: TokenBatch, *, bapo: BAPOConfig | None = None, bounds: tupl
     """Clipped surrogate with BAPO's adaptive bounds.
 
     bounds: (lower, upper) already solved over the whole update (BoundStats over all
-    micro-batches and ranks); None = search on this batch alone with `bapo` (default BAPOConfig()).
+    micro-batches and ranks); None = search on this batch alone with `bapo` (default BAPOConfig()),
+    each token weighted by its importance weight as in BoundStats.add.
     """
     metrics: dict[str, float] = {}
     if bounds is None:
         # policy_loss has validated the inputs already.
-        found = BoundStats(bapo or BAPOConfig()).add(batch.ratio, batch.advantages, batch.mask, validate=False).solve(sync=False)
+        found = BoundStats(bapo or BAPOConfig()).add(batch.ratio, batch.advantages, batch.mask,
+                                                     weights=batch.importance_weights, validate=False).solve(sync=False)
         bounds = (found.lower, found.upper)
         metrics = {"bapo/reached": float(found.reached), "bapo/steps": float(found.steps)}
     lower, upper = bounds
@@ -215,11 +219,13 @@ def policy_loss(
             named["importance_weights"] = importance_weights
         check_token_inputs(named, mask, reference="log_prob", allow_row_vector=("advantages",))
     advantages = per_token(advantages, log_prob).to(log_prob.dtype)
-    batch = TokenBatch(log_prob, old_log_prob.detach(), token_ratio(log_prob, old_log_prob.detach()), advantages.detach(), mask)
+    weights = None if importance_weights is None else importance_weights.detach()
+    batch = TokenBatch(log_prob, old_log_prob.detach(), token_ratio(log_prob, old_log_prob.detach()),
+                       advantages.detach(), mask, weights)
     result = fn(batch, **params)
     token_loss = result.loss
     if importance_weights is not None:
-        token_loss = token_loss * importance_weights.detach().to(token_loss.dtype)
+        token_loss = token_loss * weights.to(token_loss.dtype)
     loss = aggregate_loss(token_loss, mask, loss_agg_mode, normalizer)
     metrics = clip_diagnostics(log_prob, old_log_prob, advantages, mask, result.lower, result.upper,
                                entropy=entropy, logits=logits)

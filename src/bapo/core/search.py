@@ -111,17 +111,14 @@ def _contributions(ratio: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Ten
     return ratio.to(torch.float64), positive_weight, negative_weight
 
 
-def _check_search_inputs(ratio: Tensor, advantages: Tensor, mask: Tensor) -> None:
-    check_token_inputs(
-        {"ratio": ratio, "advantages": advantages},
-        mask,
-        reference="ratio",
-        allow_row_vector=("advantages",),
-        extra_checks=(
-            (lambda named: ~((named["ratio"] >= 0) & (named["ratio"] < math.inf)).all(),
-             "ratio: must be finite and >= 0; compute it as exp(clamp(log_prob - old_log_prob, -20, 20))"),
-        ),
-    )
+def _check_search_inputs(ratio: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor | None = None) -> None:
+    named = {"ratio": ratio, "advantages": advantages}
+    checks = [(lambda named: ~((named["ratio"] >= 0) & (named["ratio"] < math.inf)).all(),
+               "ratio: must be finite and >= 0; compute it as exp(clamp(log_prob - old_log_prob, -20, 20))")]
+    if weights is not None:
+        named["weights"] = weights
+        checks.append((lambda named: (named["weights"] < 0).any(), "weights: must be >= 0 (per-token loss multipliers)"))
+    check_token_inputs(named, mask, reference="ratio", allow_row_vector=("advantages",), extra_checks=tuple(checks))
 
 
 def positive_share(ratio: Tensor, advantages: Tensor, mask: Tensor, lower: float, upper: float) -> float:
@@ -188,14 +185,21 @@ class BoundStats:
             self._boundaries[dtype] = torch.cat([lower, upper]).to(self.device)
         return self._boundaries[dtype]
 
-    def add(self, ratio: Tensor, advantages: Tensor, mask: Tensor, *, validate: bool = True) -> "BoundStats":
-        """Accumulate one micro-batch. ratio, mask: [B, T]; advantages: [B, T] or [B]."""
+    def add(self, ratio: Tensor, advantages: Tensor, mask: Tensor, *, weights: Tensor | None = None,
+            validate: bool = True) -> "BoundStats":
+        """Accumulate one micro-batch. ratio, mask: [B, T]; advantages: [B, T] or [B].
+
+        weights: optional [B, T] per-token loss multipliers >= 0 (rollout importance weights, TRL's
+        masks): a token then contributes w*|r*A|, what it contributes to the gradient.
+        """
         if validate:
-            _check_search_inputs(ratio, advantages, mask)
+            _check_search_inputs(ratio, advantages, mask, weights)
         self._ensure(ratio.device)
         compute = torch.float64 if ratio.dtype == torch.float64 else torch.float32
         ratio = ratio.detach().to(self.device, compute)
         advantages = per_token(advantages.detach().to(self.device, compute), ratio)
+        if weights is not None:  # w >= 0 keeps each token's side; |r*(w*A)| = w*|r*A|
+            advantages = advantages * weights.detach().to(self.device, compute)
         counted = mask.to(self.device, torch.bool)
         positive, negative = counted & (advantages > 0), counted & (advantages < 0)
 
@@ -274,9 +278,10 @@ def solve_from_sums(positive_sums: Tensor, negative_sums: Tensor, config: BAPOCo
     )
 
 
-def search_bounds(ratio: Tensor, advantages: Tensor, mask: Tensor, config: BAPOConfig) -> SearchResult:
+def search_bounds(ratio: Tensor, advantages: Tensor, mask: Tensor, config: BAPOConfig, *,
+                  weights: Tensor | None = None) -> SearchResult:
     """Bounds of Algorithm 1 on this batch alone (no cross-rank sync; use BoundStats for that).
 
-    ratio, mask: [B, T]; advantages: [B, T] or [B].
+    ratio, mask: [B, T]; advantages: [B, T] or [B]; weights: optional [B, T] (see BoundStats.add).
     """
-    return BoundStats(config, device=ratio.device).add(ratio, advantages, mask).solve(sync=False)
+    return BoundStats(config, device=ratio.device).add(ratio, advantages, mask, weights=weights).solve(sync=False)

@@ -133,8 +133,7 @@ class BAPOGRPOTrainer(GRPOTrainer):
                 log_prob, entropy = self._search_log_probs(model, inputs, mask, just_generated)
                 old_log_prob = self._old_log_prob(inputs, log_prob)
                 weights = self._token_weights(inputs, log_prob, old_log_prob, entropy, mask, advantages)
-                weighted_advantages = advantages if weights is None else advantages * weights
-                stats.add(token_ratio(log_prob, old_log_prob), weighted_advantages, mask)
+                stats.add(token_ratio(log_prob, old_log_prob), advantages, mask, weights=weights)
                 tokens += float(mask.sum())
         search = stats.solve()
         search_metrics = {

@@ -56,11 +56,9 @@ def add_bound_stats(model_output: dict, data: TensorDict, dp_group=None, *, stat
     log_prob = no_padding_2_padding(model_output["log_probs"], data)  # [B, T]
     fields = [*PROBE_FIELDS, *(["rollout_is_weights"] if "rollout_is_weights" in data else [])]
     tokens = data.select(*fields).to_padded_tensor()
-    advantages = tokens["advantages"]
-    if "rollout_is_weights" in tokens:
-        advantages = advantages * tokens["rollout_is_weights"]  # w > 0: same sign, weighted |r*A|
+    weights = tokens["rollout_is_weights"].to(log_prob.dtype) if "rollout_is_weights" in tokens else None
     ratio = token_ratio(log_prob, tokens["old_log_probs"].to(log_prob.dtype))
-    stats.add(ratio, advantages.to(log_prob.dtype), tokens["response_mask"].to(torch.bool))
+    stats.add(ratio, tokens["advantages"].to(log_prob.dtype), tokens["response_mask"].to(torch.bool), weights=weights)
     return torch.zeros((), device=log_prob.device), {}
 
 
