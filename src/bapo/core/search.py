@@ -25,6 +25,7 @@ from bapo.core.validation import check_token_inputs, per_token
 GRID_TOLERANCE = 1e-9
 ORDERS = ("upper-first", "lower-first")
 TARGET_KINDS = ("share", "pos_neg")
+SCOPES = ("step", "micro_batch")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,9 @@ class BAPOConfig:
     lower_*: the lower ratio bound starts at lower_start and rises by lower_step up to lower_max.
     upper_*: the upper ratio bound starts at upper_start and rises by upper_step up to upper_max.
     order: "upper-first" (paper: admit more positive tokens first) or "lower-first" (recipe).
+    scope: "step" (bounds solved once over every micro-batch of the optimizer step and every rank)
+      or "micro_batch" (solved on each micro-batch from the forward it already runs, one
+      all-reduce per micro-batch, no extra forward).
     """
 
     target: float = 0.4
@@ -47,8 +51,11 @@ class BAPOConfig:
     upper_step: float = 0.05
     order: str = "upper-first"
     target_kind: str = "share"
+    scope: str = "step"
 
     def __post_init__(self) -> None:
+        if self.scope not in SCOPES:
+            raise ValueError(f"scope: {self.scope!r} is not one of {SCOPES}")
         if self.target_kind not in TARGET_KINDS:
             raise ValueError(f"target_kind: {self.target_kind!r} is not one of {TARGET_KINDS}")
         if self.target_kind == "share" and not 0.0 < self.target < 1.0:

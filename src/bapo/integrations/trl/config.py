@@ -71,6 +71,7 @@ class BAPOGRPOConfig(GRPOConfig):
     bapo_upper_step: float = _bapo_field("upper_step", "BAPO: step of the upper bound.")
     bapo_order: str = _bapo_field("order", "BAPO: 'upper-first' (paper) or 'lower-first' (public recipe).")
     bapo_target_kind: str = _bapo_field("target_kind", "BAPO: 'share' (paper) or 'pos_neg' (public recipe).")
+    bapo_scope: str = _bapo_field("scope", "BAPO: bounds per optimizer 'step' (exact) or per 'micro_batch' (no extra forward).")
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -49,6 +49,7 @@ class BAPOPolicyLossConfig(PolicyLossConfig):
     loss_mode: str = "bapo"
     target: float = BAPOConfig.target
     target_kind: str = BAPOConfig.target_kind
+    scope: str = BAPOConfig.scope
     order: str = BAPOConfig.order
     lower_start: float = BAPOConfig.lower_start
     lower_max: float = BAPOConfig.lower_max
