@@ -13,14 +13,9 @@ def _one_thread_and_private_cache(monkeypatch, tmp_path):
 @pytest.fixture
 def tiny_model_dir(tmp_path):
     """A random-init 1-layer model + the demo tokenizer, saved like the warm start is."""
-    from bapo.demo.model import ModelConfig, build_model, build_tokenizer
+    from bapo.train.tiny import ModelConfig, save_tiny_model
 
-    tok = build_tokenizer()
-    model = build_model(ModelConfig(hidden_size=32, layers=1, heads=2, intermediate_size=64), tok)
-    path = tmp_path / "tiny"
-    model.save_pretrained(path)
-    tok.save_pretrained(path)
-    return path
+    return save_tiny_model(tmp_path / "tiny", ModelConfig(hidden_size=32, layers=1, heads=2, intermediate_size=64))
 
 
 @pytest.fixture

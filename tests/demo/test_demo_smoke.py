@@ -4,8 +4,8 @@ import json
 from dataclasses import replace
 
 from bapo.demo.demo import DemoPlan, run_demo
-from bapo.demo.model import ModelConfig
-from bapo.demo.plots import FIGURES
+from bapo.train.tiny import ModelConfig
+from bapo.analysis.plots import FIGURES
 from bapo.demo.task import TaskConfig
 from bapo.demo.warmstart import SFTConfig, WarmStartConfig, cache_root, warm_start
 

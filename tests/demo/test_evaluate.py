@@ -4,8 +4,8 @@ import pytest
 from typer.testing import CliRunner
 
 from bapo.cli.main import app
-from bapo.demo.evaluate import evaluate, load_verifier, pass_at_k
-from bapo.demo.task import read_jsonl, verify
+from bapo.analysis.evaluate import evaluate, pass_at_k
+from bapo.demo.task import eval_verifier, read_jsonl, verify
 
 
 def test_pass_at_k_estimator():
@@ -36,8 +36,8 @@ def test_evaluate_counts_per_sample(tiny_model_dir, heldout_file):
 
 def test_auto_verifier_picks_demo_for_demo_rows():
     rows = [{"prompt": "1+2=", "answer": "3"}]
-    assert load_verifier("auto", rows) is verify
-    assert load_verifier("auto", [{"prompt": "What is 1+2?", "answer": "3"}]) is not verify
+    assert eval_verifier("auto", rows) is verify
+    assert eval_verifier("auto", [{"prompt": "What is 1+2?", "answer": "3"}]) is not verify
 
 
 def test_bapo_eval_cli(tiny_model_dir, heldout_file):

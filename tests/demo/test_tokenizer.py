@@ -1,4 +1,4 @@
-from bapo.demo.model import ModelConfig, build_model, build_tokenizer
+from bapo.train.tiny import ModelConfig, build_model, build_tokenizer
 
 
 def test_round_trip_is_exact():

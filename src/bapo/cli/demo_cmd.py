@@ -41,8 +41,8 @@ def plot(
     smooth: Optional[int] = typer.Option(None, "--smooth", help="moving-average window (updates)"),
 ):
     """Redraw the PNG plots from the runs' metrics.jsonl."""
-    from bapo.demo.plots import plot_runs
-    from bapo.demo.runs import find_runs
+    from bapo.analysis.plots import plot_runs
+    from bapo.analysis.runs import find_runs
 
     paths = plot_runs(find_runs(run_dirs), out or run_dirs[0] / "plots", target, smooth)
     for p in paths:
@@ -54,8 +54,8 @@ def compare(
     markdown: bool = typer.Option(False, "--markdown", help="print a markdown table"),
 ):
     """Print the final table (held-out avg@k / pass@k, tail means) of several runs."""
-    from bapo.demo.report import format_cell, markdown_table, summary, table_columns
-    from bapo.demo.runs import find_runs
+    from bapo.analysis.report import format_cell, markdown_table, summary, table_columns
+    from bapo.analysis.runs import find_runs
 
     rows = summary(find_runs(run_dirs))
     if markdown:
@@ -91,8 +91,8 @@ def evaluate(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from bapo.demo.evaluate import evaluate as run_eval, load_verifier
-    from bapo.demo.task import read_jsonl
+    from bapo.analysis.evaluate import evaluate as run_eval
+    from bapo.demo.task import eval_verifier, read_jsonl
 
     hf_logging.disable_progress_bar()  # stdout carries only the JSON line
     rows = read_jsonl(data)[:limit]
@@ -102,7 +102,7 @@ def evaluate(
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     lm = AutoModelForCausalLM.from_pretrained(model).to(device)
-    scores = run_eval(lm, tok, rows, k=k, verifier=load_verifier(verifier, rows),
+    scores = run_eval(lm, tok, rows, eval_verifier(verifier, rows), k=k,
                       max_new_tokens=max_new_tokens, temperature=temperature,
                       batch_size=batch_size, chat=chat)
     typer.echo(json.dumps(scores))

@@ -117,15 +117,16 @@ class HeldOutHook:
         self.plan, self.heldout, self.run_dir, self.total = plan, heldout, run_dir, total
 
     def __call__(self, step: int, model, tokenizer) -> dict[str, float]:
-        from bapo.demo.evaluate import evaluate
+        from bapo.analysis.evaluate import evaluate
+        from bapo.demo.task import verify
 
         p, out, done = self.plan, {}, step  # step = optimizer updates done (1, 2, ...)
         if done % p.eval_every == 0 or done == self.total:
-            scores = evaluate(model, tokenizer, self.heldout[:p.eval_prompts], k=p.eval_k_during,
+            scores = evaluate(model, tokenizer, self.heldout[:p.eval_prompts], verify, k=p.eval_k_during,
                               max_new_tokens=p.max_new_tokens)
             out["heldout/accuracy"] = scores[f"avg@{p.eval_k_during}"]
         if done == self.total:
-            final = evaluate(model, tokenizer, self.heldout, k=p.final_k,
+            final = evaluate(model, tokenizer, self.heldout, verify, k=p.final_k,
                              max_new_tokens=p.max_new_tokens)
             (self.run_dir / "final_eval.json").write_text(json.dumps({"k": p.final_k, **final}))
         return out
@@ -175,10 +176,11 @@ def evaluate_start(plan: DemoPlan, model_path: Path, heldout: list[dict]) -> dic
     """The warm-start model scored exactly as the final policies are (same k, length, seed)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from bapo.demo.evaluate import evaluate
+    from bapo.analysis.evaluate import evaluate
+    from bapo.demo.task import verify
 
     model = AutoModelForCausalLM.from_pretrained(model_path)
-    return evaluate(model, AutoTokenizer.from_pretrained(model_path), heldout, k=plan.final_k,
+    return evaluate(model, AutoTokenizer.from_pretrained(model_path), heldout, verify, k=plan.final_k,
                     max_new_tokens=plan.max_new_tokens)
 
 
@@ -201,10 +203,10 @@ def run_demo(plan: DemoPlan, out: Path | None = None, jobs: int | None = None, t
     2 shared cores, 2 processes x 1 thread took 160 s where 1 x 2 took 180 s, and 2 threads
     slowed 10x whenever other work competed for the cores (OpenMP threads waiting on each other).
     """
-    from bapo.demo.plots import plot_runs
+    from bapo.analysis.plots import plot_runs
     from bapo.demo.progress import DemoProgress
-    from bapo.demo.report import write_report
-    from bapo.demo.runs import find_runs
+    from bapo.analysis.report import write_report
+    from bapo.analysis.runs import find_runs
 
     _quiet_hf()
     specs = plan.runs()

@@ -168,3 +168,16 @@ def read_jsonl(path: str | Path) -> list[dict]:
 
 def task_settings(cfg: TaskConfig) -> dict:
     return asdict(cfg)
+
+
+def eval_verifier(name: str, rows: list[dict] | None = None):
+    """The verifier `bapo eval --verifier NAME` uses: "demo" (this task's strict checker),
+    "auto" (demo when every row is a prompt of this task, else "math"), or any bapo.train
+    verifier name ("math", "exact", "pkg.module:attr")."""
+    if name == "auto":
+        name = "demo" if rows and all(is_task_prompt(r["prompt"]) for r in rows) else "math"
+    if name == "demo":
+        return verify
+    from bapo.train import resolve_verifier
+
+    return resolve_verifier(name)

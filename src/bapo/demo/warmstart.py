@@ -19,8 +19,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from bapo.demo.model import ModelConfig, build_model, build_tokenizer
-from bapo.demo.task import TaskConfig, demonstrations, make_split
+from bapo.train.tiny import ModelConfig, build_model, build_tokenizer
+from bapo.demo.task import TaskConfig, demonstrations, make_split, verify
 
 CACHE_VERSION = 2  # bump when the code below changes what a cached model is
 
@@ -98,7 +98,7 @@ def supervised_finetune(model, tokenizer, prompts: list[str], texts: list[str], 
 def warm_start(cfg: WarmStartConfig, root: Path | None = None, eval_k: int = 8,
                on_step: Callable[[int, float], None] | None = None) -> Path:
     """Path of the warm-started model for `cfg`: from the cache, or trained and saved now."""
-    from bapo.demo.evaluate import evaluate
+    from bapo.analysis.evaluate import evaluate
 
     target = (root or cache_root()) / f"warmstart-{cfg.key()}"
     if (target / "warmstart.json").exists():
@@ -111,7 +111,7 @@ def warm_start(cfg: WarmStartConfig, root: Path | None = None, eval_k: int = 8,
     losses = supervised_finetune(model, tokenizer, [r["prompt"] for r in train_rows], texts,
                                  cfg.sft, on_step)
     sft_s = time.time() - t0
-    scores = evaluate(model, tokenizer, heldout, k=eval_k)
+    scores = evaluate(model, tokenizer, heldout, verify, k=eval_k)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

@@ -1,6 +1,6 @@
 """A tiny, locally built causal LM and a toy task: for tests, the example and the bench.
 
-Nothing here downloads anything. The model and tokenizer are the demo's (bapo.demo.model): a
+Nothing here downloads anything. The model and tokenizer are the demo's (bapo.train.tiny): a
 randomly initialised Llama built from a config and a character-level ``PreTrainedTokenizerFast``.
 """
 
@@ -17,15 +17,10 @@ def build_tiny_model(save_dir: str | Path, hidden_size: int = 64, num_layers: in
     Returns ``save_dir``, loadable by ``AutoModelForCausalLM.from_pretrained`` and by TRL's
     ``GRPOTrainer(model=str(save_dir))``.
     """
-    from bapo.demo.model import ModelConfig, build_model, build_tokenizer
+    from bapo.train.tiny import ModelConfig, save_tiny_model
 
-    save_dir = Path(save_dir)
-    tokenizer = build_tokenizer()
-    size = ModelConfig(hidden_size=hidden_size, layers=num_layers, heads=4, intermediate_size=2 * hidden_size,
-                       max_positions=256, seed=seed)
-    build_model(size, tokenizer).save_pretrained(str(save_dir))
-    tokenizer.save_pretrained(str(save_dir))
-    return save_dir
+    return save_tiny_model(save_dir, ModelConfig(hidden_size=hidden_size, layers=num_layers, heads=4,
+                                                 intermediate_size=2 * hidden_size, max_positions=256, seed=seed))
 
 
 def addition_prompts(count: int, seed: int = 0, max_operand: int = 50) -> list[dict[str, str]]:

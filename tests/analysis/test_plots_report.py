@@ -3,9 +3,9 @@ from pathlib import Path
 from typer.testing import CliRunner
 
 from bapo.cli.main import app
-from bapo.demo.plots import FIGURES
-from bapo.demo.report import findings, markdown_table, summary
-from bapo.demo.runs import Run, find_runs, group_runs
+from bapo.analysis.plots import FIGURES
+from bapo.analysis.report import findings, markdown_table, summary
+from bapo.analysis.runs import Run, find_runs, group_runs
 
 RECORDED = Path(__file__).parent / "fixtures" / "recorded"  # a few updates of real demo runs (metrics.jsonl as written)
 

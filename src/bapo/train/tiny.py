@@ -1,5 +1,8 @@
 """The built-in tiny policy: a character tokenizer made with `tokenizers` and a small Llama.
 
+One builder for the demo's warm start, the tests, the TRL example and the benches (it lives in
+bapo.train so that bapo.integrations can use it without importing bapo.demo).
+
 Both are plain Hugging Face objects (`PreTrainedTokenizerFast`, `LlamaForCausalLM`), so once
 saved with `save_pretrained` they load with `AutoTokenizer` / `AutoModelForCausalLM` and go
 through exactly the code path a real model would.
@@ -71,3 +74,15 @@ def build_model(cfg: ModelConfig, tokenizer):
 
 def model_settings(cfg: ModelConfig) -> dict:
     return asdict(cfg)
+
+
+def save_tiny_model(save_dir, cfg: ModelConfig = ModelConfig()):
+    """Build the tokenizer and a random-init model sized by `cfg`, `save_pretrained` both into
+    `save_dir` (loadable by `AutoModelForCausalLM` / `AutoTokenizer`); returns the path."""
+    from pathlib import Path
+
+    save_dir = Path(save_dir)
+    tokenizer = build_tokenizer()
+    build_model(cfg, tokenizer).save_pretrained(str(save_dir))
+    tokenizer.save_pretrained(str(save_dir))
+    return save_dir

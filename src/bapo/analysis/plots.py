@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from bapo.demo.runs import Run, group_runs
+from bapo.analysis.runs import Run, group_runs
 
 # file name -> (title, [(metrics key, line style)]); two keys share a panel (solid, dashed)
 FIGURES = {

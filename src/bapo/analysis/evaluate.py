@@ -2,8 +2,8 @@
 
 avg@k  = mean over prompts of (correct samples / k)          (expected single-sample accuracy)
 pass@k = mean over prompts of [at least one of k is correct] (the unbiased estimator with n = k)
-Works for any causal LM + tokenizer that `AutoModelForCausalLM` loads: the demo's tiny model
-or a real one.
+Works for any causal LM + tokenizer that `AutoModelForCausalLM` loads: the built-in tiny model
+or a real one; the verifier is any `bapo.train` verifier `(response, row) -> float`.
 """
 
 from __future__ import annotations
@@ -12,20 +12,6 @@ import math
 from typing import Callable
 
 Verifier = Callable[[str, dict], float]
-
-
-def load_verifier(name: str, rows: list[dict] | None = None) -> Verifier:
-    """"demo" (the built-in task's strict checker), "auto" (demo when every row is a demo-task
-    prompt, else "math"), or any bapo.train verifier: "math", "exact", "pkg.module:attr"."""
-    from bapo.demo.task import is_task_prompt, verify as demo_verify
-
-    if name == "auto":
-        name = "demo" if rows and all(is_task_prompt(r["prompt"]) for r in rows) else "math"
-    if name == "demo":
-        return demo_verify
-    from bapo.train import resolve_verifier
-
-    return resolve_verifier(name)
 
 
 def sample_responses(model, tokenizer, prompts: list[str], n: int, max_new_tokens: int,
@@ -71,15 +57,13 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def evaluate(model, tokenizer, rows: list[dict], k: int = 8, verifier: Verifier | None = None,
+def evaluate(model, tokenizer, rows: list[dict], verifier: Verifier, k: int = 8,
              max_new_tokens: int = 48, temperature: float = 1.0, batch_size: int = 256,
              chat: bool = False, seed: int | None = 0) -> dict[str, float]:
     """Score k samples per row of `rows` ({"prompt", "answer", ...}) with `verifier`.
 
     Returns {"avg@{k}", "pass@{k}", "response_length/mean" (characters), "n" (rows)}.
     """
-    if verifier is None:
-        from bapo.demo.task import verify as verifier
     samples = sample_responses(model, tokenizer, [r["prompt"] for r in rows], k,
                                max_new_tokens, temperature, batch_size, chat, seed)
     correct = [sum(verifier(s, r) > 0.5 for s in group) for group, r in zip(samples, rows)]

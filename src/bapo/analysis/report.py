@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from bapo.demo.runs import Run, group_runs, mean_std
+from bapo.analysis.runs import Run, group_runs, mean_std
 
 # (column, how to get one run's value): final held-out scores, then training-time tail means
 TAIL_COLUMNS = {"entropy": "entropy", "train reward": "reward/mean",
