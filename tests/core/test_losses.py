@@ -7,7 +7,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bapo.core import BAPOConfig, BoundStats, POLICY_LOSSES, aggregate_loss, group_advantages, policy_loss, token_ratio
+from bapo.core import (BAPOConfig, BoundStats, POLICY_LOSSES, aggregate_loss, group_advantages, policy_loss,
+                       smooth_advantages, token_ratio)
 
 ALL_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -52,9 +53,9 @@ def test_dual_clip_caps_negative_tokens_with_huge_ratio():
     assert float(loss) == pytest.approx(3.0)
 
 
-def test_topr_positive_is_sft_like_negative_is_truncated():
+def test_topr_token_level_positive_is_sft_like_negative_is_truncated():
     log_ratio = [math.log(4.0), math.log(0.5), math.log(4.0), math.log(0.5)]
-    grad = per_token_grad("topr", log_ratio, [2.0, 2.0, -1.0, -1.0])
+    grad = per_token_grad("topr", log_ratio, [2.0, 2.0, -1.0, -1.0], level="token")
     # positive: -A (no ratio); negative: -A * min(r, 1)
     assert grad.tolist() == pytest.approx([-2.0, -2.0, 1.0, 0.5])
 
@@ -139,7 +140,9 @@ def test_every_loss_is_finite_on_extreme_inputs(method, mode, gap, advantage_kin
     loss, metrics = policy_loss(log_prob, old.to(dtype), advantages.to(dtype), mask, method, loss_agg_mode=mode)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(log_prob.grad).all()
-    assert all(math.isfinite(v) for k, v in metrics.items() if k != "upper")
+    # positive_share is NaN exactly when no token carries signal (counted in bapo/no_signal)
+    assert all(math.isfinite(v) for k, v in metrics.items() if k not in ("upper", "positive_share"))
+    assert math.isfinite(metrics["positive_share"]) or metrics["bapo/no_signal"] == 1.0 or metrics["clip_frac"] > 0
 
 
 def test_zero_variance_groups_get_exactly_zero_advantage():
@@ -180,3 +183,174 @@ def test_bapo_search_inside_the_loss_weighs_tokens_by_importance_weights():
     _, metrics = policy_loss(log_prob, torch.zeros(4, 12), advantages, mask, "bapo", bapo=cfg, importance_weights=weights)
     found = BoundStats(cfg).add(token_ratio(log_prob, torch.zeros(4, 12)), advantages, mask, weights=weights).solve(sync=False)
     assert (metrics["lower"], metrics["upper"]) == (found.lower, found.upper)
+
+
+# --- numerics: fp16 inputs, inf inputs, masked -inf, normalizer --------------------------------
+
+@settings(max_examples=150, deadline=None)
+@given(
+    method=st.sampled_from(sorted(POLICY_LOSSES)),
+    mode=st.sampled_from(ALL_MODES),
+    log_gap=st.floats(-30.0, 30.0),
+    spread=st.floats(0.0, 15.0),
+    advantage_scale=st.floats(1e-3, 1e3),
+    seed=st.integers(0, 2**16),
+)
+def test_fp16_inputs_give_finite_losses_and_gradients(method, mode, log_gap, spread, advantage_scale, seed):
+    """fp16 log-probs with log-ratios up to ~+-45 (exp(11.1) is already inf in float16)."""
+    generator = torch.Generator().manual_seed(seed)
+    old = (-5.0 * torch.rand(3, 6, generator=generator)).half()
+    log_prob = (old.float() + log_gap + spread * torch.randn(3, 6, generator=generator)).clamp(max=0.0).half()
+    log_prob.requires_grad_()
+    advantages = (advantage_scale * torch.randn(3, generator=generator)).half()
+    mask = (torch.rand(3, 6, generator=generator) > 0.3).float()
+    loss, metrics = policy_loss(log_prob, old, advantages, mask, method, loss_agg_mode=mode)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(log_prob.grad).all()
+    assert loss.dtype == torch.float32
+    assert math.isfinite(metrics["ratio/max"]) and math.isfinite(metrics["entropy_change_estimate"])
+
+
+@pytest.mark.parametrize("name", ["log_prob", "old_log_prob", "advantages", "importance_weights"])
+@pytest.mark.parametrize("value", [float("inf"), float("-inf")])
+def test_inf_under_the_mask_is_rejected_naming_the_argument(name, value):
+    args = dict(log_prob=torch.zeros(2, 3), old_log_prob=torch.zeros(2, 3), advantages=torch.ones(2, 3),
+                importance_weights=torch.ones(2, 3))
+    args[name] = args[name].clone()
+    args[name][1, 1] = value
+    with pytest.raises(ValueError, match=f"^{name}: .*inf"):
+        policy_loss(mask=torch.ones(2, 3), method="grpo", **args)
+
+
+@pytest.mark.parametrize("method", sorted(POLICY_LOSSES))
+def test_minus_inf_log_probs_on_masked_positions_give_no_nan(method):
+    """Padding log-probs of -inf (a masked logit) are never read: finite loss, zero gradient there."""
+    log_prob = torch.tensor([[-0.5, -1.0, float("-inf")], [-2.0, float("-inf"), float("-inf")]], requires_grad=True)
+    old = torch.tensor([[-0.7, -0.9, float("-inf")], [-1.5, float("-inf"), 0.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    loss, metrics = policy_loss(log_prob, old, torch.tensor([1.0, -1.0]), mask, method)
+    loss.backward()
+    assert torch.isfinite(loss) and torch.isfinite(log_prob.grad).all()
+    assert log_prob.grad[0, 2] == 0 and log_prob.grad[1, 1:].abs().sum() == 0
+    assert math.isfinite(metrics["entropy_change_estimate"]) and math.isfinite(metrics["approx_kl"])
+
+
+@pytest.mark.parametrize("normalizer", [0.0, -3.0, float("nan"), float("inf"), torch.tensor(0.0)])
+def test_normalizer_must_be_positive(normalizer):
+    with pytest.raises(ValueError, match="normalizer"):
+        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2), torch.ones(2, 3), "grpo", normalizer=normalizer)
+
+
+# --- dual-clip ------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("method", ["grpo", "clip-higher", "bapo", "dcpo"])
+def test_dual_clip_bounds_a_ratio_500_negative_token(method):
+    """A stale negative token with ratio 500: without dual-clip its loss is 500*|A| with gradient
+    500*|A|; with dual_clip=3 the loss is 3*|A| and it sends no gradient."""
+    log_prob = torch.tensor([[math.log(500.0), math.log(1.1)]], dtype=torch.float64, requires_grad=True)
+    advantages = torch.tensor([[-2.0, 1.0]], dtype=torch.float64)
+    params = {"bounds": (0.8, 1.2)} if method == "bapo" else {}
+    old = torch.zeros(1, 2, dtype=torch.float64)  # q = 1: DCPO's bounds are (0.8, 1.17), 1.1 is free everywhere
+    loss, metrics = policy_loss(log_prob, old, advantages, torch.ones(1, 2), method, loss_agg_mode="seq-mean-token-sum",
+                                dual_clip=3.0, **params)
+    loss.backward()
+    assert log_prob.grad[0, 0] == 0.0
+    assert float(loss.detach()) == pytest.approx(3.0 * 2.0 - 1.1)  # capped at 3 * |A|, plus the free token
+    assert metrics["clip_frac/dual"] == 1.0 and metrics["clip_frac"] == 0.5
+    free_log_prob = log_prob.detach().clone().requires_grad_()
+    free, free_metrics = policy_loss(free_log_prob, old, advantages, torch.ones(1, 2), method,
+                                     loss_agg_mode="seq-mean-token-sum", **params)
+    free.backward()
+    assert free_log_prob.grad[0, 0] == pytest.approx(1000.0) and free_metrics["clip_frac/dual"] == 0.0
+
+
+def test_dual_clip_is_off_in_core_defaults_and_on_in_the_named_baseline():
+    log_prob, advantages = torch.tensor([[math.log(5.0)]]), -torch.ones(1, 1)
+    grpo, _ = policy_loss(log_prob, torch.zeros(1, 1), advantages, torch.ones(1, 1), "grpo")
+    named, _ = policy_loss(log_prob, torch.zeros(1, 1), advantages, torch.ones(1, 1), "dual-clip")
+    assert float(grpo) == pytest.approx(5.0) and float(named) == pytest.approx(3.0)
+    with pytest.raises(ValueError, match="dual_clip"):
+        policy_loss(log_prob, torch.zeros(1, 1), advantages, torch.ones(1, 1), "bapo", dual_clip=0.9)
+
+
+# --- TOPR at sequence level, DCPO complete: worked examples from the papers' formulas ------------
+
+def test_topr_sequence_level_weights_negative_sequences_by_their_truncated_sequence_ratio():
+    """TOPR: grad = sum_{A>=0} A grad log pi(y) + sum_{A<0} sg(min(prod_t r_t, 1)) A grad log pi(y),
+    averaged over sequences (seq-mean-token-sum, the default)."""
+    ratios = torch.tensor([[2.0, 0.5], [2.0, 0.25], [2.0, 1.0], [3.0, 1.0]], dtype=torch.float64)
+    advantages = torch.tensor([1.0, -1.0, -1.0, 0.0], dtype=torch.float64)
+    log_prob = ratios.log().requires_grad_()
+    loss, _ = policy_loss(log_prob, torch.zeros_like(ratios), advantages, torch.ones_like(ratios), "topr")
+    loss.backward()
+    # sequence weights: A>=0 -> 1; prod r = 0.5 -> 0.5; prod r = 2 -> min(2, 1) = 1; A = 0 -> no gradient.
+    # d loss / d log pi(y_t) = -A * weight / 4 sequences, the same for every token of the sequence.
+    expected = [-0.25, -0.25, 0.125, 0.125, 0.25, 0.25, 0.0, 0.0]
+    assert log_prob.grad.flatten().tolist() == pytest.approx(expected)
+    assert float(loss.detach()) == pytest.approx((-1 * 2 + 0.5 * 2 + 1 * 2) / 4)
+    token, _ = policy_loss(ratios.log(), torch.zeros_like(ratios), advantages, torch.ones_like(ratios), "topr", level="token")
+    assert float(token) != pytest.approx(float(loss))  # per token: min(r_t, 1) differs
+
+
+def test_topr_sequence_ratio_ignores_masked_tokens_and_survives_long_stale_sequences():
+    log_prob = torch.tensor([[math.log(0.5), 50.0, 80.0]], requires_grad=True)
+    loss, _ = policy_loss(log_prob, torch.zeros(1, 3), -torch.ones(1), torch.tensor([[1, 0, 0]]), "topr")
+    loss.backward()
+    assert log_prob.grad.flatten().tolist() == pytest.approx([0.5, 0.0, 0.0])
+    long = torch.full((1, 200), 5.0, requires_grad=True)  # prod r = exp(1000): truncated to 1, finite
+    loss, _ = policy_loss(long, torch.zeros(1, 200), -torch.ones(1), torch.ones(1, 200), "topr")
+    loss.backward()
+    assert torch.isfinite(long.grad).all() and long.grad[0, 0] == pytest.approx(1.0)
+
+
+def test_dcpo_worked_example_bounds_dual_clip_and_aggregation():
+    """DCPO per token from q = pi_behaviour: upper = 0.5 + 0.5 sqrt(1 + 4*0.2/q), lower =
+    0.5 + 0.5 sqrt(max(1 - 4*0.16/q, 0)); token sums per response averaged over responses."""
+    q = torch.tensor([[1.0, 0.05], [0.5, 0.8]], dtype=torch.float64)
+    ratios = torch.tensor([[1.1, 2.0], [0.5, 5.0]], dtype=torch.float64)
+    advantages = torch.tensor([1.0, -1.0], dtype=torch.float64)
+    log_prob = (q.log() + ratios.log()).requires_grad_()
+    loss, metrics = policy_loss(log_prob, q.log(), advantages, torch.ones_like(q), "dcpo", dual_clip=3.0)
+    loss.backward()
+    upper_00 = 0.5 + 0.5 * math.sqrt(1 + 0.8)          # 1.1708: r = 1.1 free
+    upper_01 = 0.5 + 0.5 * math.sqrt(1 + 0.8 / 0.05)   # 2.5616: r = 2.0 free
+    lower_10 = 0.5 + 0.5 * math.sqrt(max(1 - 0.64 / 0.5, 0))  # 0.5: r = 0.5 sits on the bound, free
+    assert upper_00 > 1.1 and upper_01 > 2.0 and lower_10 == 0.5
+    # token losses: -1.1, -2.0 (A = +1); 0.5 (A = -1, r*|A|); r = 5 > 3: dual-clipped at 3*|A| = 3
+    assert float(loss) == pytest.approx(((-1.1 - 2.0) + (0.5 + 3.0)) / 2)
+    assert log_prob.grad.flatten().tolist() == pytest.approx([-1.1 / 2, -2.0 / 2, 0.5 / 2, 0.0])
+    assert metrics["clip_frac/dual"] == 0.5
+
+
+def test_smooth_advantages_worked_example():
+    """SAS with one prompt of four responses, history over two earlier steps (mean 0.5, std 0.5)."""
+    rewards = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
+    advantages, mean, std, steps = smooth_advantages(rewards, 4, torch.tensor([0.5]), torch.tensor([0.5]),
+                                                     torch.tensor([2]))
+    step_mean, step_std = 0.25, 0.5                               # std unbiased: sqrt((0.5625 + 3*0.0625)/3)
+    i = 3
+    total_mean = (0.5 * 2 + step_mean) / i                        # 0.41667
+    total_std = math.sqrt((2 * 0.25 + step_std**2 + 2 / 3 * (step_mean - 0.5) ** 2) / i)  # 0.51370
+    assert (float(mean[0]), float(std[0]), int(steps[0])) == (pytest.approx(total_mean), pytest.approx(total_std), 3)
+    expected = []
+    for reward in (1.0, 0.0):
+        new, total = (reward - step_mean) / step_std, (reward - total_mean) / total_std
+        first, second = total / i + new * (1 - 1 / i), new / i + total * (1 - 1 / i)
+        expected.append(first if abs(first) < abs(second) else second)
+    assert advantages.tolist() == pytest.approx([expected[0]] + [expected[1]] * 3)
+    assert advantages[0] == pytest.approx(1.257033, abs=1e-5) and advantages[1] == pytest.approx(-0.603702, abs=1e-5)
+
+
+def test_smooth_advantages_first_step_is_grpo_and_history_rescues_zero_variance_groups():
+    rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0])
+    first, mean, std, steps = smooth_advantages(rewards, 3, torch.zeros(2), torch.zeros(2), torch.zeros(2, dtype=torch.long))
+    grouped = rewards.reshape(2, 3)
+    grpo = ((grouped[0] - grouped[0].mean()) / grouped[0].std()).tolist()
+    assert first[:3].tolist() == pytest.approx(grpo) and first[3:].tolist() == [0.0, 0.0, 0.0]
+    assert steps.tolist() == [1, 1] and std[1] == 0
+    # the all-correct prompt again, now with history mean 1, std 0 -> still 0; a prompt whose history
+    # had failures gets a positive advantage for an all-correct group
+    again, *_ = smooth_advantages(torch.ones(3), 3, torch.tensor([0.5]), torch.tensor([0.5]), torch.tensor([1]))
+    assert (again > 0).all()
+    with pytest.raises(ValueError, match="history_steps"):
+        smooth_advantages(torch.ones(3), 3, torch.zeros(1), torch.zeros(1), torch.zeros(2))

@@ -1,12 +1,20 @@
-"""The quantities the BAPO paper plots, from one batch of per-token tensors.
+"""The quantities the BAPO paper plots, as additive sums over tokens.
 
 Clipping convention (the paper's X_t): a positive-advantage token is clipped when r > upper, a
-negative-advantage one when r < lower; every other masked token carries gradient.
+negative-advantage one when r < lower or, under dual-clip, r > dual_clip; every other masked token
+carries gradient.
+
+`clip_statistics` returns `ClipStats`: sums and counts (plus a few maxima) that add across
+micro-batches (`+`) and ranks (`all_reduce`), like the search's `BoundStats`; `finalize` turns
+them into shares and means with one host sync. `clip_diagnostics` is both steps for one batch.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from bapo.core.validation import per_token
@@ -16,16 +24,37 @@ from bapo.core.validation import per_token
 LOG_RATIO_CLAMP = 20.0
 QUADRANTS = ("high_pos", "high_neg", "low_pos", "low_neg")
 
+# Slots of ClipStats.sums (added across parts) and ClipStats.maxima (combined by max).
+SUM_FIELDS = (
+    "parts", "entropy_parts", "tokens", "positive", "negative",
+    "clipped_upper", "clipped_lower", "clipped_dual",
+    "contribution", "positive_contribution",
+    *(f"{quadrant}/{part}" for quadrant in QUADRANTS for part in ("count", "contribution", "clipped")),
+    "weight", "weight_log_prob", "weight_signal", "weight_log_prob_signal",
+    "entropy", "approx_kl", "ratio", "lower", "upper",
+)
+MAX_FIELDS = ("ratio_max", "ratio_min_negated", "lower_max", "lower_min_negated", "upper_max", "upper_min_negated")
+
+
+def compute_dtype(*tensors: Tensor) -> torch.dtype:
+    """float32, or float64 when an input is float64: ratios and losses never run in fp16/bf16
+    (exp(11.1) already overflows float16)."""
+    dtype = torch.float32
+    for tensor in tensors:
+        dtype = torch.promote_types(dtype, tensor.dtype)
+    return dtype
+
 
 def token_ratio(log_prob: Tensor, old_log_prob: Tensor) -> Tensor:
-    """r_t = pi_theta / pi_behaviour, [B, T], from clamped log-probs."""
-    return torch.exp((log_prob - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    """r_t = pi_theta / pi_behaviour, [B, T], from clamped log-probs, in float32 (float64 if given)."""
+    dtype = compute_dtype(log_prob, old_log_prob)
+    return torch.exp((log_prob.to(dtype) - old_log_prob.to(dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
 def k3_kl(log_ratio: Tensor) -> Tensor:
     """Per-token k3 estimate exp(x) - x - 1 >= 0 of KL(p || q), x = log q - log p on samples of p
-    ([B, T]); x is clamped like the ratio so the estimate stays finite."""
-    clamped = log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    ([B, T]); x is clamped like the ratio and computed in float32 so the estimate stays finite."""
+    clamped = log_ratio.to(compute_dtype(log_ratio)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return clamped.exp() - clamped - 1.0
 
 
@@ -35,12 +64,100 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
     return -(log_probs.exp() * log_probs).sum(-1)
 
 
-def _masked_mean(values: Tensor, weights: Tensor) -> Tensor:
-    return (values * weights).sum() / weights.sum().clamp_min(1.0)
+@dataclass
+class ClipStats:
+    """Additive token statistics of the clipped surrogate (see SUM_FIELDS / MAX_FIELDS).
+
+    sums: float64 [len(SUM_FIELDS)], added across micro-batches and ranks;
+    maxima: float64 [len(MAX_FIELDS)], combined by max (minima are stored negated).
+    """
+
+    sums: Tensor
+    maxima: Tensor
+
+    @classmethod
+    def empty(cls, device: torch.device | str | None = None) -> "ClipStats":
+        return cls(torch.zeros(len(SUM_FIELDS), dtype=torch.float64, device=device),
+                   torch.full((len(MAX_FIELDS),), -torch.inf, dtype=torch.float64, device=device))
+
+    def __add__(self, other: "ClipStats") -> "ClipStats":
+        other_sums, other_maxima = other.sums.to(self.sums.device), other.maxima.to(self.sums.device)
+        return ClipStats(self.sums + other_sums, torch.maximum(self.maxima, other_maxima))
+
+    def add_(self, other: "ClipStats") -> "ClipStats":
+        """Add `other` into this one in place (a running total over micro-batches); returns self."""
+        combined = self + other
+        self.sums, self.maxima = combined.sums, combined.maxima
+        return self
+
+    def all_reduce(self, process_group: dist.ProcessGroup | None = None) -> None:
+        """Combine over ranks in place: one SUM and one MAX collective (every rank must call it)."""
+        dist.all_reduce(self.sums, op=dist.ReduceOp.SUM, group=process_group)
+        dist.all_reduce(self.maxima, op=dist.ReduceOp.MAX, group=process_group)
+
+    def finalize(self) -> dict[str, float]:
+        """Shares and means (one host sync).
+
+        Keys: clip_frac/upper (share of positive tokens above upper), clip_frac/lower (share of
+        negative tokens below lower), clip_frac/dual (share of negative tokens above dual_clip),
+        clip_frac (all clipped / all masked tokens), positive_share (rho: positive tokens' share of
+        sum w*|r*A|*X_t, NaN when no token carries signal), bapo/no_signal (1 when no masked token
+        has a non-zero advantage), quadrant/{high,low}_{pos,neg}/{count,loss_share,clip_frac},
+        quadrant/split_per_state (share of parts split per state by log pi > -H_t; 0 = batch-mean
+        split), entropy_change_estimate, entropy (when given), approx_kl, ratio/{mean,max,min},
+        lower, upper (exact when one value was used throughout, else the token-weighted mean),
+        tokens.
+        """
+        values = dict(zip(SUM_FIELDS, self.sums.tolist()))
+        values.update(zip(MAX_FIELDS, self.maxima.tolist()))
+
+        def share(numerator: float, denominator: float, empty: float = 0.0) -> float:
+            return numerator / denominator if denominator > 0 else empty
+
+        tokens = values["tokens"]
+        clipped = values["clipped_upper"] + values["clipped_lower"] + values["clipped_dual"]
+        metrics = {
+            "clip_frac/upper": share(values["clipped_upper"], values["positive"]),
+            "clip_frac/lower": share(values["clipped_lower"], values["negative"]),
+            "clip_frac/dual": share(values["clipped_dual"], values["negative"]),
+            "clip_frac": share(clipped, tokens),
+            # TODO(search): the search engineer's one positive-share implementation replaces this sum
+            # when it lands; this one also counts dual-clip and per-token (DCPO) bounds.
+            "positive_share": share(values["positive_contribution"], values["contribution"], float("nan")),
+            "bapo/no_signal": float(values["positive"] + values["negative"] == 0),
+        }
+        for quadrant in QUADRANTS:
+            count = values[f"{quadrant}/count"]
+            metrics[f"quadrant/{quadrant}/count"] = count
+            metrics[f"quadrant/{quadrant}/loss_share"] = share(values[f"{quadrant}/contribution"], values["contribution"])
+            metrics[f"quadrant/{quadrant}/clip_frac"] = share(values[f"{quadrant}/clipped"], count)
+        metrics["quadrant/split_per_state"] = share(values["entropy_parts"], values["parts"])
+        weight = values["weight"]
+        covariance = share(values["weight_log_prob_signal"], weight) - (
+            share(values["weight_log_prob"], weight) * share(values["weight_signal"], weight))
+        metrics["entropy_change_estimate"] = -covariance
+        if values["entropy_parts"] > 0:
+            metrics["entropy"] = share(values["entropy"], tokens)
+        metrics["approx_kl"] = share(values["approx_kl"], tokens)
+        metrics["ratio/mean"] = share(values["ratio"], tokens)
+        metrics["ratio/max"] = values["ratio_max"] if tokens > 0 else 0.0
+        metrics["ratio/min"] = -values["ratio_min_negated"] if tokens > 0 else 0.0
+        for name in ("lower", "upper"):
+            highest, lowest = values[f"{name}_max"], -values[f"{name}_min_negated"]
+            metrics[name] = highest if highest == lowest else share(values[name], tokens)
+        metrics["tokens"] = tokens
+        return metrics
+
+
+def _masked_extremes(values: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
+    """(max, -min) of values [B, T] over counted positions; -inf each when none."""
+    if values.numel() == 0:
+        return torch.full((), -torch.inf), torch.full((), -torch.inf)
+    return (torch.where(counted, values, -torch.inf).amax(), torch.where(counted, -values, -torch.inf).amax())
 
 
 @torch.no_grad()
-def clip_diagnostics(
+def clip_statistics(
     log_prob: Tensor,
     old_log_prob: Tensor,
     advantages: Tensor,
@@ -48,82 +165,99 @@ def clip_diagnostics(
     lower: float | Tensor,
     upper: float | Tensor,
     *,
+    dual_clip: float | None = None,
+    importance_weights: Tensor | None = None,
     entropy: Tensor | None = None,
     logits: Tensor | None = None,
-) -> dict[str, float]:
-    """Clip fractions per side, positive share, Entropy-Clip quadrants, entropy-change estimate.
+) -> ClipStats:
+    """Additive statistics of one (micro-)batch; see ClipStats.finalize for what they become.
 
     log_prob, old_log_prob, mask: [B, T]; advantages: [B, T] or [B]; lower/upper: floats or
-    per-token [B, T] bounds; entropy: [B, T] or logits: [B, T, V] (optional).
+    per-token [B, T] bounds; dual_clip: cap on the ratio of negative tokens (None = off);
+    importance_weights: optional [B, T] per-token loss multipliers (rollout correction) weighting
+    each token's |r*A| and the covariance; entropy: [B, T] or logits: [B, T, V] (optional).
 
-    Keys: clip_frac/upper (share of positive tokens above upper), clip_frac/lower (share of
-    negative tokens below lower), clip_frac (all masked tokens), positive_share (rho),
-    quadrant/{high,low}_{pos,neg}/{count,loss_share,clip_frac} where high/low splits tokens at
-    the batch mean of log pi (the split the covariance below uses), entropy_change_estimate
-    (-Cov[log pi, A*X], the sign of the entropy change of one step), entropy (mean token
-    entropy, when given), approx_kl (k3 estimate of KL(behaviour || current)), ratio/{mean,max,min},
-    lower, upper (masked means when per-token), tokens. One host sync.
+    Quadrants split high/low probability per state, log pi(y_t) > -H_t (the paper's split), when
+    per-token entropy is given, else at this batch's mean log pi. entropy_change_estimate is
+    -Cov_w[log pi, A*X] pooled over every token of every state (weights w = importance weights),
+    the sign of one step's entropy change under the Entropy-Clip Rule, not the per-state
+    covariance of the theory. Values outside the mask are never read (they may be -inf).
     """
-    log_prob = log_prob.detach().float()
-    old_log_prob = old_log_prob.detach().float()
-    advantages = per_token(advantages.detach().float(), log_prob)
     counted = mask.to(torch.bool)
-    weight = counted.float()
+    dtype = compute_dtype(log_prob, old_log_prob)
+    # Padding may hold -inf or NaN: replace it before any arithmetic.
+    log_prob = torch.where(counted, log_prob.detach().to(dtype), 0.0)
+    old_log_prob = torch.where(counted, old_log_prob.detach().to(dtype), 0.0)
+    advantages = torch.where(counted, per_token(advantages.detach().to(dtype), log_prob), 0.0)
+    weight = counted.to(dtype)
+    if importance_weights is not None:
+        weight = torch.where(counted, importance_weights.detach().to(dtype), 0.0)
     ratio = token_ratio(log_prob, old_log_prob)
 
     positive = counted & (advantages > 0)
     negative = counted & (advantages < 0)
-    clipped_high = positive & (ratio > upper)
-    clipped_low = negative & (ratio < lower)
-    carries_gradient = counted & ~clipped_high & ~clipped_low
-    contribution = torch.where(carries_gradient, (ratio * advantages).abs(), torch.zeros_like(ratio))
-    total_contribution = contribution.sum()
+    clipped_upper = positive & (ratio > upper)
+    clipped_lower = negative & (ratio < lower)
+    clipped_dual = negative & (ratio > dual_clip) if dual_clip is not None else torch.zeros_like(counted)
+    carries_gradient = counted & ~clipped_upper & ~clipped_lower & ~clipped_dual
+    contribution = torch.where(carries_gradient, weight * (ratio * advantages).abs(), 0.0)
 
-    high_prob = log_prob >= _masked_mean(log_prob, weight)
-    quadrant_masks = {
-        "high_pos": positive & high_prob,
-        "high_neg": negative & high_prob,
-        "low_pos": positive & ~high_prob,
-        "low_neg": negative & ~high_prob,
-    }
-
-    # Entropy-Clip Rule: dH ~ -eta * Cov[log pi, A * X] over the batch's tokens.
-    signal = advantages * carries_gradient.float()
-    covariance = _masked_mean(log_prob * signal, weight) - _masked_mean(log_prob, weight) * _masked_mean(signal, weight)
-
-    names: list[str] = []
-    values: list[Tensor] = []
-
-    def put(name: str, value: Tensor) -> None:
-        names.append(name)
-        values.append(value.float().reshape(()))
-
-    put("clip_frac/upper", clipped_high.sum() / positive.sum().clamp_min(1))
-    put("clip_frac/lower", clipped_low.sum() / negative.sum().clamp_min(1))
-    put("clip_frac", (clipped_high | clipped_low).sum() / counted.sum().clamp_min(1))
-    positive_contribution = torch.where(positive, contribution, torch.zeros_like(contribution)).sum()
-    put("positive_share", torch.where(total_contribution > 0, positive_contribution / total_contribution.clamp_min(1e-30),
-                                      torch.ones_like(total_contribution)))
-    for quadrant, members in quadrant_masks.items():
-        put(f"quadrant/{quadrant}/count", members.sum())
-        put(f"quadrant/{quadrant}/loss_share", torch.where(members, contribution, 0.0).sum() / total_contribution.clamp_min(1e-30))
-        put(f"quadrant/{quadrant}/clip_frac", (members & ~carries_gradient).sum() / members.sum().clamp_min(1))
-    put("entropy_change_estimate", -covariance)
     if logits is not None and entropy is None:
         entropy = entropy_from_logits(logits)
     if entropy is not None:
-        put("entropy", _masked_mean(entropy.detach().float(), weight))
-    put("approx_kl", _masked_mean(k3_kl(log_prob - old_log_prob), weight))
-    put("ratio/mean", _masked_mean(ratio, weight))
-    put("ratio/max", torch.where(counted, ratio, 0.0).amax() if ratio.numel() else torch.zeros(()))
-    put("ratio/min", torch.where(counted, ratio, float("inf")).amin().nan_to_num(posinf=0.0) if ratio.numel() else torch.zeros(()))
-    for name, bound in (("lower", lower), ("upper", upper)):
-        if isinstance(bound, Tensor):  # per-token bounds (DCPO): their masked mean
-            put(name, _masked_mean(bound.float(), weight))
-    put("tokens", counted.sum())
+        entropy = torch.where(counted, entropy.detach().to(dtype), 0.0)
+        high_prob = log_prob > -entropy
+    else:
+        high_prob = log_prob >= (log_prob * counted).sum() / counted.sum().clamp_min(1)
+    quadrant_masks = {"high_pos": positive & high_prob, "high_neg": negative & high_prob,
+                      "low_pos": positive & ~high_prob, "low_neg": negative & ~high_prob}
 
-    metrics = dict(zip(names, torch.stack(values).tolist()))
+    signal = advantages * carries_gradient
+    entries: dict[str, Tensor] = {
+        "tokens": counted.sum(), "positive": positive.sum(), "negative": negative.sum(),
+        "clipped_upper": clipped_upper.sum(), "clipped_lower": clipped_lower.sum(), "clipped_dual": clipped_dual.sum(),
+        "contribution": contribution.sum(), "positive_contribution": torch.where(positive, contribution, 0.0).sum(),
+        "weight": weight.sum(), "weight_log_prob": (weight * log_prob).sum(), "weight_signal": (weight * signal).sum(),
+        "weight_log_prob_signal": (weight * log_prob * signal).sum(),
+        "approx_kl": torch.where(counted, k3_kl(log_prob - old_log_prob), 0.0).sum(),
+        "ratio": torch.where(counted, ratio, 0.0).sum(),
+    }
+    for quadrant, members in quadrant_masks.items():
+        entries[f"{quadrant}/count"] = members.sum()
+        entries[f"{quadrant}/contribution"] = torch.where(members, contribution, 0.0).sum()
+        entries[f"{quadrant}/clipped"] = (members & ~carries_gradient).sum()
+    if entropy is not None:
+        entries["entropy"] = entropy.sum()
+    maxima = dict(zip(("ratio_max", "ratio_min_negated"), _masked_extremes(ratio, counted)))
     for name, bound in (("lower", lower), ("upper", upper)):
-        if not isinstance(bound, Tensor):
-            metrics[name] = float(bound)
-    return metrics
+        if isinstance(bound, Tensor):  # per-token bounds (DCPO)
+            bound = bound.detach().to(dtype).expand_as(ratio)
+            entries[name] = torch.where(counted, bound, 0.0).sum()
+            maxima[f"{name}_max"], maxima[f"{name}_min_negated"] = _masked_extremes(bound, counted)
+        else:
+            # An infinite bound (TOPR's upper) stays exact through the extremes; its sum is unused.
+            entries[name] = counted.sum() * (bound if abs(bound) < torch.inf else 0.0)
+            maxima[f"{name}_max"], maxima[f"{name}_min_negated"] = (torch.tensor(float(bound), dtype=torch.float64),
+                                                                    torch.tensor(-float(bound), dtype=torch.float64))
+
+    device = log_prob.device
+    sums = torch.stack([entries[name].to(device, torch.float64).reshape(()) if name in entries
+                        else torch.zeros((), dtype=torch.float64, device=device) for name in SUM_FIELDS])
+    sums[SUM_FIELDS.index("parts")] = 1.0
+    sums[SUM_FIELDS.index("entropy_parts")] = float(entropy is not None)
+    return ClipStats(sums, torch.stack([maxima[name].to(device, torch.float64).reshape(()) for name in MAX_FIELDS]))
+
+
+def clip_diagnostics(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    lower: float | Tensor,
+    upper: float | Tensor,
+    **options,
+) -> dict[str, float]:
+    """clip_statistics(...).finalize() for one batch: clip fractions per side, positive share,
+    Entropy-Clip quadrants, entropy-change estimate (see ClipStats.finalize for the keys).
+    options: dual_clip, importance_weights, entropy, logits (see clip_statistics). One host sync."""
+    return clip_statistics(log_prob, old_log_prob, advantages, mask, lower, upper, **options).finalize()

@@ -3,29 +3,41 @@
 Every registered loss maps a `TokenBatch` to a per-token loss [B, T] plus the bounds it used
 (floats or per-token tensors, for the diagnostics). `policy_loss` validates the inputs, runs the
 chosen loss, applies optional importance weights, aggregates, and returns the diagnostics.
+
+Dual-clip: every clipped loss (grpo, clip-higher, bapo, dcpo) takes `dual_clip`, a cap on the
+ratio of negative-advantage tokens (verl's clip_ratio_c). Core's own default is off (None): a
+method name means its paper's formula, and `dual-clip` is the named baseline (grpo + 3.0). The
+frameworks turn it on as verl does: `bapo train` (loss.dual_clip, default 3.0) and verl (the
+actor's clip_ratio_c, default 3.0).
+
+Numerics: ratios and per-token losses are computed in float32 (float64 when given) whatever
+the input dtype, and positions outside the mask are replaced before any arithmetic, so padding
+holding -inf gives neither NaN losses nor NaN gradients.
 """
 
 from __future__ import annotations
 
 import difflib
 import inspect
+import math
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
 from torch import Tensor
 
-from bapo.core.diagnostics import clip_diagnostics, token_ratio
+from bapo.core.diagnostics import ClipStats, clip_statistics, compute_dtype, token_ratio
 from bapo.core.search import BAPOConfig, BoundStats
-from bapo.core.validation import check_ratio_bounds, check_token_inputs, per_token
+from bapo.core.validation import check_dual_clip, check_normalizer, check_ratio_bounds, check_token_inputs, per_token
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
 
 @dataclass(frozen=True)
 class TokenBatch:
-    """Per-token tensors of one (micro-)batch, all [B, T]; ratio = exp(clamped log_prob - old_log_prob).
-    importance_weights are applied by policy_loss; a loss reads them only to weigh tokens (BAPO's search)."""
+    """Per-token tensors of one (micro-)batch, all [B, T] in float32 (float64 if given), zero outside
+    the mask; ratio = exp(clamped log_prob - old_log_prob). importance_weights are applied by
+    policy_loss; a loss reads them only to weigh tokens (BAPO's search)."""
 
     log_prob: Tensor
     old_log_prob: Tensor
@@ -37,12 +49,14 @@ class TokenBatch:
 
 @dataclass
 class TokenLoss:
-    """What a registered loss returns: loss [B, T] and the ratio bounds in effect."""
+    """What a registered loss returns: loss [B, T], the ratio bounds in effect and the dual-clip
+    cap (None = off), so the diagnostics count exactly the tokens the loss clipped."""
 
     loss: Tensor
     lower: float | Tensor
     upper: float | Tensor
     metrics: dict[str, float] = field(default_factory=dict)
+    dual_clip: float | None = None
 
 
 class PolicyLossFn(Protocol):
@@ -50,13 +64,19 @@ class PolicyLossFn(Protocol):
 
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
+# The aggregation each method's paper uses; policy_loss(loss_agg_mode=None) picks it.
+PAPER_AGG_MODES: dict[str, str] = {}
 
 
-def register_policy_loss(name: str) -> Callable[[PolicyLossFn], PolicyLossFn]:
-    """Decorator: make a loss available to `policy_loss(method=name)` (and the integrations)."""
+def register_policy_loss(name: str, agg_mode: str = "token-mean") -> Callable[[PolicyLossFn], PolicyLossFn]:
+    """Decorator: make a loss available to `policy_loss(method=name)` (and the integrations);
+    agg_mode: its paper's aggregation (one of LOSS_AGG_MODES)."""
+    if agg_mode not in LOSS_AGG_MODES:
+        raise ValueError(f"agg_mode: {agg_mode!r} is not one of {LOSS_AGG_MODES}")
 
     def register(fn: PolicyLossFn) -> PolicyLossFn:
         POLICY_LOSSES[name] = fn
+        PAPER_AGG_MODES[name] = agg_mode
         return fn
 
     return register
@@ -80,9 +100,9 @@ def _fixed_bounds(default_lower: float, default_upper: float, default_dual_clip:
     def loss(batch: TokenBatch, *, lower: float = default_lower, upper: float = default_upper,
              dual_clip: float | None = default_dual_clip) -> TokenLoss:
         check_ratio_bounds(lower, upper)
-        if dual_clip is not None and not dual_clip > 1.0:
-            raise ValueError(f"dual_clip: {dual_clip} must be > 1 (a cap on the ratio of negative tokens)")
-        return TokenLoss(clipped_surrogate(batch.ratio, batch.advantages, lower, upper, dual_clip), lower, upper)
+        check_dual_clip(dual_clip)
+        return TokenLoss(clipped_surrogate(batch.ratio, batch.advantages, lower, upper, dual_clip), lower, upper,
+                         dual_clip=dual_clip)
 
     return loss
 
@@ -110,42 +130,67 @@ def bapo_loss(batch: TokenBatch, *, bapo: BAPOConfig | None = None, bounds: tupl
         metrics = {"bapo/reached": float(found.reached), "bapo/steps": float(found.steps)}
     lower, upper = bounds
     check_ratio_bounds(lower, upper)
-    return TokenLoss(clipped_surrogate(batch.ratio, batch.advantages, lower, upper, dual_clip), lower, upper, metrics)
+    check_dual_clip(dual_clip)
+    return TokenLoss(clipped_surrogate(batch.ratio, batch.advantages, lower, upper, dual_clip), lower, upper, metrics,
+                     dual_clip)
 
 
-@register_policy_loss("topr")
-def topr_loss(batch: TokenBatch, *, negative_ratio_max: float = 1.0) -> TokenLoss:
-    """TOPR (tapered off-policy REINFORCE), per token: positive tokens get the plain SFT-like
-    gradient -A * grad log pi (no ratio, no clip); negative tokens get it weighted by the
-    truncated importance ratio sg(min(r, negative_ratio_max)).
-    The value is -A * weight; exp(log pi - sg(log pi)) = 1 carries the gradient of log pi.
+TOPR_LEVELS = ("sequence", "token")
+
+
+@register_policy_loss("topr", agg_mode="seq-mean-token-sum")
+def topr_loss(batch: TokenBatch, *, level: str = "sequence", negative_ratio_max: float = 1.0) -> TokenLoss:
+    """TOPR, tapered off-policy REINFORCE (arXiv 2503.14286, its Eq. for the TOPR gradient):
+        grad J = sum_{A >= 0} A * grad log pi(y) + sum_{A < 0} sg(min(pi(y)/mu(y), 1)) * A * grad log pi(y)
+    level="sequence" (the paper's): y is the whole response, log pi(y) = sum_t log pi(y_t) over
+      masked tokens and pi(y)/mu(y) = prod_t r_t (from unclamped log-ratios; truncated at
+      negative_ratio_max, 1 in the paper). Its aggregation is seq-mean-token-sum (a sum of
+      log-probs per sequence, averaged over sequences), the default policy_loss picks.
+    level="token": the same rule per token, weight sg(min(r_t, negative_ratio_max)) (bapo's earlier form).
+    No ratio clips the positive side. The value is -A * weight; exp(log pi - sg(log pi)) = 1
+    carries the gradient of log pi.
     """
+    if level not in TOPR_LEVELS:
+        raise ValueError(f"level: {level!r} is not one of {TOPR_LEVELS}")
     if not negative_ratio_max > 0.0:
         raise ValueError(f"negative_ratio_max: {negative_ratio_max} must be > 0")
-    weight = torch.where(batch.advantages > 0, torch.ones_like(batch.ratio),
-                         batch.ratio.detach().clamp(max=negative_ratio_max))
+    if level == "token":
+        negative_weight = batch.ratio.detach().clamp(max=negative_ratio_max)
+    else:
+        # prod_t r_t in log space: a long stale response has a log-ratio sum far beyond the
+        # per-token clamp, and only its minimum with log(negative_ratio_max) is ever exponentiated.
+        counted = batch.mask.to(torch.bool)
+        sequence_log_ratio = torch.where(counted, batch.log_prob.detach() - batch.old_log_prob, 0.0).sum(-1, keepdim=True)
+        negative_weight = sequence_log_ratio.clamp(max=math.log(negative_ratio_max)).exp().expand_as(batch.ratio)
+    weight = torch.where(batch.advantages >= 0, torch.ones_like(batch.ratio), negative_weight)
     score = torch.exp(batch.log_prob - batch.log_prob.detach())
     # Nothing is clipped to zero gradient: diagnostics see the widest bounds.
     return TokenLoss(-batch.advantages * weight * score, 0.0, float("inf"))
 
 
-@register_policy_loss("dcpo")
-def dcpo_loss(batch: TokenBatch, *, eps_low: float = 0.16, eps_high: float = 0.2, ratio_max: float = 10.0) -> TokenLoss:
+@register_policy_loss("dcpo", agg_mode="seq-mean-token-sum")
+def dcpo_loss(batch: TokenBatch, *, eps_low: float = 0.16, eps_high: float = 0.2, ratio_max: float = 10.0,
+              dual_clip: float | None = None) -> TokenLoss:
     """DCPO's dynamic adaptive clipping (arXiv 2509.02333): per-token ratio bounds from the prior
     probability q = pi_behaviour(y_t), from the constraint |(r - 1) * r| * q <= eps:
         lower = 0.5 + 0.5 * sqrt(max(1 - 4 eps_low / q, 0)),  upper = 0.5 + 0.5 * sqrt(1 + 4 eps_high / q),
     upper capped at ratio_max. At q = 1 they are (0.8, 1.17); they widen as q falls.
-    (DCPO's smooth advantage standardisation and OTM aggregation are not part of this loss.)
+    DCPO complete = this loss + its smooth advantage standardisation (bapo.core.advantages.
+    smooth_advantages, which needs each prompt's rewards across rollout steps: the caller's job)
+    + its aggregation, token sums per response averaged over responses (seq-mean-token-sum, the
+    default policy_loss picks) + dual-clip 3.0 as in DCPO's code (dual_clip; core default off).
     """
     for name, value in (("eps_low", eps_low), ("eps_high", eps_high)):
         if not value > 0.0:
             raise ValueError(f"{name}: {value} must be > 0")
     if not ratio_max > 1.0:
         raise ValueError(f"ratio_max: {ratio_max} must be > 1")
-    prior = batch.old_log_prob.detach().float().exp().clamp_min(1e-12)
+    check_dual_clip(dual_clip)
+    prior = batch.old_log_prob.detach().exp().clamp_min(1e-12)
     lower = 0.5 + 0.5 * torch.sqrt((1.0 - 4.0 * eps_low / prior).clamp_min(0.0))
     upper = (0.5 + 0.5 * torch.sqrt(1.0 + 4.0 * eps_high / prior)).clamp(max=ratio_max)
-    return TokenLoss(clipped_surrogate(batch.ratio, batch.advantages, lower, upper), lower, upper)
+    return TokenLoss(clipped_surrogate(batch.ratio, batch.advantages, lower, upper, dual_clip), lower, upper,
+                     dual_clip=dual_clip)
 
 
 def aggregate_loss(token_loss: Tensor, mask: Tensor, mode: str = "token-mean", normalizer: float | None = None) -> Tensor:
@@ -161,6 +206,7 @@ def aggregate_loss(token_loss: Tensor, mask: Tensor, mode: str = "token-mean", n
     """
     if mode not in LOSS_AGG_MODES:
         raise ValueError(f"loss_agg_mode: {mode!r} is not one of {LOSS_AGG_MODES}")
+    check_normalizer(normalizer)
     weight = mask.to(token_loss.dtype)
     # where() rather than multiply: a masked position holding inf must not turn into NaN.
     masked_loss = torch.where(mask.to(torch.bool), token_loss, torch.zeros_like(token_loss))
@@ -176,13 +222,18 @@ def aggregate_loss(token_loss: Tensor, mask: Tensor, mode: str = "token-mean", n
     return masked_loss.sum() / (normalizer if normalizer is not None else max(batch_size * length, 1))
 
 
-def _check_params(method: str, params: dict) -> PolicyLossFn:
+def loss_parameters(method: str) -> list[str]:
+    """The keyword parameters the registered loss `method` takes (e.g. whether it has dual_clip)."""
     if method not in POLICY_LOSSES:
         near = difflib.get_close_matches(method, POLICY_LOSSES, n=1)
         hint = f"; did you mean {near[0]!r}?" if near else ""
         raise ValueError(f"method: unknown policy loss {method!r}{hint} Registered: {sorted(POLICY_LOSSES)}")
+    return [name for name, p in inspect.signature(POLICY_LOSSES[method]).parameters.items() if p.kind is p.KEYWORD_ONLY]
+
+
+def _check_params(method: str, params: dict) -> PolicyLossFn:
+    accepted = loss_parameters(method)
     fn = POLICY_LOSSES[method]
-    accepted = [name for name, p in inspect.signature(fn).parameters.items() if p.kind is p.KEYWORD_ONLY]
     unknown = sorted(set(params) - set(accepted))
     if unknown:
         raise ValueError(f"{unknown[0]}: not a parameter of the {method!r} loss; it takes {accepted}")
@@ -196,11 +247,12 @@ def policy_loss(
     mask: Tensor,
     method: str = "grpo",
     *,
-    loss_agg_mode: str = "token-mean",
-    normalizer: float | None = None,
+    loss_agg_mode: str | None = None,
+    normalizer: float | Tensor | None = None,
     importance_weights: Tensor | None = None,
     entropy: Tensor | None = None,
     logits: Tensor | None = None,
+    stats: ClipStats | None = None,
     validate: bool = True,
     **params,
 ) -> tuple[Tensor, dict[str, float]]:
@@ -209,26 +261,48 @@ def policy_loss(
     log_prob: [B, T] current log-probs of the sampled tokens (carries grad); old_log_prob: [B, T]
     behaviour log-probs; advantages: [B, T] or [B]; mask: [B, T] 0/1; importance_weights: [B, T]
     optional detached per-token weights (rollout/training mismatch) multiplying the loss;
-    entropy [B, T] / logits [B, T, V]: optional, for the entropy diagnostic. params: the method's
-    own (lower=, upper=, dual_clip=, bapo=, bounds=, ...). Returns (scalar loss, metrics).
+    entropy [B, T] / logits [B, T, V]: optional, for the entropy diagnostic and the per-state
+    quadrant split. loss_agg_mode: None = the method's paper's (PAPER_AGG_MODES). normalizer:
+    the denominator of the whole update (> 0), see aggregate_loss. params: the method's own
+    (lower=, upper=, dual_clip=, bapo=, bounds=, level=, ...).
+    stats: when given, this batch's additive diagnostics (ClipStats) are added into it in place
+    and the returned metrics hold only "loss" and the method's own metrics (no host sync for
+    them); the caller finalizes once per update. Returns (scalar loss in float32, or float64
+    for float64 inputs; metrics).
     """
     fn = _check_params(method, params)
+    loss_agg_mode = PAPER_AGG_MODES[method] if loss_agg_mode is None else loss_agg_mode
     if validate:
         named = {"log_prob": log_prob, "old_log_prob": old_log_prob, "advantages": advantages}
         if importance_weights is not None:
             named["importance_weights"] = importance_weights
-        check_token_inputs(named, mask, reference="log_prob", allow_row_vector=("advantages",))
-    advantages = per_token(advantages, log_prob).to(log_prob.dtype)
-    weights = None if importance_weights is None else importance_weights.detach()
-    batch = TokenBatch(log_prob, old_log_prob.detach(), token_ratio(log_prob, old_log_prob.detach()),
-                       advantages.detach(), mask, weights)
+        checks = ()
+        if isinstance(normalizer, Tensor):
+            checks = ((lambda _: ~(torch.isfinite(normalizer) & (normalizer > 0)).all(),
+                       f"normalizer: must be finite and > 0 (the update's token or sequence count)"),)
+        check_token_inputs(named, mask, reference="log_prob", allow_row_vector=("advantages",), extra_checks=checks)
+    dtype = compute_dtype(log_prob, old_log_prob)
+    counted = mask.to(torch.bool)
+    # Padding may hold -inf (or NaN): where() replaces it before any arithmetic and sends it no gradient.
+    log_prob = torch.where(counted, log_prob.to(dtype), 0.0)
+    old_log_prob = torch.where(counted, old_log_prob.detach().to(dtype), 0.0)
+    advantages = torch.where(counted, per_token(advantages.detach().to(dtype), log_prob), 0.0)
+    weights = None
+    if importance_weights is not None:
+        weights = torch.where(counted, importance_weights.detach().to(dtype), 0.0)
+    batch = TokenBatch(log_prob, old_log_prob, token_ratio(log_prob, old_log_prob), advantages, mask, weights)
     result = fn(batch, **params)
     token_loss = result.loss
-    if importance_weights is not None:
-        token_loss = token_loss * weights.to(token_loss.dtype)
+    if weights is not None:
+        token_loss = token_loss * weights
     loss = aggregate_loss(token_loss, mask, loss_agg_mode, normalizer)
-    metrics = clip_diagnostics(log_prob, old_log_prob, advantages, mask, result.lower, result.upper,
-                               entropy=entropy, logits=logits)
+    batch_stats = clip_statistics(log_prob, old_log_prob, advantages, mask, result.lower, result.upper,
+                                  dual_clip=result.dual_clip, importance_weights=weights, entropy=entropy, logits=logits)
+    if stats is not None:
+        stats.add_(batch_stats)
+        metrics = {}
+    else:
+        metrics = batch_stats.finalize()
     metrics["loss"] = float(loss.detach())
     metrics.update(result.metrics)
     return loss, metrics

@@ -77,6 +77,9 @@ class LossSection(Section):
     method: str = "grpo"
     agg_mode: str = "token-mean"
     params: dict[str, Any] = {}  # extra keyword arguments for policy_loss (lower=, upper=, dual_clip=, ...)
+    # Cap on the ratio of negative-advantage tokens (verl's clip_ratio_c) for every loss that takes
+    # one (grpo, clip-higher, bapo, dcpo); null = each loss's own default (off, except `dual-clip`).
+    dual_clip: Optional[float] = Field(3.0, gt=1.0)
     bapo: BAPOSection = BAPOSection()
     scale_by_std: bool = True  # False = Dr.GRPO advantages (no division by the group std)
     zero_variance: Literal["keep", "drop"] = "keep"  # drop = dynamic sampling (no refill)

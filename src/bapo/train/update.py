@@ -9,13 +9,10 @@ import time
 
 import torch
 
-from bapo.core import BAPOConfig, BoundStats, aggregate_loss, k3_kl, policy_loss, token_ratio
+from bapo.core import BAPOConfig, BoundStats, ClipStats, aggregate_loss, k3_kl, policy_loss, token_ratio
+from bapo.core.losses import loss_parameters
 from bapo.train.config import TrainConfig
 from bapo.train.rollout import Batch, token_log_probs
-
-# metrics of policy_loss that combine across micro-batches by sum / max / min (others: token-weighted mean)
-SUMMED = ("loss", "tokens", "kl_loss", "entropy_loss")
-MAXED, MINNED = ("ratio/max",), ("ratio/min",)
 
 
 def _normalizer(cfg: TrainConfig, batch: Batch) -> float:
@@ -34,28 +31,12 @@ def _forward(model, mb: Batch, cfg: TrainConfig):
                            cfg.rollout.temperature, with_entropy=True, entropy_grad=cfg.loss.entropy_coef > 0)
 
 
-def _merge(parts: list[tuple[int, dict]]) -> dict:
-    total = sum(n for n, _ in parts) or 1
-    out: dict[str, float] = {}
-    for key in parts[0][1]:
-        values = [(n, m[key]) for n, m in parts if key in m]
-        if key in SUMMED or key.endswith("/count"):
-            out[key] = sum(v for _, v in values)
-        elif all(v == values[0][1] for _, v in values):  # e.g. fixed bounds: keep the exact value
-            out[key] = values[0][1]
-        elif key in MAXED:
-            out[key] = max(v for _, v in values)
-        elif key in MINNED:
-            out[key] = min(v for _, v in values)
-        else:
-            out[key] = sum(n * v for n, v in values) / total
-    return out
-
-
 def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig) -> dict:
     """Forward+backward over micro-batches of `batch` (on the model's device), then one step.
 
-    Returns metrics: every policy_loss diagnostic (token-weighted over micro-batches), grad_norm
+    Returns metrics: every policy_loss diagnostic over all micro-batches (bapo.core.ClipStats,
+    summed then finalized once), the losses (micro-batch terms add up to the update's), the
+    method's own metrics (mean over micro-batches), grad_norm
     (before clipping), lr, skipped (1 when the loss or gradient was non-finite and no step was taken).
     """
     start = time.perf_counter()
@@ -63,6 +44,8 @@ def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig
              for s in range(0, len(batch), cfg.optim.micro_batch_size)]
     normalizer = _normalizer(cfg, batch)
     params = dict(cfg.loss.params)
+    if cfg.loss.dual_clip is not None and "dual_clip" in loss_parameters(cfg.loss.method):
+        params.setdefault("dual_clip", cfg.loss.dual_clip)
     extra: dict[str, float] = {}
     if cfg.loss.method == "bapo":
         bapo_cfg = BAPOConfig(**cfg.loss.bapo.model_dump())
@@ -81,24 +64,33 @@ def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig
                      "bapo/search_positive_share": found.positive_share}
 
     optimizer.zero_grad(set_to_none=True)
-    parts, finite = [], True
+    diagnostic_sums: ClipStats | None = None  # the diagnostics' sums over the finite micro-batches
+    losses: dict[str, float] = {}   # each term uses the update's normalizer, so micro-batch values add up
+    own_metrics: list[dict[str, float]] = []
+    finite = True
     for mb in micro:
         log_prob, entropy = _forward(model, mb, cfg)
+        mb_stats = ClipStats.empty(mb.response_mask.device)
         loss, metrics = policy_loss(log_prob, mb.old_log_prob, mb.advantages, mb.response_mask, cfg.loss.method,
-                                    loss_agg_mode=cfg.loss.agg_mode, normalizer=normalizer, entropy=entropy, **params)
+                                    loss_agg_mode=cfg.loss.agg_mode, normalizer=normalizer, entropy=entropy,
+                                    stats=mb_stats, **params)
+        terms = {"loss": metrics.pop("loss")}
         if cfg.loss.kl_coef > 0:  # k3 estimate of KL(pi || ref), verl's "low_var_kl"
             kl = aggregate_loss(k3_kl(mb.ref_log_prob - log_prob), mb.response_mask, cfg.loss.agg_mode, normalizer)
             loss = loss + cfg.loss.kl_coef * kl
-            metrics["kl_loss"] = float(kl.detach())
+            terms["kl_loss"] = float(kl.detach())
         if cfg.loss.entropy_coef > 0:
             bonus = aggregate_loss(entropy, mb.response_mask, cfg.loss.agg_mode, normalizer)
             loss = loss - cfg.loss.entropy_coef * bonus
-            metrics["entropy_loss"] = float(bonus.detach())
-        if not math.isfinite(metrics["loss"]) or not torch.isfinite(loss):
+            terms["entropy_loss"] = float(bonus.detach())
+        if not math.isfinite(terms["loss"]) or not torch.isfinite(loss):
             finite = False
             break
         loss.backward()
-        parts.append((int(mb.response_mask.sum()), metrics))
+        diagnostic_sums = mb_stats if diagnostic_sums is None else diagnostic_sums.add_(mb_stats)
+        for name, value in terms.items():
+            losses[name] = losses.get(name, 0.0) + value
+        own_metrics.append(metrics)
 
     max_norm = cfg.optim.max_grad_norm or float("inf")
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)) if finite else float("nan")
@@ -109,7 +101,9 @@ def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig
     else:
         optimizer.step()
         scheduler.step()
-    out = _merge(parts) if parts else {}
+    out = {} if diagnostic_sums is None else {**diagnostic_sums.finalize(), **losses}
+    for name in own_metrics[0] if own_metrics else ():  # e.g. bapo/reached of a search inside the loss
+        out[name] = sum(metrics[name] for metrics in own_metrics) / len(own_metrics)
     out.update(extra)
     out.update({"grad_norm": grad_norm, "lr": lr, "skipped": int(skipped), "tokens/update": batch.tokens,
                 "time/update_s": time.perf_counter() - start})
