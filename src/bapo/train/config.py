@@ -46,6 +46,9 @@ class DataSection(Section):
 
 class RolloutSection(Section):
     backend: Literal["hf", "vllm"] = "hf"
+    # hf backend's sampling loop: lean = bapo's KV-cache loop (same draws as generate, faster, and
+    # the behaviour log-probs come from it in fp32), hf = model.generate, auto = lean when the model supports it
+    sampler: Literal["auto", "lean", "hf"] = "auto"
     prompts_per_batch: int = Field(8, gt=0)
     group_size: int = Field(4, gt=0)  # G responses per prompt
     max_new_tokens: int = Field(64, gt=0)

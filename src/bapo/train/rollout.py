@@ -1,6 +1,7 @@
-"""Rollout: G sampled responses per prompt with HF `generate` (KV cache), behaviour log-probs
-recomputed by a forward pass of the same weights at the same temperature, rewards from the
-verifier, group advantages.
+"""Rollout: G sampled responses per prompt (bapo.train.sampling: a lean KV-cache loop, or HF
+`generate`), the behaviour log-prob of every token (read from the sampling pass by the lean loop on
+an fp32 model, else recomputed by a forward of the same weights at the same temperature), rewards
+from the verifier, group advantages.
 
 Partial rollout (rollout.segment_tokens = L) runs through the same code: every generation pass
 adds at most L tokens to each unfinished response; a group trains once all its G responses are
@@ -22,6 +23,7 @@ from bapo.core import group_advantages
 from bapo.train.config import TrainConfig
 from bapo.train.data import PromptSampler
 from bapo.train.rewards import score
+from bapo.train.sampling import SamplingParams, hf_sample, lean_sample, resolve_sampler
 
 
 @dataclass
@@ -201,38 +203,35 @@ class Rollout:
     @torch.no_grad()
     def _generate_pass(self, model, version: int) -> int:
         """Up to `segment` new tokens for every unfinished response; returns tokens added."""
-        from transformers import GenerationConfig
-
         live = [s for g in self.in_flight for s in g["seqs"] if not s["done"]]
         owners = [g for g in self.in_flight for s in g["seqs"] if not s["done"]]
         if not live:
             return 0
-        device = next(model.parameters()).device
         context = [self.prompts[g["example"]] + s["response"] for g, s in zip(owners, live)]
         ctx_ids, ctx_mask = pad(context, self.pad_id, left=True)
         remaining = torch.tensor([self.r.max_new_tokens - len(s["response"]) for s in live])
         budget = min(self.segment, int(remaining.max()))
-        # Neutral values set explicitly: generate() fills unset fields from the model's own
-        # generation_config (a repetition penalty, min_p, ...), which would sample from another
-        # distribution than the one the behaviour log-probs describe.
-        gen = GenerationConfig(
-            do_sample=True, temperature=self.r.temperature, top_p=self.r.top_p, top_k=self.r.top_k,
-            max_new_tokens=budget, min_new_tokens=0, pad_token_id=self.pad_id,
-            eos_token_id=self.eos_ids.tolist(), stop_strings=self.r.stop or None, use_cache=True,
-            repetition_penalty=1.0, no_repeat_ngram_size=0, min_p=0.0, typical_p=1.0,
-            epsilon_cutoff=0.0, eta_cutoff=0.0)
+        params = SamplingParams(self.r.temperature, self.r.top_k, self.r.top_p)
         was_training = model.training  # (train mode only for gradient checkpointing, which breaks the KV cache)
         model.eval()
-        out = model.generate(input_ids=ctx_ids.to(device), attention_mask=ctx_mask.to(device).long(),
-                             generation_config=gen, tokenizer=self.tokenizer if self.r.stop else None).cpu()
+        if resolve_sampler(self.r.sampler, model) == "lean":
+            sampled = lean_sample(model, ctx_ids, ctx_mask, budget, params, self.eos_ids.tolist(), self.pad_id,
+                                  row_budget=remaining.clamp_max(budget), stop=self.stop)
+        else:
+            sampled = hf_sample(model, ctx_ids, ctx_mask, budget, params, self.eos_ids.tolist(), self.pad_id,
+                                tokenizer=self.tokenizer, stop_strings=self.r.stop)
         model.train(was_training)
         width = ctx_ids.shape[1]
-        new = out[:, width:]  # [n, <= budget]
-        length, ended = self._segment_ends(out, width, remaining)
+        new = sampled.tokens  # [n, <= budget]
+        length, ended = self._segment_ends(torch.cat([ctx_ids, new], dim=1), width, remaining)
         new_mask = torch.arange(new.shape[1]) < length[:, None]
-        # behaviour log-prob of the new tokens: same weights, same temperature (verl recomputes too)
-        log_prob = batched_log_probs(model, ctx_ids, ctx_mask, new, new_mask, self.r.temperature,
-                                     self.r.logprob_batch_size)
+        log_prob = sampled.log_prob
+        # The sampling pass's log-probs equal a recompute to ~1e-6 in fp32 (tests/train/test_sampling.py);
+        # in half precision the cached decode and the full forward round differently: recompute
+        # (same weights, same temperature, as verl does).
+        if log_prob is None or next(model.parameters()).dtype != torch.float32:
+            log_prob = batched_log_probs(model, ctx_ids, ctx_mask, new, new_mask, self.r.temperature,
+                                         self.r.logprob_batch_size)
         lengths = length.tolist()
         for i, s in enumerate(live):
             n = lengths[i]
