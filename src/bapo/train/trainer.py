@@ -18,12 +18,14 @@ import numpy as np
 import torch
 
 from bapo.train.buffer import BatchBuffer
-from bapo.train.checkpoint import latest_checkpoint, load_state, rng_state, save_checkpoint, set_rng_state
+from bapo.train.checkpoint import (CheckpointError, checkpoints, load_state, quarantine, remove_stale_tmp, rng_state,
+                                   save_checkpoint, set_rng_state, verify_checkpoint)
 from bapo.train.config import ConfigError, TrainConfig
 from bapo.train.data import PromptSampler, load_examples, tokenize_prompts
 from bapo.train.metrics import MetricsLog, ProgressFn, RichProgress
 from bapo.train.rewards import resolve_verifier
 from bapo.train.rollout import Batch, Rollout, batched_log_probs
+from bapo.train.rundir import RunLock, check_resume_config, holds_run
 from bapo.train.update import optimizer_update
 
 OnUpdate = Callable[[int, object, object], "dict | None"]
@@ -90,18 +92,18 @@ def _check_backend(cfg: TrainConfig) -> None:
         raise ConfigError("rollout.backend=vllm: the vLLM rollout engine is not implemented yet; use rollout.backend=hf")
 
 
-def _find_run(cfg: TrainConfig, resume: str | Path | None) -> tuple[Path, Path | None]:
-    """The run directory and the checkpoint to resume from (None for a fresh run)."""
+def _resume_candidates(cfg: TrainConfig, run_dir: Path, resume: str | Path | None) -> list[Path]:
+    """The checkpoints to try, newest first; [] for a fresh start. Call with the run lock held."""
     if resume is None:
-        run_dir = Path(cfg.run.output_dir)
-        if (run_dir / "checkpoints").exists() and not cfg.run.overwrite:
+        if holds_run(run_dir) and not cfg.run.overwrite:
             raise ConfigError(f"run.output_dir={str(run_dir)!r} already holds a run: resume it "
                               "(--resume), choose another directory, or set run.overwrite=true")
-        return run_dir, None
-    checkpoint = latest_checkpoint(Path(resume))
-    if checkpoint is None:
-        raise ConfigError(f"--resume {resume}: no checkpoint under {Path(resume) / 'checkpoints'}")
-    return Path(resume), checkpoint
+        return []
+    check_resume_config(run_dir, cfg)
+    found = checkpoints(run_dir)
+    if not found:  # killed before its first checkpoint was complete: nothing to lose, start over
+        warnings.warn(f"--resume {run_dir}: no checkpoint was completed yet; starting the run from the beginning")
+    return found
 
 
 def _load_model(cfg: TrainConfig, source: str):
@@ -125,9 +127,41 @@ class Trainer:
         self.verifier = verifier or self._resolve_verifier(cfg)
         examples = _check_data(cfg, examples, verifier is not None)
         _check_backend(cfg)
-        self.run_dir, checkpoint = _find_run(cfg, resume)
+        self.run_dir = Path(resume) if resume is not None else Path(cfg.run.output_dir)
+        if resume is not None and not self.run_dir.is_dir():
+            raise ConfigError(f"--resume {resume}: no such run directory")
+        self.lock = RunLock(self.run_dir)  # one writer per run directory, from here until close()
+        self.log = None
+        self.progress_arg = cfg.run.progress if progress is None else progress
+        self.progress: ProgressFn | None = None
+        try:
+            self._start(cfg, examples, resume)
+        except BaseException:
+            self.lock.release()
+            raise
 
-        self.model, self.tokenizer = _load_model(cfg, str(checkpoint / "model") if checkpoint else cfg.model.path)
+    def _start(self, cfg: TrainConfig, examples: list[dict], resume: str | Path | None) -> None:
+        candidates = _resume_candidates(cfg, self.run_dir, resume)
+        remove_stale_tmp(self.run_dir)  # half-written saves of a killed run (we hold the lock)
+        checkpoint, state = None, None
+        for candidate in candidates:
+            problem = verify_checkpoint(candidate)
+            if problem is None:
+                try:
+                    self.model, self.tokenizer = _load_model(cfg, str(candidate / "model"))
+                    state = load_state(candidate)
+                    checkpoint = candidate
+                    break
+                except Exception as err:  # noqa: BLE001 - any load error means: try an older one
+                    problem = f"{candidate}: does not load ({type(err).__name__}: {err})"
+            moved = quarantine(candidate)
+            warnings.warn(f"checkpoint {candidate.name} is not usable: {problem}; renamed to {moved.name}, "
+                          "trying the next older one")
+        if candidates and checkpoint is None:
+            raise ConfigError(f"--resume {self.run_dir}: none of its {len(candidates)} checkpoints verifies "
+                              "(renamed to corrupt_step_*); start afresh with run.overwrite=true")
+        if checkpoint is None:
+            self.model, self.tokenizer = _load_model(cfg, cfg.model.path)
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         # dropout off for rollout and update alike (as verl): behaviour and current log-probs
@@ -155,7 +189,11 @@ class Trainer:
         if cfg.run.deterministic:
             torch.use_deterministic_algorithms(True)
         if checkpoint:
-            self._load(checkpoint)
+            self._load(state, checkpoint)
+            if not (self.run_dir / "metrics.jsonl").exists():
+                warnings.warn(f"{self.run_dir / 'metrics.jsonl'} is missing: the metrics of updates "
+                              f"1..{self.version} are lost; new rows are appended from update {self.version + 1}")
+            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())  # the resume's steps, cadence, ...
         else:
             random.seed(cfg.run.seed)
             np.random.seed(cfg.run.seed)
@@ -165,8 +203,6 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
         self.log = MetricsLog(self.run_dir, cfg.run.tensorboard, resume_step=self.version if checkpoint else None)
-        self.progress_arg = cfg.run.progress if progress is None else progress
-        self.progress: ProgressFn | None = None
 
     @staticmethod
     def _resolve_verifier(cfg: TrainConfig):
@@ -269,23 +305,32 @@ class Trainer:
         state = {"step": self.step, "version": self.version, "nonfinite_streak": self.nonfinite_streak,
                  "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "rng": rng_state(), "buffer": self.buffer.state_dict(), "rollout": self.rollout.state_dict()}
-        return save_checkpoint(self.run_dir, self.version, self.model, self.tokenizer, state,
-                               self.cfg.run.keep_checkpoints)
+        try:
+            return save_checkpoint(self.run_dir, self.version, self.model, self.tokenizer, state,
+                                   self.cfg.run.keep_checkpoints, self.cfg.run.save_optimizer)
+        except CheckpointError as err:
+            raise TrainingStopped(str(err)) from None
 
-    def _load(self, checkpoint: Path) -> None:
-        state = load_state(checkpoint)
+    def _load(self, state: dict, checkpoint: Path) -> None:
         self.step, self.version = state["step"], state["version"]
         self.nonfinite_streak = state["nonfinite_streak"]
-        self.optimizer.load_state_dict(state["optimizer"])
+        if state["optimizer"] is None:
+            warnings.warn(f"resuming from {checkpoint.name}, which holds no optimizer state "
+                          f"(run.save_optimizer): the optimizer restarts from zero moments, so this resume is NOT exact")
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.buffer.load_state_dict(state["buffer"])
         self.rollout.load_state_dict(state["rollout"])
         set_rng_state(state["rng"])
 
     def close(self) -> None:
-        self.log.close()
+        """Close the metrics log and progress bar and release the run directory's lock."""
+        if self.log is not None:
+            self.log.close()
         if isinstance(self.progress, RichProgress):
             self.progress.close()
+        self.lock.release()
 
 
 def train(cfg: TrainConfig, on_update: OnUpdate | None = None, *, examples: list[dict] | None = None,
