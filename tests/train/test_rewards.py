@@ -1,4 +1,8 @@
+import os
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -47,3 +51,67 @@ def test_raising_slow_and_nonfinite_verifiers_give_zero_and_are_counted():
     assert time.perf_counter() - start < 2.0  # the slow one was abandoned, not waited for
     assert rewards.tolist() == [1.0, 0.0, 0.0, 0.0, 1.0]
     assert failures == 3
+
+
+def test_verifier_exits_interrupts_and_non_numbers_are_failures():
+    def hostile(response, example):
+        if response == "exit":
+            raise SystemExit(3)
+        if response == "interrupt":
+            raise KeyboardInterrupt
+        if response == "huge":
+            return 1e39  # finite in Python, inf in float32
+        if response == "string":
+            return "1.0"
+        if response == "none":
+            return None
+        return 0.5
+
+    rewards, failures = score(hostile, ["exit", "interrupt", "huge", "string", "none", "ok"], [{}] * 6, timeout_s=5)
+    assert rewards.tolist() == [0.0, 0.0, 0.0, 0.0, 0.0, 0.5]
+    assert failures == 5
+
+
+def test_score_uses_a_bounded_number_of_threads():
+    import threading
+
+    from bapo.train.rewards import MAX_WORKERS
+
+    seen = []
+
+    def counting(response, example):
+        seen.append(threading.active_count())
+        time.sleep(0.002)
+        return 1.0
+
+    base = threading.active_count()
+    rewards, failures = score(counting, ["x"] * 200, [{}] * 200, timeout_s=5)
+    assert failures == 0 and rewards.sum() == 200
+    assert max(seen) <= base + MAX_WORKERS
+
+
+def test_each_call_gets_its_own_timeout_and_hung_ones_are_replaced():
+    def slow_then_fast(response, example):
+        if response == "hang":
+            time.sleep(30)
+        time.sleep(0.05)
+        return 1.0
+
+    responses = ["hang"] * 2 + ["ok"] * 6
+    rewards, failures = score(slow_then_fast, responses, [{}] * 8, timeout_s=0.5, workers=2)
+    assert failures == 2 and rewards.tolist() == [0.0, 0.0] + [1.0] * 6
+
+
+def test_a_verifier_that_never_returns_does_not_block_exit(tmp_path):
+    script = tmp_path / "hang.py"
+    script.write_text(
+        "import threading\n"
+        "from bapo.train.rewards import score\n"
+        "rewards, failures = score(lambda r, e: threading.Event().wait(), ['a', 'b'], [{}, {}], timeout_s=0.2)\n"
+        "print('failures', failures)\n")
+    start = time.perf_counter()
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")})
+    assert out.returncode == 0, out.stderr
+    assert "failures 2" in out.stdout
+    assert time.perf_counter() - start < 50

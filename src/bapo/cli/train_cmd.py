@@ -15,6 +15,7 @@ def train_command(
 ) -> None:
     """Train a causal LM with GRPO / BAPO (and baselines) on verifier rewards."""
     from bapo.train import ConfigError, TrainingStopped, load_config, train
+    from bapo.train.trainer import TrainingAborted, TrainingInterrupted
 
     overrides = list(overrides or [])
     if config is not None and "=" in config.name and not config.exists():
@@ -34,6 +35,9 @@ def train_command(
     except ConfigError as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(2)
+    except (TrainingInterrupted, TrainingAborted) as err:  # SIGINT/SIGTERM: 130 / 143
+        typer.echo(str(err), err=True)
+        raise typer.Exit(err.exit_code)
     except TrainingStopped as err:
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1)

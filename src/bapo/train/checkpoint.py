@@ -1,13 +1,19 @@
-"""Atomic checkpoints: RUN_DIR/checkpoints/step_NNNNNN/{model/, state.pt} and a `latest` pointer.
+"""Checkpoints that prove themselves: RUN_DIR/checkpoints/step_NNNNNN/{model/, state.pt, manifest.json}.
 
-A checkpoint is written into a temporary directory and renamed into place, then `latest` is
-replaced (also by rename); a kill at any moment leaves the previous checkpoint intact.
+A checkpoint is written into `.tmp_step_NNNNNN_<pid>/`, every file is fsync'ed, then
+`manifest.json` (size and sha256 of every other file) is written last, the directory is fsync'ed
+and renamed into place, and the parent directory is fsync'ed; a kill or power loss at any moment
+leaves the previous checkpoints intact. `verify_checkpoint` re-hashes a checkpoint against its
+manifest; resume (bapo.train.trainer) takes the newest checkpoint that verifies and loads.
 state.pt holds everything else exact resume needs: optimizer, scheduler, RNG states, the
 staleness FIFO / replay buffer, partial responses, data position, counters.
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
+import json
 import os
 import random
 import shutil
@@ -17,6 +23,13 @@ import numpy as np
 import torch
 
 LATEST = "latest"
+MANIFEST = "manifest.json"
+TMP_PREFIX = ".tmp_step_"
+CORRUPT_PREFIX = "corrupt_"  # checkpoints that failed to verify are renamed, never deleted
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written (e.g. disk full); the message names the last good one."""
 
 
 def rng_state() -> dict:
@@ -34,37 +47,162 @@ def set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, keep: int) -> Path:
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _fsync_path(path: Path) -> None:
+    """fsync a file or a directory (a directory's fsync makes its renames and new entries durable)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _write_manifest(directory: Path) -> None:
+    """fsync every file, then write manifest.json (relative path -> size, sha256) last."""
+    entries = {}
+    for path in _files(directory):
+        _fsync_path(path)
+        entries[path.relative_to(directory).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
+    manifest = directory / MANIFEST
+    with open(manifest, "w") as f:
+        json.dump({"format": 1, "files": entries}, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    for sub in sorted({p.parent for p in _files(directory)} | {directory}):
+        _fsync_path(sub)
+
+
+def verify_checkpoint(checkpoint: Path) -> str | None:
+    """None when every file matches the manifest; else why not, naming the file."""
+    checkpoint = Path(checkpoint)
+    try:
+        manifest = json.loads((checkpoint / MANIFEST).read_text())
+        entries = manifest["files"]
+    except FileNotFoundError:
+        return f"{checkpoint / MANIFEST}: missing (the save did not finish, or an older bapo wrote it)"
+    except (ValueError, KeyError, TypeError) as err:
+        return f"{checkpoint / MANIFEST}: unreadable ({err})"
+    for required in ("state.pt", "model/config.json"):
+        if required not in entries:
+            return f"{checkpoint / required}: not in the manifest"
+    for name, entry in entries.items():
+        path = checkpoint / name
+        if not path.is_file():
+            return f"{path}: missing"
+        size = path.stat().st_size
+        if size != entry["size"]:
+            return f"{path}: {size} bytes, the manifest says {entry['size']} (truncated or overwritten)"
+        if _sha256(path) != entry["sha256"]:
+            return f"{path}: sha256 differs from the manifest (corrupted)"
+    return None
+
+
+def checkpoints(run_dir: Path) -> list[Path]:
+    """Complete-looking checkpoint directories of a run, newest first (not yet verified)."""
+    root = Path(run_dir) / "checkpoints"
+    return sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
+
+
+def remove_stale_tmp(run_dir: Path) -> list[Path]:
+    """Delete half-written `.tmp_step_*` directories (a kill, Ctrl-C or failed save); call it only
+    while holding the run lock, so that no other writer's save is in progress."""
+    root = Path(run_dir) / "checkpoints"
+    stale = sorted(root.glob(TMP_PREFIX + "*"))
+    for path in stale:
+        shutil.rmtree(path, ignore_errors=True)
+    return stale
+
+
+def quarantine(checkpoint: Path) -> Path:
+    """Rename a checkpoint that failed to verify out of the resume candidates (kept for inspection)."""
+    target = checkpoint.with_name(CORRUPT_PREFIX + checkpoint.name)
+    shutil.rmtree(target, ignore_errors=True)
+    os.replace(checkpoint, target)
+    return target
+
+
+def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, keep: int,
+                    save_optimizer: str = "latest") -> Path:
+    """Write checkpoint `step` atomically; prune to the newest `keep`.
+
+    save_optimizer: "all" keeps the optimizer state in every checkpoint, "latest" strips it from
+    the older ones when a newer one is written (they stay loadable, model-only), "none" never
+    writes it (such checkpoints are model-only: resume refuses them unless asked, see trainer).
+    Raises CheckpointError naming the last good checkpoint when the write fails (disk full ...);
+    the partial directory is removed and the older checkpoints are untouched.
+    """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:06d}"
-    tmp = root / f".tmp_{final.name}_{os.getpid()}"
+    tmp = root / f"{TMP_PREFIX}{step:06d}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp / "model", safe_serialization=True)
-    tokenizer.save_pretrained(tmp / "model")
-    torch.save(state, tmp / "state.pt")
-    if final.exists():  # the same step written again (after a resume): replace it
-        shutil.rmtree(final)
-    os.replace(tmp, final)
-    pointer = root / f".{LATEST}.tmp"
-    pointer.write_text(final.name)
-    os.replace(pointer, root / LATEST)
-    for old in sorted(p for p in root.glob("step_*") if p.is_dir())[:-keep]:
+    if save_optimizer == "none":
+        state = {**state, "optimizer": None}
+    try:
+        model.save_pretrained(tmp / "model", safe_serialization=True)
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save(state, tmp / "state.pt")
+        _write_manifest(tmp)
+        if final.exists():  # the same step written again (after a resume): replace it
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_path(root)
+        pointer = root / f".{LATEST}.tmp"
+        pointer.write_text(final.name)
+        os.replace(pointer, root / LATEST)
+        _fsync_path(root)
+    except BaseException as err:  # also a second Ctrl-C: never leave a half-written directory behind
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not isinstance(err, Exception):
+            raise
+        good = next((p.name for p in checkpoints(run_dir) if p != final), None)
+        # torch.save reports a full disk as "basic_ios::clear: iostream error", without an errno
+        disk_full = getattr(err, "errno", None) == errno.ENOSPC or "iostream error" in str(err)
+        why = "no space left on device" if disk_full else f"{type(err).__name__}: {err}"
+        raise CheckpointError(f"{why} while writing checkpoint {step} ({final}); the last good "
+                              f"checkpoint is {good or 'none'}") from err
+    for old in checkpoints(run_dir)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
+    if save_optimizer == "latest":
+        for older in checkpoints(run_dir)[1:]:
+            _strip_optimizer(older)
     return final
 
 
+def _strip_optimizer(checkpoint: Path) -> None:
+    """Rewrite an older checkpoint's state.pt without the optimizer (and re-manifest it), through a
+    temporary file and a rename, so a kill leaves either the full or the stripped version."""
+    state = torch.load(checkpoint / "state.pt", map_location="cpu", weights_only=False)
+    if state.get("optimizer") is None:
+        return
+    state["optimizer"] = None
+    tmp = checkpoint / "state.pt.tmp"
+    torch.save(state, tmp)
+    _fsync_path(tmp)
+    # manifest first would name a state.pt not yet there; the rename then the manifest: a kill in
+    # between leaves a checkpoint that fails to verify and is skipped, never a wrong one loaded
+    os.replace(tmp, checkpoint / "state.pt")
+    _write_manifest(checkpoint)
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
-    """The checkpoint `latest` names, else the newest complete step directory, else None."""
-    root = Path(run_dir) / "checkpoints"
-    pointer = root / LATEST
-    if pointer.exists():
-        named = root / pointer.read_text().strip()
-        if (named / "state.pt").exists():
-            return named
-    complete = sorted(p for p in root.glob("step_*") if (p / "state.pt").exists())
-    return complete[-1] if complete else None
+    """The newest checkpoint that verifies against its manifest, else None."""
+    return next((p for p in checkpoints(run_dir) if verify_checkpoint(p) is None), None)
 
 
 def load_state(checkpoint: Path) -> dict:
-    return torch.load(Path(checkpoint) / "state.pt", map_location="cpu", weights_only=False)
+    state = torch.load(Path(checkpoint) / "state.pt", map_location="cpu", weights_only=False)
+    if not isinstance(state, dict) or "version" not in state:
+        raise ValueError(f"{Path(checkpoint) / 'state.pt'}: not a bapo training state")
+    return state

@@ -109,6 +109,13 @@ class OptimSection(Section):
     micro_batch_size: int = Field(32, gt=0)  # sequences per forward+backward
 
 
+class DivergenceSection(Section):
+    """When to stop a run that has diverged (a checkpoint is written first); see bapo.train.trainer."""
+    entropy_fraction: float = Field(0.95, gt=0, le=1)  # mean token entropy >= this x log(vocab): near uniform
+    max_abs_weight: float = Field(1e4, gt=0)  # any parameter with |value| above this
+    zero_variance_steps: int = Field(20, ge=0)  # rollout steps in a row where every group had zero variance; 0 = off
+
+
 class RunSection(Section):
     output_dir: str = "runs/bapo"  # the run directory itself (metrics.jsonl, checkpoints/, config.yaml)
     overwrite: bool = False  # allow starting afresh in a directory that already holds a run
@@ -116,6 +123,8 @@ class RunSection(Section):
     seed: int = 0
     checkpoint_every: int = Field(50, ge=0)  # rollout steps; 0 = only at the end
     keep_checkpoints: int = Field(2, gt=0)
+    save_optimizer: Literal["latest", "all", "none"] = "latest"  # optimizer state in which checkpoints
+    divergence: DivergenceSection = DivergenceSection()
     max_nonfinite: int = Field(3, gt=0)  # stop after this many skipped (non-finite) updates in a row
     tensorboard: Literal["auto", "on", "off"] = "auto"
     progress: bool = True

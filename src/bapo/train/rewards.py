@@ -1,16 +1,19 @@
 """Verifiers: (response text, example row) -> reward, and a scorer that never stops training.
 
-A verifier that raises or runs past its timeout gives reward 0 and is counted as a failure.
-They run in threads so that a hung one can be abandoned (threads cannot be killed; the stray
-thread is left to finish on its own).
+A verifier that raises (anything, SystemExit included), runs past its timeout or returns a
+non-number or a value that is not finite in float32 gives reward 0 and is counted as a failure.
+They run on a bounded set of daemon threads so that a hung one can be abandoned (threads cannot
+be killed; the stray thread finishes on its own and never blocks the process's exit).
 """
 
 from __future__ import annotations
 
-import concurrent.futures as cf
 import importlib
 import logging
+import numbers
 import re
+import threading
+import time
 from functools import partial
 from typing import Callable, Protocol
 
@@ -95,26 +98,75 @@ def resolve_verifier(name: str, answer_key: str = "answer", format_pattern: str 
     return fn
 
 
-def score(verifier: Callable[[str, dict], float], responses: list[str], examples: list[dict],
-          timeout_s: float) -> tuple[torch.Tensor, int]:
-    """Rewards [N] float32 and the number of verifier failures (raised, timed out, non-finite).
+MAX_WORKERS = 8  # verifier threads per score() call, whatever the number of responses
 
-    One thread per call, all started at once, so every call gets timeout_s of wall time and the
-    batch waits at most timeout_s."""
+
+def _as_reward(value) -> float | None:
+    """A verifier's return value as a float32-finite reward, or None (a failure): a reward is a
+    real number (not a string such as "1.0") that stays finite in float32 (1e39 does not)."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        value = value.item()
+    if not isinstance(value, numbers.Real):
+        return None
+    as_float32 = torch.tensor(float(value), dtype=torch.float32)
+    return float(as_float32) if torch.isfinite(as_float32) else None
+
+
+def score(verifier: Callable[[str, dict], float], responses: list[str], examples: list[dict],
+          timeout_s: float, workers: int = MAX_WORKERS) -> tuple[torch.Tensor, int]:
+    """Rewards [N] float32 and the number of verifier failures, each counted and scored 0: raised
+    anything (SystemExit and KeyboardInterrupt too), ran past timeout_s, returned a non-number or a
+    value that is not finite in float32.
+
+    At most `workers` daemon threads run the calls; each call gets timeout_s of wall time from its
+    own start. A call that runs past it is abandoned: its thread is daemon, so it never blocks the
+    process's exit, and a fresh thread takes its place for the remaining calls.
+    """
     if not responses:
         return torch.zeros(0), 0
-    pool = cf.ThreadPoolExecutor(max_workers=len(responses))
-    futures = [pool.submit(verifier, r, e) for r, e in zip(responses, examples)]
-    done, _ = cf.wait(futures, timeout=timeout_s)
-    rewards, failures = [], 0
-    for fut in futures:
-        try:
-            value = float(fut.result(timeout=0)) if fut in done else None
-        except Exception:  # a buggy verifier must not stop training
-            value = None
-        if value is None or value != value or value in (float("inf"), float("-inf")):
-            failures += 1
-            value = 0.0
-        rewards.append(value)
-    pool.shutdown(wait=False, cancel_futures=True)
+    n = len(responses)
+    results: list[float | None] = [None] * n
+    started: dict[int, float] = {}   # call index -> start time, while running
+    finished: set[int] = set()
+    abandoned: set[int] = set()
+    pending = list(range(n - 1, -1, -1))  # popped from the end: calls start in order
+    cond = threading.Condition()
+
+    def work() -> None:
+        while True:
+            with cond:
+                if not pending:
+                    return
+                i = pending.pop()
+                started[i] = time.monotonic()
+            try:
+                value = _as_reward(verifier(responses[i], examples[i]))
+            except BaseException:  # noqa: BLE001 - a verifier must never stop training, not even by SystemExit
+                value = None
+            with cond:
+                if i in abandoned:
+                    return  # timed out meanwhile: its slot was handed to a new thread
+                results[i] = value
+                finished.add(i)
+                del started[i]
+                cond.notify_all()
+
+    def spawn() -> None:
+        threading.Thread(target=work, name="bapo-verifier", daemon=True).start()
+
+    for _ in range(min(workers, n)):
+        spawn()
+    with cond:
+        while len(finished) + len(abandoned) < n:
+            now = time.monotonic()
+            for i, t0 in list(started.items()):
+                if now - t0 >= timeout_s:
+                    abandoned.add(i)
+                    del started[i]
+                    if pending:
+                        spawn()
+            deadline = min((t0 + timeout_s for t0 in started.values()), default=now + timeout_s)
+            cond.wait(timeout=max(deadline - time.monotonic(), 0.001))
+    rewards = [0.0 if value is None else value for value in results]
+    failures = sum(value is None for value in results)
     return torch.tensor(rewards, dtype=torch.float32), failures

@@ -9,21 +9,27 @@ from __future__ import annotations
 import math
 import random
 import shutil
+import signal
+import sys
+import threading
 import time
 import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import numpy as np
 import torch
 
 from bapo.train.buffer import BatchBuffer
-from bapo.train.checkpoint import latest_checkpoint, load_state, rng_state, save_checkpoint, set_rng_state
+from bapo.train.checkpoint import (CheckpointError, checkpoints, load_state, quarantine, remove_stale_tmp, rng_state,
+                                   save_checkpoint, set_rng_state, verify_checkpoint)
 from bapo.train.config import ConfigError, TrainConfig
 from bapo.train.data import PromptSampler, load_examples, tokenize_prompts
 from bapo.train.metrics import MetricsLog, ProgressFn, RichProgress
 from bapo.train.rewards import resolve_verifier
 from bapo.train.rollout import Batch, Rollout, batched_log_probs
+from bapo.train.rundir import RunLock, check_resume_config, holds_run
 from bapo.train.update import optimizer_update
 
 OnUpdate = Callable[[int, object, object], "dict | None"]
@@ -31,6 +37,23 @@ OnUpdate = Callable[[int, object, object], "dict | None"]
 
 class TrainingStopped(RuntimeError):
     """Raised when training cannot go on (e.g. N non-finite updates in a row); a checkpoint is kept."""
+
+
+class TrainingInterrupted(TrainingStopped):
+    """A first SIGINT/SIGTERM: the current rollout step's updates finished and a checkpoint was
+    written. exit_code is the shell's convention, 128 + signal number (130 / 143)."""
+
+    def __init__(self, message: str, signum: int):
+        super().__init__(message)
+        self.exit_code = 128 + signum
+
+
+class TrainingAborted(KeyboardInterrupt):
+    """A second SIGINT/SIGTERM: stopped at once; the last complete checkpoint stays intact."""
+
+    def __init__(self, signum: int):
+        super().__init__(f"aborted by a second {signal.Signals(signum).name}; the last complete checkpoint is kept")
+        self.exit_code = 128 + signum
 
 
 def _lr_lambda(cfg: TrainConfig) -> Callable[[int], float]:
@@ -90,18 +113,18 @@ def _check_backend(cfg: TrainConfig) -> None:
         raise ConfigError("rollout.backend=vllm: the vLLM rollout engine is not implemented yet; use rollout.backend=hf")
 
 
-def _find_run(cfg: TrainConfig, resume: str | Path | None) -> tuple[Path, Path | None]:
-    """The run directory and the checkpoint to resume from (None for a fresh run)."""
+def _resume_candidates(cfg: TrainConfig, run_dir: Path, resume: str | Path | None) -> list[Path]:
+    """The checkpoints to try, newest first; [] for a fresh start. Call with the run lock held."""
     if resume is None:
-        run_dir = Path(cfg.run.output_dir)
-        if (run_dir / "checkpoints").exists() and not cfg.run.overwrite:
+        if holds_run(run_dir) and not cfg.run.overwrite:
             raise ConfigError(f"run.output_dir={str(run_dir)!r} already holds a run: resume it "
                               "(--resume), choose another directory, or set run.overwrite=true")
-        return run_dir, None
-    checkpoint = latest_checkpoint(Path(resume))
-    if checkpoint is None:
-        raise ConfigError(f"--resume {resume}: no checkpoint under {Path(resume) / 'checkpoints'}")
-    return Path(resume), checkpoint
+        return []
+    check_resume_config(run_dir, cfg)
+    found = checkpoints(run_dir)
+    if not found:  # killed before its first checkpoint was complete: nothing to lose, start over
+        warnings.warn(f"--resume {run_dir}: no checkpoint was completed yet; starting the run from the beginning")
+    return found
 
 
 def _load_model(cfg: TrainConfig, source: str):
@@ -125,9 +148,41 @@ class Trainer:
         self.verifier = verifier or self._resolve_verifier(cfg)
         examples = _check_data(cfg, examples, verifier is not None)
         _check_backend(cfg)
-        self.run_dir, checkpoint = _find_run(cfg, resume)
+        self.run_dir = Path(resume) if resume is not None else Path(cfg.run.output_dir)
+        if resume is not None and not self.run_dir.is_dir():
+            raise ConfigError(f"--resume {resume}: no such run directory")
+        self.lock = RunLock(self.run_dir)  # one writer per run directory, from here until close()
+        self.log = None
+        self.progress_arg = cfg.run.progress if progress is None else progress
+        self.progress: ProgressFn | None = None
+        try:
+            self._start(cfg, examples, resume)
+        except BaseException:
+            self.lock.release()
+            raise
 
-        self.model, self.tokenizer = _load_model(cfg, str(checkpoint / "model") if checkpoint else cfg.model.path)
+    def _start(self, cfg: TrainConfig, examples: list[dict], resume: str | Path | None) -> None:
+        candidates = _resume_candidates(cfg, self.run_dir, resume)
+        remove_stale_tmp(self.run_dir)  # half-written saves of a killed run (we hold the lock)
+        checkpoint, state = None, None
+        for candidate in candidates:
+            problem = verify_checkpoint(candidate)
+            if problem is None:
+                try:
+                    self.model, self.tokenizer = _load_model(cfg, str(candidate / "model"))
+                    state = load_state(candidate)
+                    checkpoint = candidate
+                    break
+                except Exception as err:  # noqa: BLE001 - any load error means: try an older one
+                    problem = f"{candidate}: does not load ({type(err).__name__}: {err})"
+            moved = quarantine(candidate)
+            warnings.warn(f"checkpoint {candidate.name} is not usable: {problem}; renamed to {moved.name}, "
+                          "trying the next older one")
+        if candidates and checkpoint is None:
+            raise ConfigError(f"--resume {self.run_dir}: none of its {len(candidates)} checkpoints verifies "
+                              "(renamed to corrupt_step_*); start afresh with run.overwrite=true")
+        if checkpoint is None:
+            self.model, self.tokenizer = _load_model(cfg, cfg.model.path)
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
         # dropout off for rollout and update alike (as verl): behaviour and current log-probs
@@ -152,10 +207,17 @@ class Trainer:
         self.step = 0          # rollout steps done
         self.version = 0       # optimizer updates done = version of the current policy
         self.nonfinite_streak = 0
+        self.zero_variance_streak = 0  # rollout steps in a row where every group had zero variance
+        self.entropy_was_low = False  # entropy has been below the divergence threshold in this run
+        self.interrupted: int | None = None  # the signal number of a first SIGINT/SIGTERM
         if cfg.run.deterministic:
             torch.use_deterministic_algorithms(True)
         if checkpoint:
-            self._load(checkpoint)
+            self._load(state, checkpoint)
+            if not (self.run_dir / "metrics.jsonl").exists():
+                warnings.warn(f"{self.run_dir / 'metrics.jsonl'} is missing: the metrics of updates "
+                              f"1..{self.version} are lost; new rows are appended from update {self.version + 1}")
+            (self.run_dir / "config.yaml").write_text(cfg.to_yaml())  # the resume's steps, cadence, ...
         else:
             random.seed(cfg.run.seed)
             np.random.seed(cfg.run.seed)
@@ -165,8 +227,6 @@ class Trainer:
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
         self.log = MetricsLog(self.run_dir, cfg.run.tensorboard, resume_step=self.version if checkpoint else None)
-        self.progress_arg = cfg.run.progress if progress is None else progress
-        self.progress: ProgressFn | None = None
 
     @staticmethod
     def _resolve_verifier(cfg: TrainConfig):
@@ -185,6 +245,9 @@ class Trainer:
         try:
             while len(self.buffer.batches) < self.buffer.warmup:  # FIFO warm-up: version-0 batches
                 self.buffer.push(self.rollout_step()[0])
+                if self.interrupted:
+                    self.save()
+                    raise self._interruption()
             while self.step < self.cfg.run.steps:
                 start = time.perf_counter()
                 fresh, rollout_metrics = self.rollout_step()     # generated by policy `self.version`
@@ -203,17 +266,57 @@ class Trainer:
                     self.log.write(row)
                     if self.progress:
                         self.progress(row["step"], self.cfg.total_updates, row)
-                if self.nonfinite_streak >= self.cfg.run.max_nonfinite:
-                    path = self.save()
-                    raise TrainingStopped(
-                        f"stopped: {self.nonfinite_streak} updates in a row had a non-finite loss or gradient "
-                        f"(skipped, weights unchanged); checkpoint {path}. Lower optim.lr or check the data.")
-                every = self.cfg.run.checkpoint_every
-                if self.step == self.cfg.run.steps or (every and self.step % every == 0):
-                    self.save()
+                self._end_of_step(rows, rollout_metrics)
         finally:
             self.close()
         return self.run_dir
+
+    def _end_of_step(self, rows: list[dict], rollout_metrics: dict) -> None:
+        """Stop with a checkpoint on divergence or a signal; else checkpoint on the cadence."""
+        all_flat = rollout_metrics.get("groups/zero_variance", 0) >= self.cfg.rollout.prompts_per_batch
+        self.zero_variance_streak = self.zero_variance_streak + 1 if all_flat else 0
+        problem = self._divergence(rows)
+        if problem:
+            what, hint = problem
+            raise TrainingStopped(f"stopped: {what}; checkpoint {self.save()}. {hint}")
+        every = self.cfg.run.checkpoint_every
+        due = self.step == self.cfg.run.steps or bool(every and self.step % every == 0)
+        if due:
+            self.save()
+        if self.interrupted and self.step < self.cfg.run.steps:
+            if not due:
+                self.save()
+            raise self._interruption()
+
+    def _divergence(self, rows: list[dict]) -> tuple[str, str] | None:
+        """(what happened, what to do) when the run has diverged (run.divergence, run.max_nonfinite)."""
+        if self.nonfinite_streak >= self.cfg.run.max_nonfinite:
+            return (f"{self.nonfinite_streak} updates in a row had a non-finite loss or gradient "
+                    "(skipped, weights unchanged)", "Lower optim.lr or check the data.")
+        guard = self.cfg.run.divergence
+        entropy = [row["entropy"] for row in rows if isinstance(row.get("entropy"), float)]
+        vocab = self.model.get_output_embeddings().weight.shape[0]
+        near_uniform = bool(entropy) and entropy[-1] >= guard.entropy_fraction * math.log(vocab)
+        # only a rise counts: a run that starts near uniform (a random init) has not diverged
+        self.entropy_was_low = self.entropy_was_low or (bool(entropy) and not near_uniform)
+        if near_uniform and self.entropy_was_low:
+            return (f"entropy {entropy[-1]:.3f} reached {guard.entropy_fraction:g} x log(vocab {vocab}) = "
+                    f"{guard.entropy_fraction * math.log(vocab):.3f}: the policy is close to uniform",
+                    "Lower optim.lr (or raise run.divergence.entropy_fraction).")
+        with torch.no_grad():
+            largest = max(float(p.detach().abs().max()) for p in self.model.parameters())
+        if not largest <= guard.max_abs_weight:  # also catches nan/inf weights
+            return (f"a weight reached |{largest:.3g}| > run.divergence.max_abs_weight={guard.max_abs_weight:g}",
+                    "Lower optim.lr or set optim.max_grad_norm.")
+        if guard.zero_variance_steps and self.zero_variance_streak >= guard.zero_variance_steps:
+            return (f"every group had zero reward variance (no learning signal) for {self.zero_variance_streak} "
+                    "rollout steps in a row", "Check the verifier and the task's difficulty "
+                    "(or raise run.divergence.zero_variance_steps; 0 turns the check off).")
+        return None
+
+    def _interruption(self) -> TrainingInterrupted:
+        return TrainingInterrupted(f"interrupted after update {self.version}; resume with: "
+                                   f"bapo train --resume {self.run_dir}", self.interrupted)
 
     # -- the two halves -----------------------------------------------------------------------
     def rollout_step(self) -> tuple[Batch, dict]:
@@ -230,26 +333,30 @@ class Trainer:
     def update_step(self, batch: Batch) -> list[dict]:
         """offpolicy.epochs x offpolicy.mini_batches optimizer updates on one batch; one metrics
         row per update (time/update_s, tokens/update, staleness of its tokens, ...)."""
-        rows, off = [], self.cfg.offpolicy
+        rows, off, per_batch = [], self.cfg.offpolicy, self.cfg.updates_per_batch
         stats = _batch_stats(batch, self.cfg.reward.correct_threshold)
         device = next(self.model.parameters()).device
         for epoch in range(off.epochs):
             order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(
                 self.cfg.run.seed * 7919 + self.step * 101 + epoch)) if off.mini_batches > 1 else torch.arange(len(batch))
-            for rows_idx in order.chunk(off.mini_batches) if len(batch) else []:
+            # exactly mini_batches parts: dropped zero-variance groups can leave fewer rows than
+            # parts, and an empty part is an update slot counted as skipped, never silently lost
+            for part, rows_idx in enumerate(order.tensor_split(off.mini_batches)):
+                # the policy version is derived from the position, so it cannot drift from step x updates
+                self.version = self.step * per_batch + epoch * off.mini_batches + part
+                row = {"step": self.version + 1, "rollout_step": self.step, "epoch": epoch}
+                if len(rows_idx) == 0:
+                    rows.append({**row, "skipped": 1, "empty_batch": 1, "tokens/update": 0, "time/update_s": 0.0})
+                    continue
                 mini = batch.select(rows_idx.sort().values)
                 staleness = (self.version - mini.versions[mini.response_mask]).float()
                 metrics = optimizer_update(self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg)
                 self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["skipped"] else 0
-                self.version += 1
                 metrics["tokens_per_s/update"] = metrics["tokens/update"] / max(metrics["time/update_s"], 1e-9)
-                rows.append({"step": self.version, "rollout_step": self.step, "epoch": epoch, **stats,
+                rows.append({**row, **stats,
                              "staleness/mean": staleness.mean().item() if len(staleness) else 0.0,
                              "staleness/max": staleness.max().item() if len(staleness) else 0.0, **metrics})
-        if not rows:  # every group was dropped (zero variance): no update, but the step is logged
-            self.version += self.cfg.updates_per_batch
-            rows.append({"step": self.version, "rollout_step": self.step, "skipped": 1, "empty_batch": 1,
-                         "tokens/update": 0, "time/update_s": 0.0})
+        self.version = (self.step + 1) * per_batch
         return rows
 
     def _call_on_update(self) -> dict:
@@ -267,25 +374,37 @@ class Trainer:
     # -- checkpoints --------------------------------------------------------------------------
     def save(self) -> Path:
         state = {"step": self.step, "version": self.version, "nonfinite_streak": self.nonfinite_streak,
+                 "zero_variance_streak": self.zero_variance_streak, "entropy_was_low": self.entropy_was_low,
                  "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
                  "rng": rng_state(), "buffer": self.buffer.state_dict(), "rollout": self.rollout.state_dict()}
-        return save_checkpoint(self.run_dir, self.version, self.model, self.tokenizer, state,
-                               self.cfg.run.keep_checkpoints)
+        try:
+            return save_checkpoint(self.run_dir, self.version, self.model, self.tokenizer, state,
+                                   self.cfg.run.keep_checkpoints, self.cfg.run.save_optimizer)
+        except CheckpointError as err:
+            raise TrainingStopped(str(err)) from None
 
-    def _load(self, checkpoint: Path) -> None:
-        state = load_state(checkpoint)
+    def _load(self, state: dict, checkpoint: Path) -> None:
         self.step, self.version = state["step"], state["version"]
         self.nonfinite_streak = state["nonfinite_streak"]
-        self.optimizer.load_state_dict(state["optimizer"])
+        self.zero_variance_streak = state.get("zero_variance_streak", 0)
+        self.entropy_was_low = state.get("entropy_was_low", False)
+        if state["optimizer"] is None:
+            warnings.warn(f"resuming from {checkpoint.name}, which holds no optimizer state "
+                          f"(run.save_optimizer): the optimizer restarts from zero moments, so this resume is NOT exact")
+        else:
+            self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
         self.buffer.load_state_dict(state["buffer"])
         self.rollout.load_state_dict(state["rollout"])
         set_rng_state(state["rng"])
 
     def close(self) -> None:
-        self.log.close()
+        """Close the metrics log and progress bar and release the run directory's lock."""
+        if self.log is not None:
+            self.log.close()
         if isinstance(self.progress, RichProgress):
             self.progress.close()
+        self.lock.release()
 
 
 def train(cfg: TrainConfig, on_update: OnUpdate | None = None, *, examples: list[dict] | None = None,
@@ -299,5 +418,31 @@ def train(cfg: TrainConfig, on_update: OnUpdate | None = None, *, examples: list
       of reward.verifier; progress: True/False (rich bar or nothing) or fn(step, total, row);
       resume: a run directory to continue exactly from its latest checkpoint.
     """
-    return Trainer(cfg, examples=examples, verifier=verifier, on_update=on_update,
-                   progress=progress, resume=resume).fit()
+    trainer = Trainer(cfg, examples=examples, verifier=verifier, on_update=on_update, progress=progress, resume=resume)
+    with _signals_finish_the_step(trainer):
+        return trainer.fit()
+
+
+@contextmanager
+def _signals_finish_the_step(trainer: Trainer) -> Iterator[None]:
+    """While training: a first SIGINT/SIGTERM asks the loop to finish the current rollout step's
+    updates, checkpoint and raise TrainingInterrupted; a second raises TrainingAborted at once.
+    The previous handlers come back afterwards (nothing is installed at import)."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        yield
+        return
+
+    def handle(signum, frame):
+        if trainer.interrupted is None:
+            trainer.interrupted = signum
+            print(f"{signal.Signals(signum).name}: finishing the current update, then writing a checkpoint "
+                  "(send it again to abort at once)", file=sys.stderr, flush=True)
+            return
+        raise TrainingAborted(signum)
+
+    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)

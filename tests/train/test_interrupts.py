@@ -1,0 +1,52 @@
+"""SIGINT / SIGTERM: the first finishes the step, checkpoints and exits 130 / 143 with a resume
+hint; the second aborts at once; handlers exist only while train() runs."""
+
+import os
+import signal
+
+import pytest
+
+from bapo.train import read_metrics, train
+from bapo.train.checkpoint import checkpoints, latest_checkpoint
+from bapo.train.trainer import TrainingAborted, TrainingInterrupted
+from tests.train.conftest import arithmetic_examples, digit_share, make_config
+from tests.train.test_resume import strip_timing
+
+DATA = dict(examples=arithmetic_examples(), verifier=digit_share)
+
+
+def send_at(update: int, *signals):
+    def on_update(version, model, tokenizer):
+        if version == update:
+            for sig in signals:
+                os.kill(os.getpid(), sig)
+    return on_update
+
+
+@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
+def test_first_signal_checkpoints_and_resume_is_exact(tiny_model, tmp_path, sig, code):
+    before = signal.getsignal(sig)
+    straight = make_config(tiny_model, tmp_path / "straight", **{"run.steps": 4, "offpolicy.staleness": 1})
+    rows_straight = read_metrics(train(straight, **DATA))
+
+    cfg = make_config(tiny_model, tmp_path / "run", **{"run.steps": 4, "offpolicy.staleness": 1})
+    with pytest.raises(TrainingInterrupted, match=r"interrupted after update 2; resume with: "
+                                                  rf"bapo train --resume {tmp_path / 'run'}") as err:
+        train(cfg, on_update=send_at(2, sig), **DATA)
+    assert err.value.exit_code == code
+    assert signal.getsignal(sig) is before  # restored after train()
+    assert latest_checkpoint(tmp_path / "run").name == "step_000002"
+    rows = read_metrics(train(cfg, resume=tmp_path / "run", **DATA))
+    assert strip_timing(rows) == strip_timing(rows_straight)
+
+
+def test_second_signal_aborts_at_once_and_keeps_the_last_checkpoint(tiny_model, tmp_path):
+    cfg = make_config(tiny_model, tmp_path / "run", **{"run.steps": 4, "run.checkpoint_every": 1})
+    with pytest.raises(TrainingAborted) as err:
+        train(cfg, on_update=send_at(2, signal.SIGINT, signal.SIGINT), **DATA)
+    assert err.value.exit_code == 130
+    # aborted inside update 2's hook: no checkpoint 2, checkpoint 1 intact, nothing half-written
+    assert [c.name for c in checkpoints(tmp_path / "run")] == ["step_000001"]
+    assert latest_checkpoint(tmp_path / "run").name == "step_000001"
+    assert not list((tmp_path / "run" / "checkpoints").glob(".tmp_*"))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
