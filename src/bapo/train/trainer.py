@@ -17,7 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from bapo.train.buffer import BatchBuffer
+from bapo.train.buffer import BatchBuffer, minibatch_order
 from bapo.train.checkpoint import latest_checkpoint, load_state, rng_state, save_checkpoint, set_rng_state
 from bapo.train.config import ConfigError, TrainConfig
 from bapo.train.data import PromptSampler, load_examples, tokenize_prompts
@@ -233,19 +233,16 @@ class Trainer:
         rows, off = [], self.cfg.offpolicy
         stats = _batch_stats(batch, self.cfg.reward.correct_threshold)
         device = next(self.model.parameters()).device
-        for epoch in range(off.epochs):
-            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(
-                self.cfg.run.seed * 7919 + self.step * 101 + epoch)) if off.mini_batches > 1 else torch.arange(len(batch))
-            for rows_idx in order.chunk(off.mini_batches) if len(batch) else []:
-                mini = batch.select(rows_idx.sort().values)
-                staleness = (self.version - mini.versions[mini.response_mask]).float()
-                metrics = optimizer_update(self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg)
-                self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["skipped"] else 0
-                self.version += 1
-                metrics["tokens_per_s/update"] = metrics["tokens/update"] / max(metrics["time/update_s"], 1e-9)
-                rows.append({"step": self.version, "rollout_step": self.step, "epoch": epoch, **stats,
-                             "staleness/mean": staleness.mean().item() if len(staleness) else 0.0,
-                             "staleness/max": staleness.max().item() if len(staleness) else 0.0, **metrics})
+        for epoch, rows_idx in minibatch_order(len(batch), off.mini_batches, off.epochs, self.cfg.run.seed, self.step):
+            mini = batch.select(rows_idx)
+            staleness = (self.version - mini.versions[mini.response_mask]).float()
+            metrics = optimizer_update(self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg)
+            self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["skipped"] else 0
+            self.version += 1
+            metrics["tokens_per_s/update"] = metrics["tokens/update"] / max(metrics["time/update_s"], 1e-9)
+            rows.append({"step": self.version, "rollout_step": self.step, "epoch": epoch, **stats,
+                         "staleness/mean": staleness.mean().item() if len(staleness) else 0.0,
+                         "staleness/max": staleness.max().item() if len(staleness) else 0.0, **metrics})
         if not rows:  # every group was dropped (zero variance): no update, but the step is logged
             self.version += self.cfg.updates_per_batch
             rows.append({"step": self.version, "rollout_step": self.step, "skipped": 1, "empty_batch": 1,
