@@ -26,6 +26,7 @@ from bapo.core import BAPOConfig
 from bapo.lab.run import Cell, CellRun
 
 TARGET = BAPOConfig().target
+EFFECT_RESOLUTION = 1e-6
 
 
 def _fmt(values: Tensor) -> str:
@@ -77,7 +78,10 @@ def judge_claims(runs: list[CellRun], steps: int, staleness: tuple[int, ...], de
     claims: list[Claim] = []
 
     def add(id: str, text: str, setting: str, effects: Tensor, detail: str) -> None:
-        claims.append(Claim.from_effects(id, text, setting, effects.tolist(), detail))
+        # Below EFFECT_RESOLUTION a difference is float rounding (float32 advantages), not an effect:
+        # two cells that ran identical updates must not get a "held" from 1e-9 noise.
+        rounded = (effects / EFFECT_RESOLUTION).round() * EFFECT_RESOLUTION
+        claims.append(Claim.from_effects(id, text, setting, rounded.tolist(), detail))
 
     # 1. growing staleness E: GRPO's entropy falls faster; reward / grad norm less stable
     base = R.get("grpo", 0)

@@ -26,7 +26,7 @@ from bapo.core import (BAPOConfig, BoundStats, clip_diagnostics, group_advantage
                        token_ratio)
 from bapo.lab.policy import GuessTask, Rollouts, exact_stats, sample, token_entropy, token_log_probs
 from bapo.train.buffer import BatchBuffer, minibatch_order
-from bapo.train.config import TrainConfig
+from bapo.train.config import TrainConfig, config_from_dict
 
 # The methods the lab compares: name -> (registered policy loss, its parameters). A new variant
 # (e.g. the adaptive target) is one more line here.
@@ -77,11 +77,11 @@ class LabConfig:
     def train_config(self, cell: Cell, seed: int = 0) -> TrainConfig:
         """The bapo.train config whose off-policy semantics this cell runs (it validates E and k:
         E + 1 must divide the P * G rows of a batch)."""
-        return TrainConfig(model={"path": "bapo-lab:tabular"},
-                           rollout={"prompts_per_batch": self.task.prompts, "group_size": self.group_size,
-                                    "max_new_tokens": self.task.budget},
-                           offpolicy={"staleness": cell.delay, "mini_batches": cell.staleness + 1},
-                           run={"steps": self.steps, "seed": seed, "progress": False})
+        return config_from_dict({"model": {"path": "bapo-lab:tabular"},
+                                 "rollout": {"prompts_per_batch": self.task.prompts, "group_size": self.group_size,
+                                             "max_new_tokens": self.task.budget},
+                                 "offpolicy": {"staleness": cell.delay, "mini_batches": cell.staleness + 1},
+                                 "run": {"steps": self.steps, "seed": seed, "progress": False}})
 
 
 @dataclass
