@@ -20,6 +20,20 @@ from bapo.train.config import TrainConfig
 from bapo.train.rollout import Batch
 
 
+def minibatch_order(rows: int, mini_batches: int, epochs: int, seed: int, step: int) -> list[tuple[int, torch.Tensor]]:
+    """The optimizer updates of one rollout batch of `rows` rows at rollout step `step`: a list of
+    (epoch, sorted row indices [~rows / mini_batches]) in update order, always epochs x mini_batches
+    entries (a part may be empty when rows < mini_batches: an update slot with no data). Each epoch
+    shuffles the rows with a generator seeded by (seed, step, epoch) and splits them into
+    `mini_batches` parts (no shuffle when mini_batches == 1), so the split needs no saved state."""
+    updates: list[tuple[int, torch.Tensor]] = []
+    for epoch in range(epochs):
+        order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed * 7919 + step * 101 + epoch)) \
+            if mini_batches > 1 else torch.arange(rows)
+        updates += [(epoch, part.sort().values) for part in order.tensor_split(mini_batches)]
+    return updates
+
+
 class BatchBuffer:
     def __init__(self, cfg: TrainConfig, pad_id: int):
         self.mode, self.k = cfg.offpolicy.mode, cfg.offpolicy.staleness

@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
-from bapo.train.buffer import BatchBuffer
+from bapo.train.buffer import BatchBuffer, minibatch_order
 from bapo.train.checkpoint import (CheckpointError, checkpoints, load_state, quarantine, remove_stale_tmp, rng_state,
                                    save_checkpoint, set_rng_state, verify_checkpoint)
 from bapo.train.config import ConfigError, TrainConfig
@@ -336,26 +336,24 @@ class Trainer:
         rows, off, per_batch = [], self.cfg.offpolicy, self.cfg.updates_per_batch
         stats = _batch_stats(batch, self.cfg.reward.correct_threshold)
         device = next(self.model.parameters()).device
-        for epoch in range(off.epochs):
-            order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(
-                self.cfg.run.seed * 7919 + self.step * 101 + epoch)) if off.mini_batches > 1 else torch.arange(len(batch))
-            # exactly mini_batches parts: dropped zero-variance groups can leave fewer rows than
-            # parts, and an empty part is an update slot counted as skipped, never silently lost
-            for part, rows_idx in enumerate(order.tensor_split(off.mini_batches)):
-                # the policy version is derived from the position, so it cannot drift from step x updates
-                self.version = self.step * per_batch + epoch * off.mini_batches + part
-                row = {"step": self.version + 1, "rollout_step": self.step, "epoch": epoch}
-                if len(rows_idx) == 0:
-                    rows.append({**row, "skipped": 1, "empty_batch": 1, "tokens/update": 0, "time/update_s": 0.0})
-                    continue
-                mini = batch.select(rows_idx.sort().values)
-                staleness = (self.version - mini.versions[mini.response_mask]).float()
-                metrics = optimizer_update(self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg)
-                self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["skipped"] else 0
-                metrics["tokens_per_s/update"] = metrics["tokens/update"] / max(metrics["time/update_s"], 1e-9)
-                rows.append({**row, **stats,
-                             "staleness/mean": staleness.mean().item() if len(staleness) else 0.0,
-                             "staleness/max": staleness.max().item() if len(staleness) else 0.0, **metrics})
+        # exactly epochs x mini_batches update slots: dropped zero-variance groups can leave fewer rows
+        # than parts, and an empty part is an update slot counted as skipped, never silently lost
+        updates = minibatch_order(len(batch), off.mini_batches, off.epochs, self.cfg.run.seed, self.step)
+        for slot, (epoch, rows_idx) in enumerate(updates):
+            # the policy version is derived from the position, so it cannot drift from step x updates
+            self.version = self.step * per_batch + slot
+            row = {"step": self.version + 1, "rollout_step": self.step, "epoch": epoch}
+            if len(rows_idx) == 0:
+                rows.append({**row, "skipped": 1, "empty_batch": 1, "tokens/update": 0, "time/update_s": 0.0})
+                continue
+            mini = batch.select(rows_idx)
+            staleness = (self.version - mini.versions[mini.response_mask]).float()
+            metrics = optimizer_update(self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg)
+            self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["skipped"] else 0
+            metrics["tokens_per_s/update"] = metrics["tokens/update"] / max(metrics["time/update_s"], 1e-9)
+            rows.append({**row, **stats,
+                         "staleness/mean": staleness.mean().item() if len(staleness) else 0.0,
+                         "staleness/max": staleness.max().item() if len(staleness) else 0.0, **metrics})
         self.version = (self.step + 1) * per_batch
         return rows
 

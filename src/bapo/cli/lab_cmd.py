@@ -1,0 +1,50 @@
+"""`bapo lab`: the mechanism lab (tabular softmax policy, exact entropy) and its claims table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def lab(
+    quick: bool = typer.Option(False, "--quick", help="6 seeds, 12 rollout batches, grpo and bapo at E 0 and 4"),
+    seeds: Optional[int] = typer.Option(None, "--seeds", help="seeds per cell (default 20)"),
+    out: Optional[Path] = typer.Option(None, "--out", help="output dir (default runs/lab-<timestamp>)"),
+    jobs: Optional[int] = typer.Option(None, "--jobs", help="processes (default: one per CPU core)"),
+    as_json: bool = typer.Option(False, "--json", help="print the claims table as JSON"),
+    plots: bool = typer.Option(True, "--plots/--no-plots", help="draw the PNG plots of the report"),
+):
+    """The paper's claims tested on an exact tabular softmax policy, with 95% intervals over seeds."""
+    from bapo.analysis.claims import claims_json
+    from bapo.lab.lab import plan_for, run_lab
+
+    try:
+        plan = plan_for(quick, seeds)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    claims, out_dir = run_lab(out, plan=plan, jobs=jobs, plots=plots)
+    if as_json:
+        typer.echo(claims_json(claims))
+        return
+    _print_table(claims)
+    typer.echo(f"report: {out_dir / 'report.md'}")
+
+
+def _print_table(claims) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title="bapo lab: claims (effect > 0 = the paper's direction, 95% interval over seeds)")
+    for column in ("claim", "setting", "verdict", "effect [95% interval]", "seeds", "numbers"):
+        table.add_column(column, overflow="fold")
+    colors = {"held": "green", "not held": "red", "mixed": "yellow"}
+    for c in claims:
+        table.add_row(c.id, c.setting, f"[{colors[c.verdict]}]{c.verdict}[/]",
+                      f"{c.effect:+.3g} [{c.low:+.3g}, {c.high:+.3g}]", str(c.seeds), c.detail)
+    Console(width=200).print(table)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("lab")(lab)

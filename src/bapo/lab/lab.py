@@ -1,0 +1,109 @@
+"""`run_lab`: the plan of cells, run in parallel processes, judged, written to a folder.
+
+Output folder: cells/<cell>/metrics.jsonl (one row per seed and optimizer update), claims.json,
+report.md with plots/*.png, lab.json (the plan, the regime and the wall time).
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import torch
+
+from bapo.analysis.claims import Claim, claims_json
+from bapo.lab.claims import judge_claims
+from bapo.lab.run import Cell, CellRun, LabConfig, run_cell
+
+
+@dataclass(frozen=True)
+class LabPlan:
+    """Which cells run. staleness: the paper's E values (E + 1 updates per rollout batch) for
+    every method in `methods`; delays: async delays k for grpo and bapo; claim2_staleness: E values
+    of the c_high / c_low variants."""
+
+    config: LabConfig = LabConfig()
+    methods: tuple[str, ...] = ("grpo", "clip-higher", "dual-clip", "bapo")
+    staleness: tuple[int, ...] = (0, 2, 4, 8)
+    delays: tuple[int, ...] = (2, 8)
+    claim2_staleness: tuple[int, ...] = (4,)
+
+    def cells(self) -> list[Cell]:
+        cells = [Cell(m, e) for e in self.staleness for m in self.methods]
+        cells += [Cell(m, e) for e in self.claim2_staleness for m in ("grpo-c_high=2.0", "grpo-c_low=0.6")]
+        cells += [Cell(m, 0, k) for k in self.delays for m in ("grpo", "bapo") if m in self.methods]
+        return cells
+
+
+def plan_for(quick: bool = False, seeds: int | None = None) -> LabPlan:
+    """The default plan, or --quick: fewer seeds, steps and cells (E 0 and 4, delay 4)."""
+    plan = LabPlan()
+    if quick:
+        plan = LabPlan(replace(plan.config, seeds=6, steps=12, check_cells=("grpo E=4",)),
+                       methods=("grpo", "bapo"), staleness=(0, 4), delays=(4,))
+    if seeds is not None:
+        if seeds < 2:
+            raise ValueError(f"seeds: {seeds} gives no interval; use --seeds 2 or more (20 for the default)")
+        plan = replace(plan, config=replace(plan.config, seeds=seeds))
+    return plan
+
+
+def _run_one(args: tuple[Cell, LabConfig]) -> CellRun:
+    torch.set_num_threads(1)  # one process per core: tiny tensors gain nothing from threads
+    return run_cell(*args)
+
+
+def run_cells(plan: LabPlan, jobs: int | None = None) -> list[CellRun]:
+    """Run every cell of the plan, `jobs` processes (default: one per CPU core), biggest first."""
+    cells = plan.cells()
+    order = sorted(cells, key=lambda c: -(c.staleness + 1))
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(cells)))
+    if jobs == 1:
+        done = [_run_one((c, plan.config)) for c in order]
+    else:
+        with multiprocessing.get_context("fork").Pool(jobs) as pool:
+            done = pool.map(_run_one, [(c, plan.config) for c in order], chunksize=1)
+    by_name = {r.cell.name: r for r in done}
+    return [by_name[c.name] for c in cells]
+
+
+def write_metrics(run: CellRun, path: Path) -> None:
+    """metrics.jsonl-style rows: one per seed and optimizer update (step = updates done)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys = sorted(run.updates)
+    values = torch.stack([run.updates[k] for k in keys], -1).tolist()  # [S, U, K]
+    updates_per_batch = run.cell.staleness + 1
+    with path.open("w") as f:
+        for seed, per_seed in zip(run.seeds, values):
+            for u, row in enumerate(per_seed):
+                f.write(json.dumps({"cell": run.cell.name, "method": run.cell.method, "staleness": run.cell.staleness,
+                                    "delay": run.cell.delay, "seed": seed, "step": u + 1,
+                                    "rollout_step": u // updates_per_batch, "batch_version": run.versions[u],
+                                    **dict(zip(keys, row))}) + "\n")
+
+
+def run_lab(out_dir: str | Path | None = None, *, quick: bool = False, seeds: int | None = None,
+            jobs: int | None = None, plots: bool = True, plan: LabPlan | None = None) -> tuple[list[Claim], Path]:
+    """Run the lab and write its folder; returns (claims, out_dir). `bapo demo` calls this first."""
+    plan = plan or plan_for(quick, seeds)
+    out = Path(out_dir) if out_dir is not None else Path("runs") / f"lab-{time.strftime('%Y%m%d-%H%M%S')}"
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    runs = run_cells(plan, jobs)
+    train_s = time.perf_counter() - start
+    claims = judge_claims(runs, plan.config.steps, plan.staleness, plan.delays, plan.claim2_staleness)
+    for run in runs:
+        write_metrics(run, out / "cells" / run.cell.name.replace(" ", "_") / "metrics.jsonl")
+    (out / "claims.json").write_text(claims_json(claims) + "\n")
+    info = {"plan": asdict(plan), "cells": [c.name for c in plan.cells()], "train_s": round(train_s, 2),
+            "jobs": jobs or os.cpu_count(), "torch": torch.__version__}
+    from bapo.lab.report import write_report  # matplotlib only when a report is written
+
+    write_report(out, runs, claims, plan, info, plots=plots)
+    info["total_s"] = round(time.perf_counter() - start, 2)
+    (out / "lab.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
+    return claims, out

@@ -1,0 +1,128 @@
+"""report.md and plots of a lab run: the claims table first, then one figure per quantity with one
+panel per setting (mean over seeds, shaded 95% t interval), then a per-cell table."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bapo.analysis.claims import Claim, claims_markdown, mean_interval
+from bapo.lab.run import CellRun
+
+# file name -> (title, series key); exact/* are closed-form values after each update
+FIGURES = {
+    "entropy": ("exact on-policy entropy (nats / token)", "exact/entropy"),
+    "positive_share": ("positive share of the loss (gradient definition)", "positive_share"),
+    "reward": ("exact expected reward", "exact/reward"),
+}
+COLORS = {"grpo": "tab:blue", "clip-higher": "tab:orange", "dual-clip": "tab:gray", "bapo": "tab:green",
+          "grpo-c_high=2.0": "tab:red", "grpo-c_low=0.6": "tab:purple"}
+
+
+def _band(values: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
+    """Mean and 95% interval over seeds at every x: values [S][n]."""
+    stats = [mean_interval(column) for column in zip(*values)]
+    return [s[0] for s in stats], [s[1] for s in stats], [s[2] for s in stats]
+
+
+def _panels(runs: list[CellRun]) -> list[tuple[str, list[CellRun], str]]:
+    """(title, runs, x axis) of each panel: one per staleness E (all methods there), the GRPO E
+    sweep over samples, one per async delay."""
+    panels: list[tuple[str, list[CellRun], str]] = []
+    for e in sorted({r.cell.staleness for r in runs}):
+        members = [r for r in runs if r.cell.staleness == e and not r.cell.delay]
+        panels.append((f"staleness E={e} ({e + 1} updates / batch)", members, "update"))
+    sweep = [r for r in runs if r.cell.method == "grpo" and not r.cell.delay]
+    if len(sweep) > 1:
+        panels.append(("GRPO over E (x = rollout batches)", sweep, "samples"))
+    delayed = sorted({r.cell.delay for r in runs if r.cell.delay})
+    if delayed:
+        members = [r for r in runs if r.cell.staleness == 0 and r.cell.method in ("grpo", "bapo")
+                   and (r.cell.delay in delayed or r.cell.delay == 0)]
+        panels.append(("async delay k (each batch trained once)", members, "update"))
+    return panels
+
+
+def plot_lab(runs: list[CellRun], out_dir: Path, target_share: float | None = None) -> list[Path]:
+    """One PNG per quantity in FIGURES, one panel per setting; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    panels = _panels(runs)
+    written = []
+    for name, (title, key) in FIGURES.items():
+        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
+        for ax, (panel_title, members, x_axis) in zip(axes[0], panels):
+            for i, run in enumerate(members):
+                if key not in run.updates:
+                    continue
+                values = run.updates[key].tolist()
+                mean, low, high = _band(values)
+                per_batch = run.cell.staleness + 1
+                xs = [(u + 1) / per_batch if x_axis == "samples" else u + 1 for u in range(len(mean))]
+                label = run.cell.name if x_axis == "samples" or run.cell.delay or panel_title.startswith("async") \
+                    else run.cell.method
+                color = COLORS.get(run.cell.method) if x_axis == "update" and not run.cell.delay else f"C{i}"
+                style = "--" if run.cell.delay else "-"
+                ax.plot(xs, mean, style, color=color, label=label, lw=1.3)
+                ax.fill_between(xs, low, high, color=color, alpha=0.2, lw=0)
+            if key == "positive_share" and target_share is not None:
+                ax.axhline(target_share, color="k", lw=0.6, ls=":")
+            ax.set_title(panel_title, fontsize=9)
+            ax.set_xlabel("rollout batches" if x_axis == "samples" else "optimizer updates", fontsize=8)
+            ax.legend(fontsize=6)
+        fig.suptitle(title + " - mean and 95% interval over seeds", fontsize=10)
+        fig.tight_layout()
+        path = out_dir / f"{name}.png"
+        fig.savefig(path, dpi=90)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+def _cell_table(runs: list[CellRun]) -> str:
+    lines = ["| cell | updates | entropy end | reward end | positive share (mean) | grad norm (mean) |",
+             "|---|---|---|---|---|---|"]
+
+    def fmt(values) -> str:
+        mean, low, high = mean_interval(values)
+        return f"{mean:.3f} [{low:.3f}, {high:.3f}]"
+
+    for run in runs:
+        u = run.updates
+        share = fmt(u["positive_share"].mean(1).tolist()) if "positive_share" in u else "-"
+        lines.append(f"| {run.cell.name} | {u['grad_norm'].shape[1]} | {fmt(u['exact/entropy'][:, -1].tolist())} | "
+                     f"{fmt(u['exact/reward'][:, -1].tolist())} | {share} | {fmt(u['grad_norm'].mean(1).tolist())} |")
+    return "\n".join(lines)
+
+
+def write_report(out: Path, runs: list[CellRun], claims: list[Claim], plan, info: dict, plots: bool = True) -> Path:
+    """report.md: regime, claims table, the diagnostic check, plots, per-cell table."""
+    cfg = plan.config
+    task = cfg.task
+    images = plot_lab(runs, out / "plots", target_share=0.4) if plots else []
+    start = runs[0].start
+    text = [
+        "# bapo lab: the paper's claims under an exact tabular softmax policy", "",
+        f"Regime: {task.prompts} prompts x {cfg.group_size} responses per rollout batch, vocabulary {task.vocab}, "
+        f"budget {task.budget} guesses (a response stops at the first correct guess), start answer probability "
+        f"{task.answer_prob[0]}-{task.answer_prob[1]} per state, SGD lr {cfg.lr} on the logits, {cfg.steps} rollout "
+        f"batches per cell, {cfg.seeds} seeds (paired: same task instance and draws per seed). Start policy: "
+        f"reward {mean_interval(start['reward'].tolist())[0]:.3f}, entropy "
+        f"{mean_interval(start['entropy'].tolist())[0]:.3f} nats/token.", "",
+        "Staleness E (the paper's Algorithm 1): E+1 optimizer updates per rollout batch, the batch split into "
+        "E+1 mini-batches, bounds re-searched before each. Async delay k: each batch trained once, k rollout "
+        "steps after it was generated.", "",
+        f"Wall time: {info['train_s']} s for {len(runs)} cells on {info['jobs']} process(es).", "",
+        "## Claims", "", claims_markdown(claims), "",
+        "Effect > 0 means the paper's direction; verdict from the 95% t interval over seeds "
+        "(held: all above 0, not held: all below 0, mixed: contains 0).", "",
+    ]
+    if images:
+        text += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in images] + [""]
+    text += ["## Cells (end of run, mean [95% interval] over seeds)", "", _cell_table(runs), ""]
+    path = out / "report.md"
+    path.write_text("\n".join(text))
+    return path

@@ -1,0 +1,209 @@
+"""Train the tabular policy of every seed of one cell (method x staleness), vectorised over seeds.
+
+The two off-policy axes are the trainer's own (bapo.train), not a copy:
+- staleness E (the paper's Algorithm 1): E + 1 optimizer updates per rollout batch, the batch
+  split into E + 1 mini-batches by `bapo.train.buffer.minibatch_order` (what
+  `Trainer.update_step` runs with offpolicy.mini_batches = E + 1), bounds re-searched before each;
+- async delay k (a FIFO, the asynchronous-pipeline kind): each batch trained once, k rollout steps
+  late, through `bapo.train.buffer.BatchBuffer` with offpolicy.staleness = k (warm-up: the first
+  k batches come from the start policy, as in `Trainer.fit`).
+
+Per update: one `bapo.core.policy_loss` call over the rows of all seeds, aggregated as a token sum
+and divided per seed by that seed's token count, which is exactly each seed's own token-mean
+gradient (seeds share no parameter). BAPO searches its bounds per seed (`BoundStats`) and the loss
+runs once per distinct pair of bounds. Plain SGD on the logits: the Entropy-Clip Rule is derived
+for a gradient step on softmax logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from bapo.core import (BAPOConfig, BoundStats, clip_diagnostics, group_advantages, policy_loss, positive_share,
+                       token_ratio)
+from bapo.lab.policy import GuessTask, Rollouts, exact_stats, sample, token_entropy, token_log_probs
+from bapo.train.buffer import BatchBuffer, minibatch_order
+from bapo.train.config import TrainConfig, config_from_dict
+
+# The methods the lab compares: name -> (registered policy loss, its parameters). A new variant
+# (e.g. the adaptive target) is one more line here.
+METHODS: dict[str, tuple[str, dict]] = {
+    "grpo": ("grpo", {}),                                   # [0.8, 1.2]
+    "clip-higher": ("clip-higher", {}),                     # [0.8, 1.28]
+    "dual-clip": ("dual-clip", {}),                         # [0.8, 1.2] + cap 3.0 on negative ratios
+    "bapo": ("bapo", {"bapo": BAPOConfig()}),               # paper defaults, target share 0.4
+    "grpo-c_high=2.0": ("grpo", {"upper": 2.0}),            # claim 2: raised c_high
+    "grpo-c_low=0.6": ("grpo", {"lower": 0.6}),             # claim 2: lowered c_low
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One setting: a method of METHODS at staleness E (E+1 updates per rollout batch) or with
+    an async delay of k rollout steps (each batch trained once)."""
+
+    method: str
+    staleness: int = 0
+    delay: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.method} E={self.staleness}" + (f" delay={self.delay}" if self.delay else "")
+
+
+@dataclass(frozen=True)
+class LabConfig:
+    """The regime (see README "mechanism lab" for why these values).
+
+    lr: SGD step on the logits; group_size: G responses per prompt; steps: rollout steps per cell
+    (equal samples in every cell; updates = steps * (E + 1)); seeds: how many; share_methods:
+    methods whose per-seed positive share is recorded at every update (BAPO's comes from its
+    search); check_cells: cells whose full per-seed `clip_diagnostics` (entropy-change estimate,
+    clip fractions) are recorded at every update. Both cost one host sync per seed and update.
+    """
+
+    task: GuessTask = GuessTask()
+    lr: float = 100.0
+    group_size: int = 12
+    steps: int = 24
+    seeds: int = 20
+    first_seed: int = 0
+    share_methods: tuple[str, ...] = ("grpo", "bapo")
+    check_cells: tuple[str, ...] = ("grpo E=0", "grpo E=4", "bapo E=4")
+
+    def train_config(self, cell: Cell, seed: int = 0) -> TrainConfig:
+        """The bapo.train config whose off-policy semantics this cell runs (it validates E and k:
+        E + 1 must divide the P * G rows of a batch)."""
+        return config_from_dict({"model": {"path": "bapo-lab:tabular"},
+                                 "rollout": {"prompts_per_batch": self.task.prompts, "group_size": self.group_size,
+                                             "max_new_tokens": self.task.budget},
+                                 "offpolicy": {"staleness": cell.delay, "mini_batches": cell.staleness + 1},
+                                 "run": {"steps": self.steps, "seed": seed, "progress": False}})
+
+
+@dataclass
+class CellRun:
+    """Per-update series of one cell, each a tensor [S, U] (U = optimizer updates; exact/* are the
+    closed-form on-policy stats after the update), and those stats of the start policy [S]."""
+
+    cell: Cell
+    seeds: list[int]
+    updates: dict[str, Tensor] = field(default_factory=dict)
+    start: dict[str, Tensor] = field(default_factory=dict)
+    versions: list[int] = field(default_factory=list)   # version that generated each update's batch
+
+
+def _rollout(logits: Tensor, answers: Tensor, cfg: LabConfig, generators: list[torch.Generator],
+             version: int) -> Rollouts:
+    drawn = sample(logits.detach(), answers, cfg.group_size, generators)
+    advantages, _ = group_advantages(drawn["rewards"].flatten(), cfg.group_size)
+    S = logits.shape[0]
+    return Rollouts(drawn["prompt"], drawn["tokens"], drawn["mask"], drawn["log_prob"], drawn["rewards"],
+                    advantages.reshape(S, -1).to(torch.float64), version)
+
+
+def _loss_groups(method: str, params: dict, ratio: Tensor, advantages: Tensor, mask: Tensor
+                 ) -> tuple[list[tuple[list[int], dict]], dict[str, Tensor]]:
+    """Seeds grouped by the loss parameters they use: [(seed indices, params)], and per-seed
+    search results ({} for fixed bounds). A fixed-bound method is one group; BAPO searches its
+    bounds per seed (as the trainer does per update) and seeds that found the same bounds share
+    a group."""
+    S = ratio.shape[0]
+    if method != "bapo":
+        return [(list(range(S)), params)], {}
+    config = params.get("bapo", BAPOConfig())
+    groups: dict[tuple[float, float], list[int]] = {}
+    share, reached = torch.zeros(S, dtype=torch.float64), torch.zeros(S, dtype=torch.float64)
+    for s in range(S):
+        found = BoundStats(config).add(ratio[s], advantages[s], mask[s], validate=False).solve(sync=False)
+        groups.setdefault((found.lower, found.upper), []).append(s)
+        share[s], reached[s] = found.positive_share, float(found.reached)
+    rest = {k: v for k, v in params.items() if k != "bapo"}
+    return [(members, {**rest, "bounds": bounds}) for bounds, members in groups.items()], \
+        {"positive_share": share, "bapo/reached": reached}
+
+
+def _update(logits: Tensor, answers: Tensor, batch: Rollouts, rows: Tensor, cell: Cell, cfg: LabConfig,
+            share: bool, check: bool) -> dict[str, Tensor]:
+    """One optimizer update of every seed on its mini-batch rows [S, b]; returns per-seed metrics [S]."""
+    method, params = METHODS[cell.method]
+    S, b = rows.shape
+    pick = lambda x: torch.gather(x, 1, rows[:, :, None].expand(-1, -1, x.shape[-1])) if x.dim() == 3 \
+        else torch.gather(x, 1, rows)  # noqa: E731
+    prompt, tokens, mask = pick(batch.prompt), pick(batch.tokens), pick(batch.mask)
+    old_log_prob, advantages = pick(batch.old_log_prob), pick(batch.advantages)
+    D = tokens.shape[-1]
+    entropy_before = token_entropy(logits.detach(), prompt, mask)
+
+    log_prob = token_log_probs(logits, prompt, tokens)
+    ratio = token_ratio(log_prob.detach(), old_log_prob)
+    lower, upper = torch.zeros(S, dtype=torch.float64), torch.zeros(S, dtype=torch.float64)
+    total = torch.zeros((), dtype=logits.dtype)
+    groups, searched = _loss_groups(method, params, ratio, advantages, mask)
+    for members, group_params in groups:
+        # a token sum (normalizer 1), made each seed's token mean below
+        loss, metrics = policy_loss(log_prob[members].reshape(-1, D), old_log_prob[members].reshape(-1, D),
+                                    advantages[members].reshape(-1), mask[members].reshape(-1, D), method,
+                                    normalizer=1.0, **group_params)
+        lower[members], upper[members] = metrics["lower"], metrics["upper"]
+        total = total + loss
+    logits.grad = None
+    total.backward()
+    tokens_per_seed = mask.sum((1, 2)).clamp_min(1).to(logits.dtype)
+    grad = logits.grad / tokens_per_seed[:, None, None, None]
+    with torch.no_grad():
+        logits -= cfg.lr * grad
+    out = {"grad_norm": grad.flatten(1).norm(dim=1), "entropy/batch": entropy_before,
+           "entropy/batch_change": token_entropy(logits.detach(), prompt, mask) - entropy_before,
+           "lower": lower, "upper": upper, "reward/batch": pick(batch.rewards).mean(1),
+           **{f"exact/{k}": v for k, v in exact_stats(logits.detach(), answers).items()}}
+    out.update(searched)
+    if check:  # the full per-seed diagnostics of bapo.core (one call per seed)
+        keys = ("positive_share", "entropy_change_estimate", "clip_frac/upper", "clip_frac/lower", "clip_frac")
+        per_seed = [clip_diagnostics(log_prob[s].detach(), old_log_prob[s], advantages[s], mask[s],
+                                     float(lower[s]), float(upper[s])) for s in range(S)]
+        out.update({key: torch.tensor([m[key] for m in per_seed], dtype=torch.float64) for key in keys})
+    elif share and "positive_share" not in out:
+        out["positive_share"] = torch.tensor([positive_share(ratio[s], advantages[s], mask[s], float(lower[s]),
+                                                             float(upper[s])) for s in range(S)], dtype=torch.float64)
+    return out
+
+
+def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
+    """Train every seed of `cell` for cfg.steps rollout steps; deterministic per seed."""
+    if cell.method not in METHODS:
+        raise ValueError(f"method: {cell.method!r} is not one of {sorted(METHODS)}")
+    seeds = list(range(cfg.first_seed, cfg.first_seed + cfg.seeds))
+    train_cfg = cfg.train_config(cell)  # validates E and k the way `bapo train` does
+    instances = [cfg.task.instance(s) for s in seeds]
+    logits = torch.stack([start for start, _ in instances]).requires_grad_(True)
+    answers = torch.stack([answer for _, answer in instances])
+    # Per-seed rollout generators, the same in every cell: paired comparisons share the draws
+    # until the policies differ.
+    generators = [torch.Generator().manual_seed(7_777_777 * s + 1) for s in seeds]
+    run = CellRun(cell, seeds)
+    series: dict[str, list[Tensor]] = {}
+    run.start = exact_stats(logits.detach(), answers)
+    buffer = BatchBuffer(train_cfg, pad_id=0)
+    version = 0
+    while len(buffer.batches) < buffer.warmup:  # FIFO warm-up: batches of the start policy
+        buffer.push(_rollout(logits, answers, cfg, generators, version))
+    rows_per_batch = cfg.task.prompts * cfg.group_size
+    for step in range(cfg.steps):
+        buffer.push(_rollout(logits, answers, cfg, generators, version))
+        batch: Rollouts = buffer.pop(step)
+        schedules = [minibatch_order(rows_per_batch, cell.staleness + 1, 1, s, step) for s in seeds]
+        for update in range(cell.staleness + 1):
+            rows = torch.stack([schedule[update][1] for schedule in schedules])
+            metrics = _update(logits, answers, batch, rows, cell, cfg, cell.method in cfg.share_methods,
+                              cell.name in cfg.check_cells)
+            metrics["staleness"] = torch.full((len(seeds),), float(version - batch.version), dtype=torch.float64)
+            for key, value in metrics.items():
+                series.setdefault(key, []).append(value.double())
+            run.versions.append(batch.version)
+            version += 1
+    run.updates = {k: torch.stack(v, 1) for k, v in series.items()}
+    return run

@@ -1,0 +1,188 @@
+"""The mechanism lab: exact tabular quantities, the trainer's off-policy schedule, claims computed
+from the runs, and the `bapo lab` command. Tiny settings: the whole file runs in seconds."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bapo.lab.claims import judge_claims
+from bapo.lab.policy import GuessTask, exact_stats, sample, state_entropy, token_entropy, token_log_probs
+from bapo.lab.run import Cell, LabConfig, run_cell
+from bapo.train.buffer import minibatch_order
+from bapo.train.config import ConfigError
+
+TINY = LabConfig(task=GuessTask(prompts=3, vocab=6, budget=4, answer_prob=(0.05, 0.2)), group_size=4, steps=3,
+                 seeds=3, lr=100.0, check_cells=("grpo E=2",))
+
+
+def test_instance_sets_the_answer_probability_exactly():
+    task = GuessTask(prompts=4, vocab=10, budget=3, answer_prob=(0.01, 0.05))
+    logits, answers = task.instance(seed=5)
+    prob = torch.softmax(logits, -1)[torch.arange(4), :, answers]  # [P, D]
+    assert ((prob >= 0.01 - 1e-12) & (prob <= 0.05 + 1e-12)).all()
+    assert torch.allclose(prob, prob[:, :1].expand_as(prob))  # the same q_p at every depth
+    assert torch.equal(task.instance(5)[0], logits) and not torch.equal(task.instance(6)[0], logits)
+
+
+def test_log_probs_and_entropy_match_a_direct_computation():
+    logits = torch.randn(2, 3, 4, 5, dtype=torch.float64)  # [S, P, D, V]
+    prompt = torch.tensor([[0, 2], [1, 1]])
+    tokens = torch.randint(5, (2, 2, 4))
+    mask = torch.tensor([[[1, 1, 0, 0], [1, 1, 1, 1]], [[1, 0, 0, 0], [1, 1, 1, 0]]], dtype=torch.bool)
+    got = token_log_probs(logits, prompt, tokens)
+    entropy = token_entropy(logits, prompt, mask)
+    for s, b, t in itertools.product(range(2), range(2), range(4)):
+        z = logits[s, prompt[s, b], t].tolist()
+        norm = math.log(sum(math.exp(v) for v in z))
+        assert got[s, b, t].item() == pytest.approx(z[tokens[s, b, t]] - norm, abs=1e-12)
+    for s in range(2):
+        values = []
+        for b, t in itertools.product(range(2), range(4)):
+            if mask[s, b, t]:
+                p = torch.softmax(logits[s, prompt[s, b], t], -1).tolist()
+                values.append(-sum(x * math.log(x) for x in p))
+        assert entropy[s].item() == pytest.approx(sum(values) / len(values), abs=1e-12)
+    assert state_entropy(logits).shape == (2, 3, 4)
+
+
+def test_exact_stats_match_enumeration_of_every_response():
+    """Expected reward, length and on-policy token entropy against a sum over all V^D sequences."""
+    task = GuessTask(prompts=2, vocab=3, budget=3, answer_prob=(0.1, 0.4))
+    logits, answers = task.instance(seed=1)
+    stats = exact_stats(logits[None], answers[None])
+    pi = torch.softmax(logits, -1)
+    entropy = state_entropy(logits[None])[0]
+    rewards, lengths, entropy_sums = [], [], []
+    for p in range(2):
+        # every response: guesses until the first correct one or the budget, with its probability
+        responses = [((), 1.0)]
+        finished = []
+        while responses:
+            seq, prob = responses.pop()
+            if len(seq) == 3 or (seq and seq[-1] == answers[p].item()):
+                finished.append((seq, prob))
+                continue
+            responses += [(seq + (v,), prob * pi[p, len(seq), v].item()) for v in range(3)]
+        assert sum(prob for _, prob in finished) == pytest.approx(1.0)
+        rewards.append(sum(prob for seq, prob in finished if answers[p].item() in seq))
+        lengths.append(sum(prob * len(seq) for seq, prob in finished))
+        entropy_sums.append(sum(prob * sum(entropy[p, j].item() for j in range(len(seq))) for seq, prob in finished))
+    assert stats["reward"].item() == pytest.approx(sum(rewards) / 2, abs=1e-12)
+    assert stats["length"].item() == pytest.approx(sum(lengths) / 2, abs=1e-12)
+    assert stats["entropy"].item() == pytest.approx(sum(entropy_sums) / sum(lengths), abs=1e-12)
+
+
+@settings(max_examples=25, deadline=None)
+@given(seed=st.integers(0, 10_000), group=st.integers(1, 5))
+def test_sampled_responses_stop_at_the_first_correct_guess(seed, group):
+    task = GuessTask(prompts=3, vocab=4, budget=5, answer_prob=(0.2, 0.5))
+    logits, answers = task.instance(seed)
+    drawn = sample(logits[None], answers[None], group, [torch.Generator().manual_seed(seed)])
+    tokens, mask, rewards = drawn["tokens"][0], drawn["mask"][0], drawn["rewards"][0]
+    answer = answers[drawn["prompt"][0]]
+    for b in range(tokens.shape[0]):
+        length = int(mask[b].sum())
+        hits = [t for t in range(5) if tokens[b, t] == answer[b]]
+        assert length == (hits[0] + 1 if hits else 5)
+        assert rewards[b].item() == float(bool(hits))
+        assert mask[b, :length].all()
+    assert torch.allclose(drawn["log_prob"], token_log_probs(logits[None], drawn["prompt"], drawn["tokens"]))
+
+
+def test_minibatch_order_partitions_the_batch_per_epoch():
+    updates = minibatch_order(12, 3, 2, seed=4, step=7)
+    assert [e for e, _ in updates] == [0, 0, 0, 1, 1, 1]
+    for epoch in (0, 1):
+        rows = torch.cat([r for e, r in updates if e == epoch])
+        assert sorted(rows.tolist()) == list(range(12))
+    assert all(torch.equal(r, r.sort().values) for _, r in updates)
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(updates, minibatch_order(12, 3, 2, seed=4, step=7)))
+    assert [r.tolist() for _, r in minibatch_order(5, 1, 1, 0, 0)] == [[0, 1, 2, 3, 4]]
+
+
+def test_staleness_E_runs_E_plus_1_updates_on_each_batch():
+    run = run_cell(Cell("grpo", staleness=2), TINY)
+    assert run.updates["grad_norm"].shape == (3, 3 * 3)
+    # batch of rollout step s generated by version 3s; its m-th update is m versions later
+    assert run.versions == [0, 0, 0, 3, 3, 3, 6, 6, 6]
+    assert run.updates["staleness"][0].tolist() == [0, 1, 2] * 3
+
+
+def test_async_delay_trains_each_batch_once_k_steps_late():
+    run = run_cell(Cell("grpo", delay=2), LabConfig(**{**TINY.__dict__, "steps": 5}))
+    # warm-up: the first 2 batches come from the start policy (version 0), as in Trainer.fit
+    assert run.versions == [0, 0, 0, 1, 2]
+    assert run.updates["staleness"][0].tolist() == [0, 1, 2, 2, 2]
+
+
+def test_on_policy_first_update_never_clips():
+    run = run_cell(Cell("grpo", staleness=2), TINY)
+    assert run.updates["clip_frac"][:, ::3].abs().max() == 0.0  # ratio is exactly 1 on fresh data
+
+
+def test_runs_are_deterministic_per_seed():
+    both = run_cell(Cell("bapo", staleness=1), LabConfig(**{**TINY.__dict__, "seeds": 2, "first_seed": 0,
+                                                            "group_size": 4}))
+    alone = run_cell(Cell("bapo", staleness=1), LabConfig(**{**TINY.__dict__, "seeds": 1, "first_seed": 1}))
+    for key, series in alone.updates.items():
+        assert torch.allclose(both.updates[key][1], series[0]), key
+
+
+def test_bad_cells_fail_with_the_field():
+    with pytest.raises(ConfigError, match="mini_batches"):
+        run_cell(Cell("grpo", staleness=4), TINY)  # 5 does not divide 3 * 4 rows
+    with pytest.raises(ValueError, match="method"):
+        run_cell(Cell("ppo"), TINY)
+
+
+def _claims(config: LabConfig, cells: list[Cell]):
+    runs = [run_cell(c, config) for c in cells]
+    return {c.id: c for c in judge_claims(runs, config.steps, (0, 2), (), ())}
+
+
+def test_claims_come_from_the_runs():
+    """Failures longer than successes give a positive share below 0.5 (claim 3 held); with a budget of
+    one guess every response has length 1 and the share is exactly 0.5, so the verdict flips."""
+    cells = [Cell("grpo", 0), Cell("grpo", 2)]
+    longer = _claims(TINY, cells)
+    assert longer["3-negative-dominate"].verdict == "held"
+    equal = _claims(LabConfig(**{**TINY.__dict__, "task": GuessTask(prompts=3, vocab=6, budget=1,
+                                                                       answer_prob=(0.2, 0.5))}), cells)
+    assert equal["3-negative-dominate"].verdict == "mixed"
+    assert equal["3-negative-dominate"].effect == 0.0  # exactly 0.5, up to float rounding
+    # no learning at all: no entropy difference between E = 0 and E = 2
+    frozen = _claims(LabConfig(**{**TINY.__dict__, "lr": 1e-12}), cells)
+    assert frozen["1-entropy-E2-samples"].verdict == "mixed"
+    assert longer["1-entropy-E2-samples"].effect != frozen["1-entropy-E2-samples"].effect
+
+
+def test_bapo_lab_quick_json_runs(tmp_path):
+    from typer.testing import CliRunner
+
+    from bapo.cli.main import app
+
+    result = CliRunner().invoke(app, ["lab", "--quick", "--json", "--seeds", "2", "--jobs", "1", "--no-plots",
+                                      "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.output)
+    assert {"id", "verdict", "effect", "interval", "seeds", "held"} <= set(rows[0])
+    assert any(r["id"] == "3-negative-dominate" for r in rows) and all(r["seeds"] == 2 for r in rows)
+    assert (tmp_path / "claims.json").exists() and (tmp_path / "report.md").exists()
+    metrics = (tmp_path / "cells" / "grpo_E=4" / "metrics.jsonl").read_text().splitlines()
+    assert len(metrics) == 2 * 12 * 5 and json.loads(metrics[0])["seed"] == 0
+
+
+def test_bapo_lab_rejects_one_seed():
+    from typer.testing import CliRunner
+
+    from bapo.cli.main import app
+
+    result = CliRunner().invoke(app, ["lab", "--seeds", "1"])
+    assert result.exit_code != 0 and "seeds" in result.output
