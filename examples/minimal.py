@@ -45,17 +45,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def response_log_probs(model, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor,
-                       response_mask: Tensor, temperature: float) -> tuple[Tensor, Tensor]:
+def response_log_probs(model, batch: dict, temperature: float) -> tuple[Tensor, Tensor]:
     """log pi(y_t | prompt, y_<t) of every response token [N, R] and the response logits [N, R, V],
     both at the sampling temperature, so they describe the distribution `generate` sampled from."""
-    input_ids = torch.cat([prompt_ids, response_ids], dim=1)
-    attention_mask = torch.cat([prompt_mask, response_mask], dim=1).long()
+    input_ids = torch.cat([batch["prompt_ids"], batch["response_ids"]], dim=1)
+    attention_mask = torch.cat([batch["prompt_mask"], batch["response_mask"]], dim=1).long()
     position_ids = (attention_mask.cumsum(1) - 1).clamp_min(0)  # as generate() numbers left-padded prompts
     logits = model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).logits
-    response_logits = logits[:, prompt_ids.shape[1] - 1 : -1].float() / temperature  # position t predicts t+1
-    log_prob = torch.log_softmax(response_logits, dim=-1).gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
-    return log_prob, response_logits
+    prompt_width = batch["prompt_ids"].shape[1]
+    response_logits = logits[:, prompt_width - 1 : -1].float() / temperature  # position t predicts token t+1
+    log_prob = torch.log_softmax(response_logits, dim=-1).gather(-1, batch["response_ids"].unsqueeze(-1))
+    return log_prob.squeeze(-1), response_logits
 
 
 @torch.no_grad()
@@ -71,11 +71,15 @@ def rollout(model, tokenizer, train_rows: list[dict], args: argparse.Namespace, 
     group_rows = [row for row in prompt_rows for _ in range(args.group_size)]
     prompts = tokenizer([row["prompt"] for row in group_rows], return_tensors="pt", padding=True)
     # top_k=0 / top_p=1: sample from the full softmax at `temperature`, the one old_log_prob describes
-    sequences = model.generate(**prompts, do_sample=True, temperature=args.temperature, top_k=0, top_p=1.0,
-                               max_new_tokens=args.max_new_tokens, pad_token_id=tokenizer.pad_token_id,
-                               eos_token_id=tokenizer.eos_token_id)
-    prompt_ids, prompt_mask = prompts["input_ids"], prompts["attention_mask"].bool()
-    response_ids = sequences[:, prompt_ids.shape[1] :]
+    sampling = {"do_sample": True, "temperature": args.temperature, "top_k": 0, "top_p": 1.0}
+    sequences = model.generate(
+        **prompts,
+        **sampling,
+        max_new_tokens=args.max_new_tokens,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    response_ids = sequences[:, prompts["input_ids"].shape[1] :]
     # a response is its tokens up to and including the first EOS (the model must learn to stop)
     is_eos = (response_ids == tokenizer.eos_token_id).long()
     response_mask = (is_eos.cumsum(1) - is_eos) == 0
@@ -83,11 +87,20 @@ def rollout(model, tokenizer, train_rows: list[dict], args: argparse.Namespace, 
     response_texts = tokenizer.batch_decode(response_ids, skip_special_tokens=True)
     rewards = torch.tensor([verify(text, row) for text, row in zip(response_texts, group_rows)])
     advantages, _ = group_advantages(rewards, args.group_size)  # (r - group mean) / group std; 0 if all equal
-    old_log_prob, _ = response_log_probs(model, prompt_ids, prompt_mask, response_ids, response_mask,
-                                         args.temperature)
-    return {"prompt_ids": prompt_ids, "prompt_mask": prompt_mask, "response_ids": response_ids,
-            "response_mask": response_mask, "old_log_prob": old_log_prob, "rewards": rewards,
-            "advantages": advantages, "policy_version": policy_version}
+    batch = {
+        "prompt_ids": prompts["input_ids"],
+        "prompt_mask": prompts["attention_mask"].bool(),
+        "response_ids": response_ids,
+        "response_mask": response_mask,
+        "rewards": rewards,
+        "advantages": advantages,
+        "policy_version": policy_version,
+    }
+    batch["old_log_prob"], _ = response_log_probs(model, batch, args.temperature)
+    return batch
+
+
+PRINTED_METRICS = ("lower", "upper", "positive_share", "clip_frac/upper", "clip_frac/lower", "entropy", "ratio/max")
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -114,25 +127,33 @@ def main(argv: list[str] | None = None) -> list[dict]:
         batch = fifo.popleft()
 
         model.train()
-        log_prob, response_logits = response_log_probs(model, batch["prompt_ids"], batch["prompt_mask"],
-                                                       batch["response_ids"], batch["response_mask"],
-                                                       args.temperature)
-        loss, metrics = policy_loss(log_prob, batch["old_log_prob"], batch["advantages"], batch["response_mask"],
-                                    args.method, logits=response_logits.detach(), **loss_params)
+        log_prob, response_logits = response_log_probs(model, batch, args.temperature)
+        loss, metrics = policy_loss(
+            log_prob,
+            batch["old_log_prob"],
+            batch["advantages"],
+            batch["response_mask"],
+            args.method,
+            logits=response_logits.detach(),
+            **loss_params,
+        )
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0))
         if math.isfinite(loss.item()) and math.isfinite(grad_norm):  # a non-finite update is skipped, not applied
             optimizer.step()
 
-        row = {"update": update, "data_version": batch["policy_version"],
-               "staleness": update - batch["policy_version"], "reward": batch["rewards"].mean().item(),
-               "loss": loss.item(), "grad_norm": grad_norm,
-               **{name: metrics[name] for name in ("lower", "upper", "positive_share", "clip_frac/upper",
-                                                   "clip_frac/lower", "entropy", "ratio/max")}}
+        row = {
+            "update": update,
+            "data_version": batch["policy_version"],
+            "staleness": update - batch["policy_version"],
+            "reward": batch["rewards"].mean().item(),
+            "loss": loss.item(),
+            "grad_norm": grad_norm,
+            **{name: metrics[name] for name in PRINTED_METRICS},
+        }
         history.append(row)
-        print(" ".join(f"{name}={value:.4g}" if isinstance(value, float) else f"{name}={value}"
-                       for name, value in row.items()), flush=True)
+        print(" ".join(f"{name}={value:.4g}" for name, value in row.items()), flush=True)
     return history
 
 

@@ -50,9 +50,9 @@ KNOWN_VIOLATIONS = {
 
 @dataclass(frozen=True)
 class Import:
-    file: Path      # the importing module's file
+    file: Path  # the importing module's file
     line: int
-    module: str     # absolute dotted name of what is imported, e.g. "bapo.core.search"
+    module: str  # absolute dotted name of what is imported, e.g. "bapo.core.search"
     statement: str  # the source text, for the failure message
 
 
@@ -92,7 +92,7 @@ def imports_of(path: Path) -> list[Import]:
 
 
 def layer_of(module: str) -> str:
-    """"bapo.integrations.trl.trainer" -> "integrations.trl"; "bapo.core.search" -> "core"; "bapo" -> ""."""
+    """ "bapo.integrations.trl.trainer" -> "integrations.trl"; "bapo.core.search" -> "core"; "bapo" -> ""."""
     parts = module.split(".")[1:]
     if parts[:1] == ["integrations"] and len(parts) > 1 and (PACKAGE / "integrations" / parts[1]).is_dir():
         return ".".join(parts[:2])
@@ -109,8 +109,10 @@ def where(imp: Import) -> str:
 
 def test_every_source_file_belongs_to_a_known_layer():
     unknown = {layer_of(module_name(path)) for path in source_files()} - set(ALLOWED_LAYERS) - {""}
-    assert not unknown, (f"new package(s) {sorted(unknown)} under src/bapo: add them to ALLOWED_LAYERS in "
-                         f"tests/test_layering.py and to docs/ARCHITECTURE.md")
+    assert not unknown, (
+        f"new package(s) {sorted(unknown)} under src/bapo: add them to ALLOWED_LAYERS in "
+        f"tests/test_layering.py and to docs/ARCHITECTURE.md"
+    )
 
 
 def test_bapo_imports_point_down_the_layering():
@@ -133,7 +135,9 @@ def test_bapo_imports_point_down_the_layering():
                 continue
             may = ", ".join(f"bapo.{layer}" for layer in sorted(allowed)) or "nothing from bapo"
             violations.append(f"{where(imp)} imports bapo.{target}, but bapo.{own or '(root)'} may import {may}")
-    assert not violations, "imports against the layering (core <- train <- analysis <- demo/lab):\n" + "\n".join(violations)
+    assert not violations, "imports against the layering (core <- train <- analysis <- demo/lab):\n" + "\n".join(
+        violations
+    )
     stale = KNOWN_VIOLATIONS - seen_known
     assert not stale, f"known violations fixed: delete {sorted(stale)} from KNOWN_VIOLATIONS in tests/test_layering.py"
 
@@ -161,20 +165,22 @@ def test_frameworks_are_imported_only_by_their_integration():
 
 
 def test_import_bapo_core_loads_no_heavy_package():
-    probe = ("import sys, bapo.core\n"
-             f"print(' '.join(m for m in {NOT_LOADED_BY_CORE!r} if m in sys.modules))")
+    probe = f"import sys, bapo.core\nprint(' '.join(m for m in {NOT_LOADED_BY_CORE!r} if m in sys.modules))"
     env = {**os.environ, "PYTHONPATH": str(SRC)}
     done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == [], f"`import bapo.core` also imported {done.stdout.split()}"
 
 
-@pytest.mark.parametrize(("source", "expected"), [
-    ("from bapo.demo import model\n", "bapo.demo.model"),
-    ("from ..core import search\n", "bapo.core.search"),
-    ("from . import buffer\n", "bapo.train.buffer"),
-    ("def f():\n    import bapo.analysis.claims\n", "bapo.analysis.claims"),
-])
+@pytest.mark.parametrize(
+    ("source", "expected"),
+    [
+        ("from bapo.demo import model\n", "bapo.demo.model"),
+        ("from ..core import search\n", "bapo.core.search"),
+        ("from . import buffer\n", "bapo.train.buffer"),
+        ("def f():\n    import bapo.analysis.claims\n", "bapo.analysis.claims"),
+    ],
+)
 def test_import_reader_resolves_relative_nested_and_submodule_imports(tmp_path, monkeypatch, source, expected):
     # the checker itself must not miss the forms it claims to read
     fake_src = tmp_path / "src"

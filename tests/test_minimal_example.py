@@ -33,9 +33,11 @@ def tiny_policy(tmp_path_factory) -> str:
     from bapo.demo.warmstart import SFTConfig, WarmStartConfig, warm_start
 
     torch.set_num_threads(1)
-    cfg = WarmStartConfig(task=TaskConfig(n_train=500, n_heldout=8),
-                          model=ModelConfig(hidden_size=64, layers=1, heads=2, intermediate_size=128),
-                          sft=SFTConfig(steps=200, batch_size=32, warmup=5))
+    cfg = WarmStartConfig(
+        task=TaskConfig(n_train=500, n_heldout=8),
+        model=ModelConfig(hidden_size=64, layers=1, heads=2, intermediate_size=128),
+        sft=SFTConfig(steps=200, batch_size=32, warmup=5),
+    )
     return str(warm_start(cfg, root=tmp_path_factory.mktemp("warmstart"), eval_k=1))
 
 
@@ -49,8 +51,9 @@ def printed_rows(text: str) -> list[dict[str, float]]:
 
 def test_bapo_with_staleness_trains_on_exactly_k_updates_old_data(example, tiny_policy, capsys):
     staleness, updates = 2, 5
-    history = example.main(["bapo", "--staleness", str(staleness), "--updates", str(updates),
-                            "--model", tiny_policy, *SMALL_RUN])
+    history = example.main(
+        ["bapo", "--staleness", str(staleness), "--updates", str(updates), "--model", tiny_policy, *SMALL_RUN]
+    )
     rows = printed_rows(capsys.readouterr().out)
     assert len(rows) == updates == len(history)
     assert [row["loss"] for row in rows] == pytest.approx([row["loss"] for row in history], rel=1e-3, abs=1e-6)
