@@ -27,7 +27,7 @@ SHOWN = ("reward", "entropy", "bapo/lower", "bapo/upper", "bapo/positive_share",
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default=None, help="model path or HF id (default: build a tiny Llama)")
-    parser.add_argument("--method", default="bapo", help="bapo.core loss (bapo, grpo, clip-higher, dual-clip, topr, dcpo)")
+    parser.add_argument("--method", default="bapo", help="bapo.core loss: bapo, grpo, clip-higher, dcpo, ...")
     parser.add_argument("--target", type=float, default=0.4, help="BAPO positive-share target rho0")
     parser.add_argument("--steps", type=int, default=8, help="optimizer steps")
     parser.add_argument("--output-dir", default=None)
