@@ -339,9 +339,11 @@ class Trainer:
         # exactly epochs x mini_batches update slots: dropped zero-variance groups can leave fewer rows
         # than parts, and an empty part is an update slot counted as skipped, never silently lost
         updates = minibatch_order(len(batch), off.mini_batches, off.epochs, self.cfg.run.seed, self.step)
+        first_version = self.version
         for slot, (epoch, rows_idx) in enumerate(updates):
-            # the policy version is derived from the position, so it cannot drift from step x updates
-            self.version = self.step * per_batch + slot
+            # the policy version is derived from the slot, so a batch always advances it by exactly
+            # updates_per_batch (also for callers that drive rollout_step/update_step themselves)
+            self.version = first_version + slot
             row = {"step": self.version + 1, "rollout_step": self.step, "epoch": epoch}
             if len(rows_idx) == 0:
                 rows.append({**row, "skipped": 1, "empty_batch": 1, "tokens/update": 0, "time/update_s": 0.0})
@@ -354,7 +356,7 @@ class Trainer:
             rows.append({**row, **stats,
                          "staleness/mean": staleness.mean().item() if len(staleness) else 0.0,
                          "staleness/max": staleness.max().item() if len(staleness) else 0.0, **metrics})
-        self.version = (self.step + 1) * per_batch
+        self.version = first_version + per_batch
         return rows
 
     def _call_on_update(self) -> dict:
