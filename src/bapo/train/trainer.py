@@ -334,6 +334,7 @@ class Trainer:
         """offpolicy.epochs x offpolicy.mini_batches optimizer updates on one batch; one metrics
         row per update (time/update_s, tokens/update, staleness of its tokens, ...)."""
         rows, off, per_batch = [], self.cfg.offpolicy, self.cfg.updates_per_batch
+        first = self.version  # = step x per_batch in fit; callers driving the halves themselves need not keep step
         stats = _batch_stats(batch, self.cfg.reward.correct_threshold)
         device = next(self.model.parameters()).device
         for epoch in range(off.epochs):
@@ -343,7 +344,7 @@ class Trainer:
             # parts, and an empty part is an update slot counted as skipped, never silently lost
             for part, rows_idx in enumerate(order.tensor_split(off.mini_batches)):
                 # the policy version is derived from the position, so it cannot drift from step x updates
-                self.version = self.step * per_batch + epoch * off.mini_batches + part
+                self.version = first + epoch * off.mini_batches + part
                 row = {"step": self.version + 1, "rollout_step": self.step, "epoch": epoch}
                 if len(rows_idx) == 0:
                     rows.append({**row, "skipped": 1, "empty_batch": 1, "tokens/update": 0, "time/update_s": 0.0})
@@ -356,7 +357,7 @@ class Trainer:
                 rows.append({**row, **stats,
                              "staleness/mean": staleness.mean().item() if len(staleness) else 0.0,
                              "staleness/max": staleness.max().item() if len(staleness) else 0.0, **metrics})
-        self.version = (self.step + 1) * per_batch
+        self.version = first + per_batch
         return rows
 
     def _call_on_update(self) -> dict:
