@@ -13,7 +13,7 @@ from bapo.train import ConfigError, Trainer, train
 from bapo.train.rundir import RunLock
 from tests.train.conftest import arithmetic_examples, digit_share, make_config
 
-DATA = dict(examples=arithmetic_examples(), verifier=digit_share)
+DATA = {"examples": arithmetic_examples(), "verifier": digit_share}
 
 HOLD = """
 import sys, time
