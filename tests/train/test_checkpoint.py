@@ -9,10 +9,15 @@ import pytest
 import torch
 
 from bapo.train import ConfigError, Trainer, TrainingStopped, train
-from bapo.train.checkpoint import checkpoints, latest_checkpoint, load_state, verify_checkpoint
+from bapo.train.checkpoint import (
+    checkpoints,
+    latest_checkpoint,
+    load_state,
+    verify_checkpoint,
+)
 from tests.train.conftest import arithmetic_examples, digit_share, make_config
 
-DATA = dict(examples=arithmetic_examples(), verifier=digit_share)
+DATA = {"examples": arithmetic_examples(), "verifier": digit_share}
 
 
 @pytest.fixture(scope="module")
@@ -92,7 +97,7 @@ def test_stale_temporaries_are_removed_at_start(run_copy):
 
 
 def test_disk_full_names_the_last_good_checkpoint_and_keeps_it(tiny_model, tmp_path, monkeypatch):
-    import bapo.train.checkpoint as checkpoint
+    from bapo.train import checkpoint
 
     real_save, calls = torch.save, []
 

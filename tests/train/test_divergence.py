@@ -8,7 +8,7 @@ from bapo.train import Trainer, TrainingStopped, read_metrics, train
 from bapo.train.checkpoint import latest_checkpoint
 from tests.train.conftest import arithmetic_examples, digit_share, make_config
 
-DATA = dict(examples=arithmetic_examples(), verifier=digit_share)
+DATA = {"examples": arithmetic_examples(), "verifier": digit_share}
 
 
 def test_exploding_weights_stop_with_a_checkpoint(tiny_model, tmp_path):

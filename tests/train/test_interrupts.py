@@ -12,7 +12,7 @@ from bapo.train.trainer import TrainingAborted, TrainingInterrupted
 from tests.train.conftest import arithmetic_examples, digit_share, make_config
 from tests.train.test_resume import strip_timing
 
-DATA = dict(examples=arithmetic_examples(), verifier=digit_share)
+DATA = {"examples": arithmetic_examples(), "verifier": digit_share}
 
 
 def send_at(update: int, *signals):

@@ -14,8 +14,9 @@ import numbers
 import re
 import threading
 import time
+from collections.abc import Callable
 from functools import partial
-from typing import Callable, Protocol
+from typing import Protocol
 
 import torch
 

@@ -14,9 +14,9 @@ import sys
 import threading
 import time
 import warnings
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable, Iterator
 
 import numpy as np
 import torch
@@ -291,8 +291,8 @@ class Trainer:
     def _divergence(self, rows: list[dict]) -> tuple[str, str] | None:
         """(what happened, what to do) when the run has diverged (run.divergence, run.max_nonfinite)."""
         if self.nonfinite_streak >= self.cfg.run.max_nonfinite:
-            return (f"{self.nonfinite_streak} updates in a row had a non-finite loss or gradient "
-                    "(skipped, weights unchanged)", "Lower optim.lr or check the data.")
+            what = f"{self.nonfinite_streak} updates in a row had a non-finite loss or gradient (skipped, weights unchanged)"
+            return what, "Lower optim.lr or check the data."
         guard = self.cfg.run.divergence
         entropy = [row["entropy"] for row in rows if isinstance(row.get("entropy"), float)]
         vocab = self.model.get_output_embeddings().weight.shape[0]
@@ -300,18 +300,19 @@ class Trainer:
         # only a rise counts: a run that starts near uniform (a random init) has not diverged
         self.entropy_was_low = self.entropy_was_low or (bool(entropy) and not near_uniform)
         if near_uniform and self.entropy_was_low:
-            return (f"entropy {entropy[-1]:.3f} reached {guard.entropy_fraction:g} x log(vocab {vocab}) = "
-                    f"{guard.entropy_fraction * math.log(vocab):.3f}: the policy is close to uniform",
-                    "Lower optim.lr (or raise run.divergence.entropy_fraction).")
+            what = (f"entropy {entropy[-1]:.3f} reached {guard.entropy_fraction:g} x log(vocab {vocab}) = "
+                    f"{guard.entropy_fraction * math.log(vocab):.3f}: the policy is close to uniform")
+            return what, "Lower optim.lr (or raise run.divergence.entropy_fraction)."
         with torch.no_grad():
             largest = max(float(p.detach().abs().max()) for p in self.model.parameters())
         if not largest <= guard.max_abs_weight:  # also catches nan/inf weights
             return (f"a weight reached |{largest:.3g}| > run.divergence.max_abs_weight={guard.max_abs_weight:g}",
                     "Lower optim.lr or set optim.max_grad_norm.")
         if guard.zero_variance_steps and self.zero_variance_streak >= guard.zero_variance_steps:
-            return (f"every group had zero reward variance (no learning signal) for {self.zero_variance_streak} "
-                    "rollout steps in a row", "Check the verifier and the task's difficulty "
-                    "(or raise run.divergence.zero_variance_steps; 0 turns the check off).")
+            what = (f"every group had zero reward variance (no learning signal) for {self.zero_variance_streak} "
+                    "rollout steps in a row")
+            return what, ("Check the verifier and the task's difficulty "
+                          "(or raise run.divergence.zero_variance_steps; 0 turns the check off).")
         return None
 
     def _interruption(self) -> TrainingInterrupted:

@@ -1,0 +1,56 @@
+"""Checkpoint save cost: the previous plain save (save_pretrained + torch.save + rename) next to
+save_checkpoint (fsync of every file and directory + sha256 manifest), and verify_checkpoint, on the
+demo model with an AdamW state. Interleaved in one run, so machine load hits both alike:
+
+    PYTHONPATH=src OMP_NUM_THREADS=1 python bench/checkpoint_save.py
+"""
+
+import os
+import shutil
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from bapo.demo.model import ModelConfig, build_model, build_tokenizer
+from bapo.train.checkpoint import save_checkpoint, verify_checkpoint
+
+
+def main(repeats: int = 8) -> None:
+    torch.set_num_threads(1)
+    tokenizer = build_tokenizer()
+    model = build_model(ModelConfig(), tokenizer)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4, dtype=torch.long)).logits.sum().backward()
+    optimizer.step()
+    state = {"optimizer": optimizer.state_dict(), "version": 1}
+    root = Path(tempfile.mkdtemp())
+
+    def plain_save(i: int) -> None:
+        tmp = root / "plain" / f".tmp_{i}"
+        model.save_pretrained(tmp / "model")
+        tokenizer.save_pretrained(tmp / "model")
+        torch.save(state, tmp / "state.pt")
+        os.replace(tmp, root / "plain" / f"step_{i}")
+
+    times: dict[str, list[float]] = {"plain save": [], "manifest+fsync save": [], "verify": []}
+    for i in range(repeats):
+        start = time.perf_counter()
+        plain_save(i)
+        times["plain save"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        path = save_checkpoint(root / "run", i, model, tokenizer, state, keep=2, save_optimizer="all")
+        times["manifest+fsync save"].append(time.perf_counter() - start)
+        start = time.perf_counter()
+        verify_checkpoint(path)
+        times["verify"].append(time.perf_counter() - start)
+    size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    print(f"checkpoint {size / 1e6:.1f} MB, medians of {repeats}: "
+          + ", ".join(f"{name} {statistics.median(t) * 1e3:.0f} ms" for name, t in times.items()))
+    shutil.rmtree(root)
+
+
+if __name__ == "__main__":
+    main()
