@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from bapo.demo.model import ModelConfig, build_model, build_tokenizer
+from bapo.train.tiny import ModelConfig, build_model, build_tokenizer
 from bapo.train.checkpoint import save_checkpoint, verify_checkpoint
 
 
