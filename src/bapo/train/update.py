@@ -74,11 +74,12 @@ def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig
                 for mb in micro:
                     log_prob, _ = token_log_probs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
                                                   mb.response_mask, cfg.rollout.temperature)
-                    stats.add(token_ratio(log_prob, mb.old_log_prob), mb.advantages, mb.response_mask)
+                    stats.add(token_ratio(log_prob, mb.old_log_prob), mb.advantages, mb.response_mask, behaviour_log_prob=mb.old_log_prob)
             found = stats.solve()
             params["bounds"] = (found.lower, found.upper)
             extra = {"bapo/reached": float(found.reached), "bapo/steps": float(found.steps),
-                     "bapo/search_positive_share": found.positive_share}
+                     "bapo/search_positive_share": found.positive_share, "bapo/pos_neg": found.pos_neg,
+                     "bapo/no_signal": float(found.no_signal)}
 
     optimizer.zero_grad(set_to_none=True)
     parts, finite = [], True

@@ -133,13 +133,15 @@ class BAPOGRPOTrainer(GRPOTrainer):
                 log_prob, entropy = self._search_log_probs(model, inputs, mask, just_generated)
                 old_log_prob = self._old_log_prob(inputs, log_prob)
                 weights = self._token_weights(inputs, log_prob, old_log_prob, entropy, mask, advantages)
-                stats.add(token_ratio(log_prob, old_log_prob), advantages, mask, weights=weights)
+                stats.add(token_ratio(log_prob, old_log_prob), advantages, mask, weights=weights, behaviour_log_prob=old_log_prob)
                 tokens += float(mask.sum())
         search = stats.solve()
         search_metrics = {
             "bapo/search/lower": search.lower,
             "bapo/search/upper": search.upper,
             "bapo/search/positive_share": search.positive_share,
+            "bapo/search/pos_neg": search.pos_neg,
+            "bapo/search/no_signal": float(search.no_signal),
             "bapo/search/reached": float(search.reached),
             "bapo/search/steps": float(search.steps),
             "bapo/search/micro_batches": float(len(micro_batches)),
