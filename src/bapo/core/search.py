@@ -298,8 +298,8 @@ class BoundStats:
     contribution="clamped" sum a per positive bucket, then per negative bucket: one buffer, one
     all-reduce. r*a is computed in the inputs' precision (at least float32), the sums in float64.
 
-    The bucket is arithmetic, floor((r - start) / step) + 1 clamped to the grid, then moved by at
-    most one candidate against the grid rounded toward the safe side in the ratio's dtype, so it
+    The bucket is arithmetic (the nearest candidate, round((r - start) / step), then one
+    comparison with that candidate rounded toward the safe side in the ratio's dtype), so it
     equals #{edges <= r} exactly (float32, bf16 and float64; values on grid points included).
     """
 
@@ -338,38 +338,53 @@ class BoundStats:
             sides = 2 if self.config.contribution == "clamped" else 1
             self.sums = torch.zeros(sides * self._side_size, dtype=torch.float64, device=self.device)
 
-    def _tables_for(self, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
-        """Per compute dtype: the edge table [-inf, L..., +inf, -inf, U'..., +inf], L the lower grid
-        rounded up (r >= g <=> r >= L), U' the upper grid rounded down then one ulp up
-        (r > g <=> r >= U'); and the (lower, upper) starts and inverse steps as [2] tensors."""
+    def _tables_for(self, dtype: torch.dtype) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """Per compute dtype: the regular edges [L..., U'...] as one table, and the rounded edges
+        of each side's irregular tail (lower tail, upper tail: at most the recipe's clamped last
+        step). L: lower grid rounded up (r >= g <=> r >= L); U': upper grid rounded down then one
+        ulp up (r > g <=> r >= U'). A grid point is regular when it lies within a quarter step of
+        start + k*step."""
         if dtype not in self._tables:
             lower = _rounded(self._lower_grid, dtype, +math.inf)
             upper = _rounded(self._upper_grid, dtype, -math.inf)
             upper = torch.nextafter(upper, torch.full_like(upper, math.inf))
-            low_pad, high_pad = torch.full((1,), -math.inf, dtype=dtype), torch.full((1,), math.inf, dtype=dtype)
-            table = torch.cat([low_pad, lower, high_pad, low_pad, upper, high_pad])
-            cfg = self.config
-            starts = torch.tensor([cfg.lower_start, cfg.upper_start], dtype=dtype)
-            inverse_steps = torch.tensor([1.0 / cfg.lower_step, 1.0 / cfg.upper_step], dtype=dtype)
-            self._tables[dtype] = (table.to(self.device), starts.to(self.device), inverse_steps.to(self.device))
+            n_lower, n_upper = self._regular_counts
+            self._tables[dtype] = (torch.cat([lower[:n_lower], upper[:n_upper]]).to(self.device),
+                                   tuple(lower[n_lower:].to(self.device)), tuple(upper[n_upper:].to(self.device)))
         return self._tables[dtype]
+
+    @property
+    def _regular_counts(self) -> tuple[int, int]:
+        """How many leading points of the lower and of the upper grid lie on start + k*step."""
+        def regular(grid: list[float], start: float, step: float) -> int:
+            return next((k for k, value in enumerate(grid) if abs(value - (start + k * step)) > step / 4), len(grid))
+        return (regular(self._lower_grid, self.config.lower_start, self.config.lower_step),
+                regular(self._upper_grid, self.config.upper_start, self.config.upper_step))
 
     def _buckets(self, ratio: Tensor, positive: Tensor) -> Tensor:
         """Histogram index [B*T] (int64) of every token: positive tokens in [0, n_upper], the
-        others in n_upper + 1 + [0, n_lower] (see the class docstring). ratio: float32/float64."""
-        n_lower, n_upper = len(self._lower_grid), len(self._upper_grid)
-        table, starts, inverse_steps = self._tables_for(ratio.dtype)
-        ratio, side = ratio.flatten(), positive.flatten().to(torch.int64)
-        # Estimated #{candidates <= r}; clamping before the cast keeps huge ratios in range.
-        estimate = (ratio - starts.take(side)).mul_(inverse_steps.take(side)).floor_().add_(1.0)
-        index = estimate.clamp_(0.0, float(max(n_lower, n_upper))).to(torch.int64)
-        index = torch.minimum(index, side * (n_upper - n_lower) + n_lower)
-        index += side * (n_lower + 2)  # table position of the side's edge number `index`, minus 1
-        # Correct by one candidate each way: the estimate is off by at most one near an edge
-        # (float rounding of (r - start)/step, the safe-side rounded grid, a clamped last step).
-        index += table.take(index + 1) <= ratio
-        index += (table.take(index) > ratio).to(torch.int64).neg_()
-        return index + (n_upper + 1 - side * (n_upper + n_lower + 3))
+        others in n_upper + 1 + [0, n_lower] (see the class docstring). ratio: float32/float64.
+
+        Arithmetic, with one gather: k = the regular candidate nearest to r, i.e.
+        round((r - start) / step) clamped to the side's grid; every regular edge below k is then
+        <= r and every one above k is > r (float rounding moves a position by far less than half
+        a step), so #{edges <= r} = k + [edge_k <= r], plus one comparison per tail edge.
+        """
+        cfg = self.config
+        table, lower_tail, upper_tail = self._tables_for(ratio.dtype)
+        n_lower, n_upper = self._regular_counts
+        ratio, positive = ratio.flatten(), positive.flatten()
+        nearest_lower = (ratio - cfg.lower_start).mul_(1.0 / cfg.lower_step).round_().clamp_(0, n_lower - 1)
+        nearest_upper = (ratio - cfg.upper_start).mul_(1.0 / cfg.upper_step).round_().clamp_(0, n_upper - 1)
+        position = torch.where(positive, nearest_upper + n_lower, nearest_lower)  # in the table
+        # Bucket of the side before comparing with the nearest edge: upper side k, lower side
+        # len(upper_grid) + 1 + k; the table position differs from it by a constant per side.
+        bucket = position + (table.take(position.to(torch.int64)) <= ratio)
+        bucket += torch.where(positive, -n_lower, len(self._upper_grid) + 1)
+        for side, tail in ((positive, upper_tail), (~positive, lower_tail)):
+            for edge in tail:
+                bucket += side & (ratio >= edge)
+        return bucket.to(torch.int64)
 
     def add(self, ratio: Tensor, advantages: Tensor, mask: Tensor, *, weights: Tensor | None = None,
             behaviour_log_prob: Tensor | None = None, validate: bool = True) -> "BoundStats":
