@@ -12,10 +12,20 @@ from bapo.core.losses import (
     policy_loss,
     register_policy_loss,
 )
-from bapo.core.search import BAPOConfig, BoundStats, SearchResult, candidate_grid, positive_share, search_bounds
+from bapo.core.search import (
+    BAPOConfig,
+    BoundStats,
+    SearchResult,
+    candidate_grid,
+    positive_share,
+    search_bounds,
+    token_contributions,
+)
+from bapo.core.target import EntropyTargetController, token_mean_over_ranks
 
 __all__ = [
-    "BAPOConfig", "BoundStats", "LOSS_AGG_MODES", "POLICY_LOSSES", "SearchResult", "TokenBatch", "TokenLoss",
+    "BAPOConfig", "BoundStats", "EntropyTargetController", "LOSS_AGG_MODES", "POLICY_LOSSES", "SearchResult", "TokenBatch", "TokenLoss",
     "aggregate_loss", "candidate_grid", "clip_diagnostics", "clipped_surrogate", "entropy_from_logits",
-    "group_advantages", "k3_kl", "policy_loss", "positive_share", "register_policy_loss", "search_bounds", "token_ratio",
+    "group_advantages", "k3_kl", "policy_loss", "positive_share", "register_policy_loss", "search_bounds", "token_contributions",
+    "token_mean_over_ranks", "token_ratio",
 ]
