@@ -17,6 +17,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from bapo.core import BAPOConfig, EntropyTargetController
 from bapo.train.buffer import BatchBuffer
 from bapo.train.checkpoint import latest_checkpoint, load_state, rng_state, save_checkpoint, set_rng_state
 from bapo.train.config import ConfigError, TrainConfig
@@ -152,6 +153,9 @@ class Trainer:
         self.step = 0          # rollout steps done
         self.version = 0       # optimizer updates done = version of the current policy
         self.nonfinite_streak = 0
+        # BAPO's rho0, fixed or steered by entropy (its state is checkpointed)
+        self.bapo_target = EntropyTargetController(BAPOConfig(**cfg.loss.bapo.model_dump())) \
+            if cfg.loss.method == "bapo" else None
         if cfg.run.deterministic:
             torch.use_deterministic_algorithms(True)
         if checkpoint:
@@ -239,7 +243,11 @@ class Trainer:
             for rows_idx in order.chunk(off.mini_batches) if len(batch) else []:
                 mini = batch.select(rows_idx.sort().values)
                 staleness = (self.version - mini.versions[mini.response_mask]).float()
-                metrics = optimizer_update(self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg)
+                search = self.bapo_target.search_config() if self.bapo_target else None
+                metrics = optimizer_update(self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg, search)
+                if self.bapo_target:  # rho0 of this update; the next one's from this update's entropy
+                    metrics["bapo/target"] = search.target
+                    self.bapo_target.update(metrics.get("entropy", float("nan")))
                 self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["skipped"] else 0
                 self.version += 1
                 metrics["tokens_per_s/update"] = metrics["tokens/update"] / max(metrics["time/update_s"], 1e-9)
@@ -268,7 +276,8 @@ class Trainer:
     def save(self) -> Path:
         state = {"step": self.step, "version": self.version, "nonfinite_streak": self.nonfinite_streak,
                  "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "rng": rng_state(), "buffer": self.buffer.state_dict(), "rollout": self.rollout.state_dict()}
+                 "rng": rng_state(), "buffer": self.buffer.state_dict(), "rollout": self.rollout.state_dict(),
+                 "bapo_target": self.bapo_target.state_dict() if self.bapo_target else None}
         return save_checkpoint(self.run_dir, self.version, self.model, self.tokenizer, state,
                                self.cfg.run.keep_checkpoints)
 
@@ -280,6 +289,8 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.buffer.load_state_dict(state["buffer"])
         self.rollout.load_state_dict(state["rollout"])
+        if self.bapo_target and state.get("bapo_target"):
+            self.bapo_target.load_state_dict(state["bapo_target"])
         set_rng_state(state["rng"])
 
     def close(self) -> None:

@@ -52,11 +52,12 @@ def _merge(parts: list[tuple[int, dict]]) -> dict:
     return out
 
 
-def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig) -> dict:
+def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig, bapo: BAPOConfig | None = None) -> dict:
     """Forward+backward over micro-batches of `batch` (on the model's device), then one step.
 
     Returns metrics: every policy_loss diagnostic (token-weighted over micro-batches), grad_norm
     (before clipping), lr, skipped (1 when the loss or gradient was non-finite and no step was taken).
+    bapo: the search config of this update (the trainer's adaptive target); None = cfg.loss.bapo.
     """
     start = time.perf_counter()
     micro = [batch.select(torch.arange(s, min(s + cfg.optim.micro_batch_size, len(batch))))
@@ -65,7 +66,7 @@ def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig
     params = dict(cfg.loss.params)
     extra: dict[str, float] = {}
     if cfg.loss.method == "bapo":
-        bapo_cfg = BAPOConfig(**cfg.loss.bapo.model_dump())
+        bapo_cfg = bapo or BAPOConfig(**cfg.loss.bapo.model_dump())
         if len(micro) == 1:  # policy_loss searches on the ratio of the forward it is given
             params["bapo"] = bapo_cfg
         else:  # the search must see every token of the update: a no-grad pass first
