@@ -339,27 +339,30 @@ class BoundStats:
             self.sums = torch.zeros(sides * self._side_size, dtype=torch.float64, device=self.device)
 
     def _tables_for(self, dtype: torch.dtype) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...]]:
-        """Per compute dtype: the regular edges [L..., U'...] as one table, and the rounded edges
-        of each side's irregular tail (lower tail, upper tail: at most the recipe's clamped last
-        step). L: lower grid rounded up (r >= g <=> r >= L); U': upper grid rounded down then one
-        ulp up (r > g <=> r >= U'). A grid point is regular when it lies within a quarter step of
-        start + k*step."""
+        """Per compute dtype: the regular edges laid out by bucket, [U'..., +inf, L...] (the upper
+        side's regular edge k at k, the lower side's at len(upper_grid) + 1 + k), and the rounded
+        edges of each side's irregular tail (lower, upper: at most the recipe's clamped last step).
+        L: lower grid rounded up (r >= g <=> r >= L); U': upper grid rounded down then one ulp up
+        (r > g <=> r >= U'). A point is regular when it lies within a quarter step of start + k*step."""
         if dtype not in self._tables:
             lower = _rounded(self._lower_grid, dtype, +math.inf)
             upper = _rounded(self._upper_grid, dtype, -math.inf)
             upper = torch.nextafter(upper, torch.full_like(upper, math.inf))
             n_lower, n_upper = self._regular_counts
-            self._tables[dtype] = (torch.cat([lower[:n_lower], upper[:n_upper]]).to(self.device),
+            gap = torch.full((len(self._upper_grid) + 1 - n_upper,), math.inf, dtype=dtype)
+            self._tables[dtype] = (torch.cat([upper[:n_upper], gap, lower[:n_lower]]).to(self.device),
                                    tuple(lower[n_lower:].to(self.device)), tuple(upper[n_upper:].to(self.device)))
         return self._tables[dtype]
 
     @property
     def _regular_counts(self) -> tuple[int, int]:
         """How many leading points of the lower and of the upper grid lie on start + k*step."""
-        def regular(grid: list[float], start: float, step: float) -> int:
-            return next((k for k, value in enumerate(grid) if abs(value - (start + k * step)) > step / 4), len(grid))
-        return (regular(self._lower_grid, self.config.lower_start, self.config.lower_step),
-                regular(self._upper_grid, self.config.upper_start, self.config.upper_step))
+        if not hasattr(self, "_regular"):
+            def regular(grid: list[float], start: float, step: float) -> int:
+                return next((k for k, value in enumerate(grid) if abs(value - (start + k * step)) > step / 4), len(grid))
+            self._regular = (regular(self._lower_grid, self.config.lower_start, self.config.lower_step),
+                             regular(self._upper_grid, self.config.upper_start, self.config.upper_step))
+        return self._regular
 
     def _buckets(self, ratio: Tensor, positive: Tensor) -> Tensor:
         """Histogram index [B*T] (int64) of every token: positive tokens in [0, n_upper], the
@@ -369,22 +372,23 @@ class BoundStats:
         round((r - start) / step) clamped to the side's grid; every regular edge below k is then
         <= r and every one above k is > r (float rounding moves a position by far less than half
         a step), so #{edges <= r} = k + [edge_k <= r], plus one comparison per tail edge.
+        In-place where possible: fresh multi-MB tensors cost page faults.
         """
         cfg = self.config
         table, lower_tail, upper_tail = self._tables_for(ratio.dtype)
         n_lower, n_upper = self._regular_counts
+        lower_offset = len(self._upper_grid) + 1
         ratio, positive = ratio.flatten(), positive.flatten()
         nearest_lower = (ratio - cfg.lower_start).mul_(1.0 / cfg.lower_step).round_().clamp_(0, n_lower - 1)
         nearest_upper = (ratio - cfg.upper_start).mul_(1.0 / cfg.upper_step).round_().clamp_(0, n_upper - 1)
-        position = torch.where(positive, nearest_upper + n_lower, nearest_lower)  # in the table
-        # Bucket of the side before comparing with the nearest edge: upper side k, lower side
-        # len(upper_grid) + 1 + k; the table position differs from it by a constant per side.
-        bucket = position + (table.take(position.to(torch.int64)) <= ratio)
-        bucket += torch.where(positive, -n_lower, len(self._upper_grid) + 1)
-        for side, tail in ((positive, upper_tail), (~positive, lower_tail)):
-            for edge in tail:
-                bucket += side & (ratio >= edge)
-        return bucket.to(torch.int64)
+        nearest = torch.where(positive, nearest_upper, nearest_lower.add_(lower_offset), out=nearest_upper)
+        bucket = nearest.to(torch.int64)
+        bucket += table.take(bucket) <= ratio
+        for edge in upper_tail:
+            bucket += positive & (ratio >= edge)
+        for edge in lower_tail:
+            bucket += ~positive & (ratio >= edge)
+        return bucket
 
     def add(self, ratio: Tensor, advantages: Tensor, mask: Tensor, *, weights: Tensor | None = None,
             behaviour_log_prob: Tensor | None = None, validate: bool = True) -> "BoundStats":

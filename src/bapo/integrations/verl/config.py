@@ -79,7 +79,9 @@ class BAPOPolicyLossConfig(PolicyLossConfig):
     def __post_init__(self) -> None:
         getattr(super(), "__post_init__", lambda: None)()
         self.solved: SearchResult | None = None
-        self.bapo_config()  # fail at config time, with bapo.core's message, on a bad search space
+        if self.bapo_config().target_mode == "entropy":  # also fails at config time on a bad search space
+            raise ValueError("target_mode: 'entropy' is not wired into verl's workers yet; use target_mode=fixed "
+                             "there (bapo train and BAPOGRPOTrainer support it)")
         _install_worker_hook()
 
     def bapo_config(self) -> BAPOConfig:
