@@ -1,5 +1,6 @@
 """Two gloo ranks with different shards (and micro-batch counts) get identical bounds, equal to
-one process searching the concatenation, with exactly one all-reduce."""
+one process searching the concatenation, with exactly one all-reduce, under each definition of
+the positive share (gradient, paper Eq. 8, recipe)."""
 
 import torch
 import torch.distributed as dist
@@ -7,7 +8,9 @@ import torch.multiprocessing as mp
 
 from bapo.core import BAPOConfig, BoundStats, search_bounds
 
-CFG = BAPOConfig(target=0.5, lower_step=0.05, upper_step=0.05)
+CONFIGS = {"gradient": BAPOConfig(target=0.5, lower_step=0.05, upper_step=0.05),
+           "paper": BAPOConfig.paper(target=0.5),
+           "recipe": BAPOConfig.recipe(target=1.5)}
 
 
 def make_data():
@@ -15,13 +18,18 @@ def make_data():
     ratio = torch.exp(0.7 * torch.randn(10, 16, generator=generator))
     advantages = torch.randn(10, generator=generator) - 0.4  # negative-leaning: the search must move
     mask = torch.rand(10, 16, generator=generator) > 0.2
-    return ratio, advantages, mask
+    behaviour_log_prob = -2 * torch.rand(10, 16, generator=generator)
+    return ratio, advantages, mask, behaviour_log_prob
 
 
-def shard(rank, ratio, advantages, mask):
+def shard(rank, ratio, advantages, mask, behaviour_log_prob):
     """Rank 0 holds rows 0-2 in one micro-batch; rank 1 holds rows 3-9 in three micro-batches."""
     pieces = [slice(0, 3)] if rank == 0 else [slice(3, 5), slice(5, 6), slice(6, 10)]
-    return [(ratio[p], advantages[p], mask[p]) for p in pieces]
+    return [(ratio[p], advantages[p], mask[p], behaviour_log_prob[p]) for p in pieces]
+
+
+def search(ratio, advantages, mask, behaviour_log_prob, cfg):
+    return search_bounds(ratio, advantages, mask, cfg, behaviour_log_prob=behaviour_log_prob)
 
 
 def worker(rank, world_size, init_file, results):
@@ -35,11 +43,14 @@ def worker(rank, world_size, init_file, results):
 
     dist.all_reduce = counting_all_reduce
     try:
-        stats = BoundStats(CFG)
-        for micro_batch in shard(rank, *make_data()):
-            stats.add(*micro_batch)
-        found = stats.solve()  # torch.distributed is initialised: sums over ranks
-        results[rank] = (found, len(calls))
+        found = {}
+        for name, cfg in CONFIGS.items():
+            calls.clear()
+            stats = BoundStats(cfg)
+            for ratio, advantages, mask, behaviour_log_prob in shard(rank, *make_data()):
+                stats.add(ratio, advantages, mask, behaviour_log_prob=behaviour_log_prob)
+            found[name] = (stats.solve(), len(calls))  # torch.distributed is initialised: sums over ranks
+        results[rank] = found
     finally:
         dist.all_reduce = real_all_reduce
         dist.destroy_process_group()
@@ -49,10 +60,15 @@ def test_two_gloo_ranks_agree_with_the_concatenation(tmp_path):
     manager = mp.Manager()
     results = manager.dict()
     mp.spawn(worker, args=(2, str(tmp_path / "rendezvous"), results), nprocs=2, join=True)
-    whole = search_bounds(*make_data(), CFG)
-    assert whole.steps > 0  # the case exercises the search
-    (found0, calls0), (found1, calls1) = results[0], results[1]
-    assert found0 == found1 == whole
-    assert calls0 == calls1 == 1
-    local_only = search_bounds(*shard(0, *make_data())[0], CFG)
-    assert local_only != whole  # without the all-reduce rank 0 would have chosen differently
+    for name, cfg in CONFIGS.items():
+        whole = search(*make_data(), cfg)
+        assert whole.steps > 0, name  # the case exercises the search
+        (found0, calls0), (found1, calls1) = results[0][name], results[1][name]
+        assert found0 == found1  # bit-identical on both ranks
+        assert (found0.lower, found0.upper, found0.steps) == (whole.lower, whole.upper, whole.steps), name
+        assert abs(found0.positive_share - whole.positive_share) < 1e-12
+        assert calls0 == calls1 == 1
+        local_only = search(*shard(0, *make_data())[0], cfg)
+        # without the all-reduce rank 0 would have seen another share (and mostly other bounds)
+        assert (local_only.lower, local_only.upper, local_only.positive_share) != \
+            (whole.lower, whole.upper, whole.positive_share), name

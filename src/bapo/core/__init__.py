@@ -13,10 +13,21 @@ from bapo.core.losses import (
     policy_loss,
     register_policy_loss,
 )
-from bapo.core.search import BAPOConfig, BoundStats, SearchResult, candidate_grid, positive_share, search_bounds
+from bapo.core.search import (
+    BAPOConfig,
+    BoundStats,
+    SearchResult,
+    candidate_grid,
+    positive_share,
+    search_bounds,
+    token_contributions,
+)
+from bapo.core.target import EntropyTargetController, token_mean_over_ranks
 
 __all__ = [
-    "BAPOConfig", "BoundStats", "ClipStats", "LOSS_AGG_MODES", "PAPER_AGG_MODES", "POLICY_LOSSES", "SearchResult", "TokenBatch", "TokenLoss",
-    "aggregate_loss", "candidate_grid", "clip_diagnostics", "clip_statistics", "clipped_surrogate", "entropy_from_logits",
-    "group_advantages", "k3_kl", "policy_loss", "positive_share", "register_policy_loss", "search_bounds", "smooth_advantages", "token_ratio",
+    "BAPOConfig", "BoundStats", "ClipStats", "EntropyTargetController", "LOSS_AGG_MODES", "PAPER_AGG_MODES",
+    "POLICY_LOSSES", "SearchResult", "TokenBatch", "TokenLoss", "aggregate_loss", "candidate_grid", "clip_diagnostics",
+    "clip_statistics", "clipped_surrogate", "entropy_from_logits", "group_advantages", "k3_kl", "policy_loss",
+    "positive_share", "register_policy_loss", "search_bounds", "smooth_advantages", "token_contributions",
+    "token_mean_over_ranks", "token_ratio",
 ]

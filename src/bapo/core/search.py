@@ -26,20 +26,41 @@ GRID_TOLERANCE = 1e-9
 ORDERS = ("upper-first", "lower-first")
 TARGET_KINDS = ("share", "pos_neg")
 SCOPES = ("step", "micro_batch")
+CONTRIBUTIONS = ("gradient", "clamped")
+WEIGHTINGS = ("none", "behaviour_prob")
+STEPPINGS = ("grid", "add_clamped")
+TARGET_MODES = ("fixed", "entropy")
 
 
 @dataclass(frozen=True)
 class BAPOConfig:
-    """Search space and target of the BAPO bounds. Defaults are the paper's.
+    """Search space, positive-share definition and target of the BAPO bounds.
 
-    target: rho0, the positive share to reach (target_kind="share", in (0, 1)), or the public
-      recipe's pos/neg ratio (target_kind="pos_neg", > 0); a share rho0 equals pos/neg rho0/(1-rho0).
+    The defaults are bapo's own reading (gradient share, paper's search space and rho0);
+    `BAPOConfig.paper()` is the paper's Eq. 8 taken literally, `BAPOConfig.recipe()` the public
+    verl recipe's loop. Fields:
+
+    target: rho0, the positive share to reach (target_kind="share", in (0, 1)), or a pos/neg ratio
+      (target_kind="pos_neg", > 0); a share rho0 equals pos/neg rho0/(1-rho0) only within one
+      contribution/weighting definition.
+    contribution: how a token counts at bounds (lower, upper), with a = |A| (times weights):
+      "gradient": r*a while it still carries gradient (A>0: r <= upper; A<0: r >= lower), else 0;
+      "clamped": its clipped-surrogate magnitude, A>0: min(r, upper)*a, A<0: max(r, lower)*a.
+    weighting: "none", or "behaviour_prob": each token's a times pi_behaviour(y_t) (paper Eq. 8).
+    pos_neg_eps: pos/neg is pos / (neg + pos_neg_eps) (the recipe's 1e-8), infinite when neg == 0.
     lower_*: the lower ratio bound starts at lower_start and rises by lower_step up to lower_max.
     upper_*: the upper ratio bound starts at upper_start and rises by upper_step up to upper_max.
+    stepping: candidates "grid" (start + k*step <= max) or "add_clamped" (the recipe's
+      current = min(current + step, max) by repeated addition, so max is always the last one).
     order: "upper-first" (paper: admit more positive tokens first) or "lower-first" (recipe).
     scope: "step" (bounds solved once over every micro-batch of the optimizer step and every rank)
       or "micro_batch" (solved on each micro-batch from the forward it already runs, one
       all-reduce per micro-batch, no extra forward).
+    target_mode: "fixed" (rho0 = target) or "entropy" (bapo.core.target.EntropyTargetController
+      moves rho0 within [target_min, target_max] each update so that the policy entropy tracks
+      target_entropy; target_entropy <= 0 holds the mean entropy of the first target_hold_updates
+      updates); target_gain / target_integral_gain: its proportional and integral gains on
+      log(target entropy / entropy).
     """
 
     target: float = 0.4
@@ -52,12 +73,24 @@ class BAPOConfig:
     order: str = "upper-first"
     target_kind: str = "share"
     scope: str = "step"
+    contribution: str = "gradient"
+    weighting: str = "none"
+    stepping: str = "grid"
+    pos_neg_eps: float = 0.0
+    target_mode: str = "fixed"
+    target_entropy: float = 0.0
+    target_hold_updates: int = 5
+    target_min: float = 0.2
+    target_max: float = 0.8
+    target_gain: float = 0.5
+    target_integral_gain: float = 0.1
 
     def __post_init__(self) -> None:
-        if self.scope not in SCOPES:
-            raise ValueError(f"scope: {self.scope!r} is not one of {SCOPES}")
-        if self.target_kind not in TARGET_KINDS:
-            raise ValueError(f"target_kind: {self.target_kind!r} is not one of {TARGET_KINDS}")
+        for name, allowed in (("scope", SCOPES), ("target_kind", TARGET_KINDS), ("order", ORDERS),
+                              ("contribution", CONTRIBUTIONS), ("weighting", WEIGHTINGS),
+                              ("stepping", STEPPINGS), ("target_mode", TARGET_MODES)):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {allowed}")
         if self.target_kind == "share" and not 0.0 < self.target < 1.0:
             raise ValueError(
                 f"target: {self.target} must lie in (0, 1) for target_kind='share'; "
@@ -65,8 +98,8 @@ class BAPOConfig:
             )
         if self.target_kind == "pos_neg" and not self.target > 0.0:
             raise ValueError(f"target: {self.target} must be > 0 for target_kind='pos_neg'")
-        if self.order not in ORDERS:
-            raise ValueError(f"order: {self.order!r} is not one of {ORDERS}")
+        if not self.pos_neg_eps >= 0.0:
+            raise ValueError(f"pos_neg_eps: {self.pos_neg_eps} must be >= 0 (the recipe uses 1e-8)")
         for side, start, maximum, step, ok in (
             ("lower", self.lower_start, self.lower_max, self.lower_step, 0.0 <= self.lower_start <= self.lower_max < 1.0),
             ("upper", self.upper_start, self.upper_max, self.upper_step, 1.0 < self.upper_start <= self.upper_max),
@@ -76,18 +109,61 @@ class BAPOConfig:
                 raise ValueError(f"{side}_start/{side}_max: ({start}, {maximum}) break the rule {rule}")
             if not step > 0.0:
                 raise ValueError(f"{side}_step: {step} must be > 0")
+        if self.target_mode == "entropy":
+            if not self.target_min <= self.target <= self.target_max:
+                raise ValueError(f"target_min/target_max: [{self.target_min}, {self.target_max}] must contain "
+                                 f"target {self.target} (the controller starts there)")
+            if self.target_kind == "share" and not 0.0 < self.target_min <= self.target_max < 1.0:
+                raise ValueError(f"target_min/target_max: ({self.target_min}, {self.target_max}) must lie in (0, 1) "
+                                 f"for target_kind='share'")
+            if not (self.target_gain >= 0.0 and self.target_integral_gain >= 0.0):
+                raise ValueError(f"target_gain/target_integral_gain: ({self.target_gain}, "
+                                 f"{self.target_integral_gain}) must be >= 0")
+            if self.target_entropy <= 0.0 and not self.target_hold_updates >= 1:
+                raise ValueError(f"target_hold_updates: {self.target_hold_updates} must be >= 1 when "
+                                 f"target_entropy <= 0 (hold the entropy of the first updates)")
+
+    @classmethod
+    def paper(cls, **overrides) -> "BAPOConfig":
+        """arXiv 2510.18927 taken literally: Eq. 8's share (clamped clipped-surrogate magnitudes,
+        each token weighted by pi_behaviour(y_t)), rho0 0.4, lower [0.6, 0.9] step 0.02, upper
+        [1.2, 3.0] step 0.05, Algorithm 1's upper-first order on the grid start + k*step."""
+        return cls(**{**dict(target=0.4, target_kind="share", contribution="clamped", weighting="behaviour_prob",
+                             lower_start=0.6, lower_max=0.9, lower_step=0.02, upper_start=1.2, upper_max=3.0,
+                             upper_step=0.05, order="upper-first", stepping="grid", pos_neg_eps=0.0), **overrides})
+
+    @classmethod
+    def recipe(cls, **overrides) -> "BAPOConfig":
+        """The public verl recipe (recipe/bapo: policy_loss.py and config/bapo_trainer.yaml):
+        pos/(neg + 1e-8) >= 1.0 of clamped contributions without probability weight, lower
+        [0.6, 0.8] then upper [1.2, 2.0], steps 0.05, each step min(current + step, max).
+        Its loss also always applies dual-clip 3.0; that is the loss's setting, not the search's."""
+        return cls(**{**dict(target=1.0, target_kind="pos_neg", contribution="clamped", weighting="none",
+                             lower_start=0.6, lower_max=0.8, lower_step=0.05, upper_start=1.2, upper_max=2.0,
+                             upper_step=0.05, order="lower-first", stepping="add_clamped", pos_neg_eps=1e-8),
+                          **overrides})
 
     @property
     def lower_grid(self) -> list[float]:
-        return candidate_grid(self.lower_start, self.lower_step, self.lower_max)
+        return candidate_grid(self.lower_start, self.lower_step, self.lower_max, self.stepping)
 
     @property
     def upper_grid(self) -> list[float]:
-        return candidate_grid(self.upper_start, self.upper_step, self.upper_max)
+        return candidate_grid(self.upper_start, self.upper_step, self.upper_max, self.stepping)
 
 
-def candidate_grid(start: float, step: float, maximum: float) -> list[float]:
-    """[start + k*step for k = 0..K], K the largest with start + K*step <= maximum (by multiplication)."""
+def candidate_grid(start: float, step: float, maximum: float, stepping: str = "grid") -> list[float]:
+    """The candidates of one bound, increasing.
+
+    "grid": [start + k*step for k = 0..K], K the largest with start + K*step <= maximum (by
+    multiplication); "add_clamped": start, then current = min(current + step, maximum) while
+    current < maximum (the recipe's loop, float additions included).
+    """
+    if stepping == "add_clamped":
+        grid = [start]
+        while grid[-1] < maximum:
+            grid.append(min(grid[-1] + step, maximum))
+        return grid
     count = int(math.floor((maximum - start) / step + GRID_TOLERANCE)) + 1
     while count > 1 and start + (count - 1) * step > maximum + GRID_TOLERANCE:
         count -= 1
@@ -96,51 +172,109 @@ def candidate_grid(start: float, step: float, maximum: float) -> list[float]:
 
 @dataclass(frozen=True)
 class SearchResult:
-    """Bounds the search settled on. steps: candidates moved; reached: the target was met."""
+    """Bounds the search settled on.
+
+    positive_share: rho at (lower, upper) under the config's definition; pos_neg: pos/(neg + eps)
+    there (inf when neg == 0); reached: 1.0 when the target was met, 0.0 when the path ran out;
+    steps: candidates moved. no_signal: no token contributes at any candidate (e.g. every
+    advantage is zero or masked): the bounds stay at the start and positive_share, pos_neg and
+    reached are NaN (missing), not 1.0. positive_share is also NaN at a candidate where nothing
+    contributes (0/0, which counts as reached: nothing to balance).
+    """
 
     lower: float
     upper: float
     positive_share: float
-    reached: bool
+    reached: float
     steps: int
+    pos_neg: float = math.nan
+    no_signal: bool = False
+
+    def metrics(self) -> dict[str, float]:
+        """Floats under the names bapo logs them (prefix them, e.g. "bapo/search/")."""
+        return {"lower": self.lower, "upper": self.upper, "positive_share": self.positive_share,
+                "pos_neg": self.pos_neg, "reached": self.reached, "steps": float(self.steps),
+                "no_signal": float(self.no_signal)}
 
 
-def _contributions(ratio: Tensor, advantages: Tensor, mask: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """ratio (float64), |r*A| of positive and of negative tokens (float64, zero elsewhere), [B, T].
-    |r*A| is computed in the inputs' precision (at least float32), as BoundStats does."""
+def _signed_magnitudes(ratio: Tensor, advantages: Tensor, mask: Tensor, *, weighting: str,
+                       weights: Tensor | None, behaviour_log_prob: Tensor | None,
+                       device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """(ratio, s) in the compute dtype (float64 for float64 ratios, else float32), both [B, T]:
+    s = A * weights * pi_behaviour (as configured), 0 for masked tokens; sign(s) is the token's
+    side and |s| the a of BAPOConfig's contribution definitions."""
+    device = device or ratio.device
     compute = torch.float64 if ratio.dtype == torch.float64 else torch.float32
-    ratio = ratio.detach().to(compute)
-    advantages = per_token(advantages.detach().to(compute), ratio)
-    counted = mask.to(torch.bool)
-    weight = (ratio * advantages).abs().to(torch.float64)
-    positive_weight = torch.where(counted & (advantages > 0), weight, 0.0)
-    negative_weight = torch.where(counted & (advantages < 0), weight, 0.0)
-    return ratio.to(torch.float64), positive_weight, negative_weight
+    ratio = ratio.detach().to(device, compute)
+    signed = per_token(advantages.detach().to(device, compute), ratio)
+    if weights is not None:  # w >= 0 keeps each token's side
+        signed = signed * weights.detach().to(device, compute)
+    if weighting == "behaviour_prob":
+        if behaviour_log_prob is None:
+            raise ValueError("behaviour_log_prob: required with weighting='behaviour_prob' (paper Eq. 8 weighs "
+                             "each token by pi_behaviour(y_t)); pass the behaviour (old) log-probs [B, T]")
+        signed = signed * behaviour_log_prob.detach().to(device, compute).exp()
+    return ratio, torch.where(mask.to(device, torch.bool), signed, 0.0)
 
 
-def _check_search_inputs(ratio: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor | None = None) -> None:
+def token_contributions(ratio: Tensor, advantages: Tensor, mask: Tensor, lower: float | Tensor,
+                        upper: float | Tensor, config: BAPOConfig | None = None, *,
+                        weights: Tensor | None = None, behaviour_log_prob: Tensor | None = None
+                        ) -> tuple[Tensor, Tensor]:
+    """Each token's contribution to pos and to neg at bounds (lower, upper), float64 [B, T] each
+    (zero off its side), under `config`'s contribution and weighting (default BAPOConfig()).
+
+    The one per-token definition of the positive share: `positive_share` sums it, the
+    diagnostics call it, and `BoundStats` is tested equal to it. Bounds may be floats or [B, T]
+    tensors; comparisons run in float64 so that a float32/bf16 ratio exactly on a grid value
+    decides as it does against the float64 grid.
+    """
+    config = config or BAPOConfig()
+    ratio, signed = _signed_magnitudes(ratio, advantages, mask, weighting=config.weighting, weights=weights,
+                                       behaviour_log_prob=behaviour_log_prob)
+    magnitude = signed.abs()
+    unclamped = (ratio * magnitude).double()  # r*a in the compute dtype, then float64, as BoundStats sums it
+    ratio64, magnitude64 = ratio.double(), magnitude.double()
+    lower = lower.double() if isinstance(lower, Tensor) else lower
+    upper = upper.double() if isinstance(upper, Tensor) else upper
+    if config.contribution == "gradient":
+        positive = torch.where(ratio64 <= upper, unclamped, 0.0)
+        negative = torch.where(ratio64 >= lower, unclamped, 0.0)
+    else:
+        positive = torch.where(ratio64 <= upper, unclamped, upper * magnitude64)
+        negative = torch.where(ratio64 >= lower, unclamped, lower * magnitude64)
+    return torch.where(signed > 0, positive, 0.0), torch.where(signed < 0, negative, 0.0)
+
+
+def _check_search_inputs(ratio: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor | None = None,
+                         behaviour_log_prob: Tensor | None = None) -> None:
     named = {"ratio": ratio, "advantages": advantages}
     checks = [(lambda named: ~((named["ratio"] >= 0) & (named["ratio"] < math.inf)).all(),
                "ratio: must be finite and >= 0; compute it as exp(clamp(log_prob - old_log_prob, -20, 20))")]
     if weights is not None:
         named["weights"] = weights
         checks.append((lambda named: (named["weights"] < 0).any(), "weights: must be >= 0 (per-token loss multipliers)"))
+    if behaviour_log_prob is not None:
+        named["behaviour_log_prob"] = behaviour_log_prob
+        checks.append((lambda named: (named["behaviour_log_prob"] > 0).any(),
+                       "behaviour_log_prob: must be <= 0 (log-probabilities of the sampled tokens)"))
     check_token_inputs(named, mask, reference="ratio", allow_row_vector=("advantages",), extra_checks=tuple(checks))
 
 
-def positive_share(ratio: Tensor, advantages: Tensor, mask: Tensor, lower: float, upper: float) -> float:
-    """rho(lower, upper): share of sum |r*A| over gradient-carrying tokens that has A > 0.
+def positive_share(ratio: Tensor, advantages: Tensor, mask: Tensor, lower: float, upper: float,
+                   config: BAPOConfig | None = None, *, weights: Tensor | None = None,
+                   behaviour_log_prob: Tensor | None = None) -> float:
+    """rho(lower, upper) = pos / (pos + neg) under `config`'s definition (default: gradient share).
 
-    ratio, advantages ([B, T] or [B]), mask: [B, T]. A positive token carries gradient while
-    r <= upper, a negative one while r >= lower; A == 0 and masked tokens count nowhere.
-    Defined as 1.0 when nothing contributes.
+    ratio, advantages ([B, T] or [B]), mask, weights, behaviour_log_prob: [B, T]. A == 0 and
+    masked tokens count nowhere. NaN when nothing contributes (0/0).
     """
-    _check_search_inputs(ratio, advantages, mask)
-    ratio64, positive_weight, negative_weight = _contributions(ratio, advantages, mask)
-    positive = positive_weight[ratio64 <= upper].sum()
-    negative = negative_weight[ratio64 >= lower].sum()
+    _check_search_inputs(ratio, advantages, mask, weights, behaviour_log_prob)
+    positive, negative = token_contributions(ratio, advantages, mask, lower, upper, config, weights=weights,
+                                             behaviour_log_prob=behaviour_log_prob)
+    positive, negative = float(positive.sum()), float(negative.sum())
     total = positive + negative
-    return 1.0 if float(total) == 0.0 else float(positive / total)
+    return math.nan if total == 0.0 else positive / total
 
 
 def _rounded(values: list[float], dtype: torch.dtype, direction: float) -> Tensor:
@@ -153,71 +287,129 @@ def _rounded(values: list[float], dtype: torch.dtype, direction: float) -> Tenso
 
 
 class BoundStats:
-    """Per-bucket sums of |r*A| that add up over micro-batches and ranks; `solve` runs the search.
+    """Per-bucket sums that add up over micro-batches and ranks; `solve` runs the search.
 
-    positive_sums[i]: |r*A| of positive tokens with i = #{upper candidates < r} (such a token
-      counts for upper candidates j >= i; i = len(upper_grid): never counted).
-    negative_sums[i]: |r*A| of negative tokens with i = #{lower candidates <= r} (such a token
-      counts for lower candidates j < i; i = 0: never counted).
-    |r*A| is computed in the inputs' precision (at least float32), the sums in float64.
+    With a = |s| the token's weighted advantage magnitude (see BAPOConfig.contribution):
+    positive tokens fall in bucket i = #{upper candidates < r} (r*a counts for upper candidates
+      j >= i, the clamped value upper_j*a for j < i; i = len(upper_grid): never unclamped);
+    negative tokens in bucket i = #{lower candidates <= r} (r*a counts for lower candidates
+      j < i, the clamped value lower_j*a for j >= i).
+    `sums` holds sum r*a per positive bucket, then per negative bucket, and for
+    contribution="clamped" sum a per positive bucket, then per negative bucket: one buffer, one
+    all-reduce. r*a is computed in the inputs' precision (at least float32), the sums in float64.
+
+    The bucket is arithmetic (the nearest candidate, round((r - start) / step), then one
+    comparison with that candidate rounded toward the safe side in the ratio's dtype), so it
+    equals #{edges <= r} exactly (float32, bf16 and float64; values on grid points included).
     """
 
     def __init__(self, config: BAPOConfig, device: torch.device | str | None = None) -> None:
         self.config = config
         self.device = torch.device(device) if device is not None else None
-        self.sums: Tensor | None = None  # positive_sums then negative_sums, one buffer for one all-reduce
-        self._boundaries: dict[torch.dtype, Tensor] = {}
+        self.sums: Tensor | None = None
+        self._lower_grid, self._upper_grid = config.lower_grid, config.upper_grid
+        self._tables: dict[torch.dtype, tuple] = {}
+
+    @property
+    def _side_size(self) -> int:
+        return len(self._upper_grid) + len(self._lower_grid) + 2
 
     @property
     def positive_sums(self) -> Tensor:
-        return self.sums[: len(self.config.upper_grid) + 1]
+        """sum r*a of positive tokens per bucket, [len(upper_grid) + 1]."""
+        return self.sums[: len(self._upper_grid) + 1]
 
     @property
     def negative_sums(self) -> Tensor:
-        return self.sums[len(self.config.upper_grid) + 1:]
+        """sum r*a of negative tokens per bucket, [len(lower_grid) + 1]."""
+        return self.sums[len(self._upper_grid) + 1: self._side_size]
+
+    @property
+    def magnitude_sums(self) -> tuple[Tensor, Tensor] | None:
+        """(sum a of positive tokens per bucket, of negative ones) for contribution="clamped", else None."""
+        if self.config.contribution != "clamped":
+            return None
+        return self.sums[self._side_size: self._side_size + len(self._upper_grid) + 1], \
+            self.sums[self._side_size + len(self._upper_grid) + 1:]
 
     def _ensure(self, device: torch.device) -> None:
         if self.sums is None:
             self.device = self.device or device
-            self.sums = torch.zeros(len(self.config.upper_grid) + len(self.config.lower_grid) + 2,
-                                    dtype=torch.float64, device=self.device)
+            sides = 2 if self.config.contribution == "clamped" else 1
+            self.sums = torch.zeros(sides * self._side_size, dtype=torch.float64, device=self.device)
 
-    def _boundaries_for(self, dtype: torch.dtype) -> Tensor:
-        """Lower grid then upper grid (lower_max < 1 < upper_start keeps them apart), as one sorted
-        tensor B such that #{B_i <= r} counts the lower candidates <= r, plus the upper candidates < r."""
-        if dtype not in self._boundaries:
-            lower = _rounded(self.config.lower_grid, dtype, +math.inf)          # r >= g  <=>  r >= up(g)
-            upper = _rounded(self.config.upper_grid, dtype, -math.inf)          # r >  g  <=>  r >  down(g)
-            upper = torch.nextafter(upper, torch.full_like(upper, math.inf))    # r > d   <=>  r >= next(d)
-            self._boundaries[dtype] = torch.cat([lower, upper]).to(self.device)
-        return self._boundaries[dtype]
+    def _tables_for(self, dtype: torch.dtype) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...]]:
+        """Per compute dtype: the regular edges laid out by bucket, [U'..., +inf, L...] (the upper
+        side's regular edge k at k, the lower side's at len(upper_grid) + 1 + k), and the rounded
+        edges of each side's irregular tail (lower, upper: at most the recipe's clamped last step).
+        L: lower grid rounded up (r >= g <=> r >= L); U': upper grid rounded down then one ulp up
+        (r > g <=> r >= U'). A point is regular when it lies within a quarter step of start + k*step."""
+        if dtype not in self._tables:
+            lower = _rounded(self._lower_grid, dtype, +math.inf)
+            upper = _rounded(self._upper_grid, dtype, -math.inf)
+            upper = torch.nextafter(upper, torch.full_like(upper, math.inf))
+            n_lower, n_upper = self._regular_counts
+            gap = torch.full((len(self._upper_grid) + 1 - n_upper,), math.inf, dtype=dtype)
+            self._tables[dtype] = (torch.cat([upper[:n_upper], gap, lower[:n_lower]]).to(self.device),
+                                   tuple(lower[n_lower:].to(self.device)), tuple(upper[n_upper:].to(self.device)))
+        return self._tables[dtype]
+
+    @property
+    def _regular_counts(self) -> tuple[int, int]:
+        """How many leading points of the lower and of the upper grid lie on start + k*step."""
+        if not hasattr(self, "_regular"):
+            def regular(grid: list[float], start: float, step: float) -> int:
+                return next((k for k, value in enumerate(grid) if abs(value - (start + k * step)) > step / 4), len(grid))
+            self._regular = (regular(self._lower_grid, self.config.lower_start, self.config.lower_step),
+                             regular(self._upper_grid, self.config.upper_start, self.config.upper_step))
+        return self._regular
+
+    def _buckets(self, ratio: Tensor, positive: Tensor) -> Tensor:
+        """Histogram index [B*T] (int64) of every token: positive tokens in [0, n_upper], the
+        others in n_upper + 1 + [0, n_lower] (see the class docstring). ratio: float32/float64.
+
+        Arithmetic, with one gather: k = the regular candidate nearest to r, i.e.
+        round((r - start) / step) clamped to the side's grid; every regular edge below k is then
+        <= r and every one above k is > r (float rounding moves a position by far less than half
+        a step), so #{edges <= r} = k + [edge_k <= r], plus one comparison per tail edge.
+        In-place where possible: fresh multi-MB tensors cost page faults.
+        """
+        cfg = self.config
+        table, lower_tail, upper_tail = self._tables_for(ratio.dtype)
+        n_lower, n_upper = self._regular_counts
+        lower_offset = len(self._upper_grid) + 1
+        ratio, positive = ratio.flatten(), positive.flatten()
+        nearest_lower = (ratio - cfg.lower_start).mul_(1.0 / cfg.lower_step).round_().clamp_(0, n_lower - 1)
+        nearest_upper = (ratio - cfg.upper_start).mul_(1.0 / cfg.upper_step).round_().clamp_(0, n_upper - 1)
+        nearest = torch.where(positive, nearest_upper, nearest_lower.add_(lower_offset), out=nearest_upper)
+        bucket = nearest.to(torch.int64)
+        bucket += table.take(bucket) <= ratio
+        for edge in upper_tail:
+            bucket += positive & (ratio >= edge)
+        for edge in lower_tail:
+            bucket += ~positive & (ratio >= edge)
+        return bucket
 
     def add(self, ratio: Tensor, advantages: Tensor, mask: Tensor, *, weights: Tensor | None = None,
-            validate: bool = True) -> "BoundStats":
+            behaviour_log_prob: Tensor | None = None, validate: bool = True) -> "BoundStats":
         """Accumulate one micro-batch. ratio, mask: [B, T]; advantages: [B, T] or [B].
 
         weights: optional [B, T] per-token loss multipliers >= 0 (rollout importance weights, TRL's
-        masks): a token then contributes w*|r*A|, what it contributes to the gradient.
+        masks): a token then counts with w*|A|, what it contributes to the gradient.
+        behaviour_log_prob: [B, T] log pi_behaviour(y_t); required for weighting="behaviour_prob"
+        (ignored otherwise).
         """
         if validate:
-            _check_search_inputs(ratio, advantages, mask, weights)
+            _check_search_inputs(ratio, advantages, mask, weights,
+                                 behaviour_log_prob if self.config.weighting == "behaviour_prob" else None)
         self._ensure(ratio.device)
-        compute = torch.float64 if ratio.dtype == torch.float64 else torch.float32
-        ratio = ratio.detach().to(self.device, compute)
-        advantages = per_token(advantages.detach().to(self.device, compute), ratio)
-        if weights is not None:  # w >= 0 keeps each token's side; |r*(w*A)| = w*|r*A|
-            advantages = advantages * weights.detach().to(self.device, compute)
-        counted = mask.to(self.device, torch.bool)
-        positive, negative = counted & (advantages > 0), counted & (advantages < 0)
-
-        lower_count = len(self.config.lower_grid)
-        below = torch.bucketize(ratio, self._boundaries_for(compute), right=True, out_int32=True)  # #{B_i <= r}
-        upper_bucket = (below - lower_count).clamp_(min=0)
-        lower_bucket = below.clamp_(max=lower_count)
-        # One histogram for both sides: positive tokens in [0, n_upper], negative ones after them.
-        bucket = torch.where(positive, upper_bucket, lower_bucket + len(self.config.upper_grid) + 1)
-        weight = torch.where(positive | negative, (ratio * advantages).abs(), 0.0)
-        self.sums.index_add_(0, bucket.flatten(), weight.flatten().to(torch.float64))
+        ratio, signed = _signed_magnitudes(ratio, advantages, mask, weighting=self.config.weighting, weights=weights,
+                                           behaviour_log_prob=behaviour_log_prob, device=self.device)
+        bucket = self._buckets(ratio, signed > 0)
+        magnitude = signed.abs().flatten()
+        self.sums.index_add_(0, bucket, (ratio.flatten() * magnitude).to(torch.float64))
+        if self.config.contribution == "clamped":
+            self.sums.index_add_(0, bucket + self._side_size, magnitude.to(torch.float64))
         return self
 
     def all_reduce(self, process_group: dist.ProcessGroup | None = None) -> None:
@@ -241,54 +433,79 @@ class BoundStats:
             sync = dist.is_available() and dist.is_initialized()
         if sync:
             self.all_reduce(process_group)
-        return solve_from_sums(self.positive_sums, self.negative_sums, self.config)
+        return solve_from_sums(self.positive_sums, self.negative_sums, self.config, self.magnitude_sums)
 
 
-def solve_from_sums(positive_sums: Tensor, negative_sums: Tensor, config: BAPOConfig) -> SearchResult:
-    """Walk the candidate path of Algorithm 1 on bucket sums (see BoundStats) in one vectorised step."""
-    lower_grid, upper_grid = config.lower_grid, config.upper_grid
-    positive_at_upper = torch.cumsum(positive_sums, 0)[: len(upper_grid)]          # [n_upper]
-    # Sum over buckets i > j: tokens with r >= lower_grid[j].
-    negative_at_lower = torch.flip(torch.cumsum(torch.flip(negative_sums, [0]), 0), [0])[1:]  # [n_lower]
+def candidate_sums(positive_sums: Tensor, negative_sums: Tensor, config: BAPOConfig,
+                   magnitude_sums: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+    """pos at every upper candidate [n_upper] and neg at every lower candidate [n_lower], from
+    BoundStats' bucket sums (magnitude_sums: required for contribution="clamped")."""
+    n_upper, n_lower = len(config.upper_grid), len(config.lower_grid)
+    positive = torch.cumsum(positive_sums, 0)[:n_upper]  # buckets i <= j: r <= upper_j
+    # Buckets i > k: r >= lower_k.
+    negative = torch.flip(torch.cumsum(torch.flip(negative_sums, [0]), 0), [0])[1:]
+    if config.contribution == "clamped":
+        positive_magnitude, negative_magnitude = magnitude_sums
+        upper = torch.tensor(config.upper_grid, dtype=torch.float64, device=positive.device)
+        lower = torch.tensor(config.lower_grid, dtype=torch.float64, device=negative.device)
+        # Tokens beyond the bound count at the bound: upper_j * a above it, lower_k * a below it.
+        positive = positive + upper * (positive_magnitude.sum() - torch.cumsum(positive_magnitude, 0)[:n_upper])
+        negative = negative + lower * torch.cumsum(negative_magnitude, 0)[:n_lower]
+    return positive, negative
 
-    # The path Algorithm 1 walks: (lower k, upper j) of every candidate in visiting order.
-    lower_moves, upper_moves = len(lower_grid) - 1, len(upper_grid) - 1
+
+def search_path(config: BAPOConfig) -> list[tuple[int, int]]:
+    """(lower index, upper index) of every candidate Algorithm 1 (or the recipe) visits, in order."""
+    lower_moves, upper_moves = len(config.lower_grid) - 1, len(config.upper_grid) - 1
     if config.order == "upper-first":
-        path = [(0, j) for j in range(upper_moves + 1)] + [(k, upper_moves) for k in range(1, lower_moves + 1)]
-    else:
-        path = [(k, 0) for k in range(lower_moves + 1)] + [(lower_moves, j) for j in range(1, upper_moves + 1)]
-    device = positive_sums.device
-    lower_index = torch.tensor([k for k, _ in path], device=device)
-    upper_index = torch.tensor([j for _, j in path], device=device)
+        return [(0, j) for j in range(upper_moves + 1)] + [(k, upper_moves) for k in range(1, lower_moves + 1)]
+    return [(k, 0) for k in range(lower_moves + 1)] + [(lower_moves, j) for j in range(1, upper_moves + 1)]
 
-    positive = positive_at_upper[upper_index]
-    negative = negative_at_lower[lower_index]
+
+def solve_from_sums(positive_sums: Tensor, negative_sums: Tensor, config: BAPOConfig,
+                    magnitude_sums: tuple[Tensor, Tensor] | None = None) -> SearchResult:
+    """Walk the candidate path on bucket sums (see BoundStats) in one vectorised step, one host sync."""
+    positive_at_upper, negative_at_lower = candidate_sums(positive_sums, negative_sums, config, magnitude_sums)
+    path = search_path(config)
+    device = positive_sums.device
+    positive = positive_at_upper[torch.tensor([j for _, j in path], device=device)]
+    negative = negative_at_lower[torch.tensor([k for k, _ in path], device=device)]
     total = positive + negative
-    share = torch.where(total > 0, positive / total.clamp_min(torch.finfo(torch.float64).tiny), torch.ones_like(total))
+    nan = torch.full_like(total, math.nan)
+    share = torch.where(total > 0, positive / total.clamp_min(torch.finfo(torch.float64).tiny), nan)
+    pos_neg = torch.where(negative > 0, positive / (negative + config.pos_neg_eps),
+                          torch.where(positive > 0, math.inf, nan))
     if config.target_kind == "share":
-        reached = share >= config.target
+        reached = (total == 0) | (share >= config.target)  # 0/0: nothing to balance
     else:
-        reached = positive >= config.target * negative  # pos/neg >= target, with neg == 0 counting as reached
+        reached = (negative == 0) | (pos_neg >= config.target)  # the recipe: inf when neg == 0
+    signal = (total > 0).any()
     any_reached = reached.any()
-    step = torch.where(any_reached, reached.to(torch.int64).argmax(), torch.tensor(len(share) - 1, device=device))
-    step_value, share_value, reached_value = torch.stack(
-        [step.to(torch.float64), share[step], any_reached.to(torch.float64)]
+    step = torch.where(any_reached, reached.to(torch.int64).argmax(), torch.tensor(len(path) - 1, device=device))
+    step = torch.where(signal, step, torch.zeros_like(step))
+    step_value, share_value, pos_neg_value, reached_value, signal_value = torch.stack(
+        [step.to(torch.float64), share[step], pos_neg[step], any_reached.to(torch.float64), signal.to(torch.float64)]
     ).tolist()  # the one host sync of the search
     step_index = int(step_value)
     lower_k, upper_j = path[step_index]
+    no_signal = not signal_value
     return SearchResult(
-        lower=lower_grid[lower_k],
-        upper=upper_grid[upper_j],
-        positive_share=share_value,
-        reached=bool(reached_value),
+        lower=config.lower_grid[lower_k],
+        upper=config.upper_grid[upper_j],
+        positive_share=math.nan if no_signal else share_value,
+        reached=math.nan if no_signal else reached_value,
         steps=step_index,
+        pos_neg=math.nan if no_signal else pos_neg_value,
+        no_signal=no_signal,
     )
 
 
 def search_bounds(ratio: Tensor, advantages: Tensor, mask: Tensor, config: BAPOConfig, *,
-                  weights: Tensor | None = None) -> SearchResult:
-    """Bounds of Algorithm 1 on this batch alone (no cross-rank sync; use BoundStats for that).
+                  weights: Tensor | None = None, behaviour_log_prob: Tensor | None = None) -> SearchResult:
+    """Bounds of the search on this batch alone (no cross-rank sync; use BoundStats for that).
 
-    ratio, mask: [B, T]; advantages: [B, T] or [B]; weights: optional [B, T] (see BoundStats.add).
+    ratio, mask: [B, T]; advantages: [B, T] or [B]; weights, behaviour_log_prob: optional
+    [B, T] (see BoundStats.add).
     """
-    return BoundStats(config, device=ratio.device).add(ratio, advantages, mask, weights=weights).solve(sync=False)
+    return BoundStats(config, device=ratio.device).add(
+        ratio, advantages, mask, weights=weights, behaviour_log_prob=behaviour_log_prob).solve(sync=False)

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bapo.core import BAPOConfig, EntropyTargetController
 from bapo.train.buffer import BatchBuffer, minibatch_order
 from bapo.train.checkpoint import (CheckpointError, checkpoints, load_state, quarantine, remove_stale_tmp, rng_state,
                                    save_checkpoint, set_rng_state, verify_checkpoint)
@@ -210,6 +211,9 @@ class Trainer:
         self.zero_variance_streak = 0  # rollout steps in a row where every group had zero variance
         self.entropy_was_low = False  # entropy has been below the divergence threshold in this run
         self.interrupted: int | None = None  # the signal number of a first SIGINT/SIGTERM
+        # BAPO's rho0, fixed or steered by entropy (its state is checkpointed)
+        self.bapo_target = EntropyTargetController(BAPOConfig(**cfg.loss.bapo.model_dump())) \
+            if cfg.loss.method == "bapo" else None
         if cfg.run.deterministic:
             torch.use_deterministic_algorithms(True)
         if checkpoint:
@@ -351,7 +355,11 @@ class Trainer:
                 continue
             mini = batch.select(rows_idx)
             staleness = (self.version - mini.versions[mini.response_mask]).float()
-            metrics = optimizer_update(self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg)
+            search = self.bapo_target.search_config() if self.bapo_target else None
+            metrics = optimizer_update(self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg, search)
+            if self.bapo_target:  # rho0 of this update; the next one's from this update's entropy
+                metrics["bapo/target"] = search.target
+                self.bapo_target.update(metrics.get("entropy", float("nan")))
             self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["skipped"] else 0
             metrics["tokens_per_s/update"] = metrics["tokens/update"] / max(metrics["time/update_s"], 1e-9)
             rows.append({**row, **stats,
@@ -377,7 +385,8 @@ class Trainer:
         state = {"step": self.step, "version": self.version, "nonfinite_streak": self.nonfinite_streak,
                  "zero_variance_streak": self.zero_variance_streak, "entropy_was_low": self.entropy_was_low,
                  "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "rng": rng_state(), "buffer": self.buffer.state_dict(), "rollout": self.rollout.state_dict()}
+                 "rng": rng_state(), "buffer": self.buffer.state_dict(), "rollout": self.rollout.state_dict(),
+                 "bapo_target": self.bapo_target.state_dict() if self.bapo_target else None}
         try:
             return save_checkpoint(self.run_dir, self.version, self.model, self.tokenizer, state,
                                    self.cfg.run.keep_checkpoints, self.cfg.run.save_optimizer)
@@ -397,6 +406,8 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.buffer.load_state_dict(state["buffer"])
         self.rollout.load_state_dict(state["rollout"])
+        if self.bapo_target and state.get("bapo_target"):
+            self.bapo_target.load_state_dict(state["bapo_target"])
         set_rng_state(state["rng"])
 
     def close(self) -> None:

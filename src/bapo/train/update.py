@@ -31,13 +31,14 @@ def _forward(model, mb: Batch, cfg: TrainConfig):
                            cfg.rollout.temperature, with_entropy=True, entropy_grad=cfg.loss.entropy_coef > 0)
 
 
-def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig) -> dict:
+def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig, bapo: BAPOConfig | None = None) -> dict:
     """Forward+backward over micro-batches of `batch` (on the model's device), then one step.
 
     Returns metrics: every policy_loss diagnostic over all micro-batches (bapo.core.ClipStats,
     summed then finalized once), the losses (micro-batch terms add up to the update's), the
     method's own metrics (mean over micro-batches), grad_norm
     (before clipping), lr, skipped (1 when the loss or gradient was non-finite and no step was taken).
+    bapo: the search config of this update (the trainer's adaptive target); None = cfg.loss.bapo.
     """
     start = time.perf_counter()
     micro = [batch.select(torch.arange(s, min(s + cfg.optim.micro_batch_size, len(batch))))
@@ -48,7 +49,7 @@ def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig
         params.setdefault("dual_clip", cfg.loss.dual_clip)
     extra: dict[str, float] = {}
     if cfg.loss.method == "bapo":
-        bapo_cfg = BAPOConfig(**cfg.loss.bapo.model_dump())
+        bapo_cfg = bapo or BAPOConfig(**cfg.loss.bapo.model_dump())
         if len(micro) == 1:  # policy_loss searches on the ratio of the forward it is given
             params["bapo"] = bapo_cfg
         else:  # the search must see every token of the update: a no-grad pass first
@@ -57,11 +58,12 @@ def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig
                 for mb in micro:
                     log_prob, _ = token_log_probs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
                                                   mb.response_mask, cfg.rollout.temperature)
-                    stats.add(token_ratio(log_prob, mb.old_log_prob), mb.advantages, mb.response_mask)
+                    stats.add(token_ratio(log_prob, mb.old_log_prob), mb.advantages, mb.response_mask, behaviour_log_prob=mb.old_log_prob)
             found = stats.solve()
             params["bounds"] = (found.lower, found.upper)
             extra = {"bapo/reached": float(found.reached), "bapo/steps": float(found.steps),
-                     "bapo/search_positive_share": found.positive_share}
+                     "bapo/search_positive_share": found.positive_share, "bapo/pos_neg": found.pos_neg,
+                     "bapo/no_signal": float(found.no_signal)}
 
     optimizer.zero_grad(set_to_none=True)
     diagnostic_sums: ClipStats | None = None  # the diagnostics' sums over the finite micro-batches

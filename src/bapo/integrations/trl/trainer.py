@@ -26,7 +26,7 @@ from torch import Tensor
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from bapo.core import BoundStats, SearchResult, aggregate_loss, policy_loss, token_ratio
+from bapo.core import BoundStats, EntropyTargetController, SearchResult, aggregate_loss, policy_loss, token_mean_over_ranks, token_ratio
 from bapo.core.validation import per_token
 from bapo.integrations.trl.config import BAPOGRPOConfig
 
@@ -55,6 +55,9 @@ class BAPOGRPOTrainer(GRPOTrainer):
         self._loss_params = args.bapo_loss_params()
         self._step_search: SearchResult | None = None
         self._micro_batches_left = 0  # micro-batches of the current optimizer step still to use _step_search
+        # BAPO's rho0, fixed or steered by the entropy of the previous optimizer step (all ranks' tokens)
+        self._bapo_target = EntropyTargetController(args.bapo_config())
+        self._step_entropy = [0.0, 0.0]  # sum of token entropies, tokens: this step's training micro-batches
 
     # ---- the loss (overrides GRPOTrainer._compute_loss) -------------------------------------------------
 
@@ -68,6 +71,9 @@ class BAPOGRPOTrainer(GRPOTrainer):
             model, inputs, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
         )
         old_log_prob = self._old_log_prob(inputs, log_prob)
+        if mode == "train" and entropy is not None:
+            self._step_entropy = [self._step_entropy[0] + float((entropy.detach() * mask).sum()),
+                                  self._step_entropy[1] + float(mask.sum())]
         weights = self._token_weights(inputs, log_prob.detach(), old_log_prob, entropy, mask, advantages)
         loss_agg_mode, normalizer = self._aggregation(inputs, mask, mode)
         loss, metrics = policy_loss(
@@ -93,6 +99,9 @@ class BAPOGRPOTrainer(GRPOTrainer):
             search = self._solve_bounds(model, [inputs], mode)
         else:
             if self._micro_batches_left == 0:
+                if self._bapo_target.config.target_mode == "entropy":  # every rank, every step: one all-reduce
+                    self._bapo_target.update(token_mean_over_ranks(*self._step_entropy, device=self.accelerator.device))
+                    self._step_entropy = [0.0, 0.0]
                 self._step_search = self._solve_bounds(model, self._step_micro_batches(), mode)
                 self._micro_batches_left = self.current_gradient_accumulation_steps
             self._micro_batches_left -= 1
@@ -122,7 +131,7 @@ class BAPOGRPOTrainer(GRPOTrainer):
         The share counts each token's |r*A| times TRL's per-token loss weights (vLLM IS ratio,
         off-policy mask, entropy mask), i.e. what the token contributes to the gradient.
         """
-        stats = BoundStats(self._loss_params["bapo"])
+        stats = BoundStats(self._bapo_target.search_config())
         tokens = 0.0
         # TRL generated (and scored old log-probs) in this very micro-batch, with these weights
         just_generated = mode == "train" and self._step % (self.args.steps_per_generation * self.num_iterations) == 0
@@ -133,13 +142,16 @@ class BAPOGRPOTrainer(GRPOTrainer):
                 log_prob, entropy = self._search_log_probs(model, inputs, mask, just_generated)
                 old_log_prob = self._old_log_prob(inputs, log_prob)
                 weights = self._token_weights(inputs, log_prob, old_log_prob, entropy, mask, advantages)
-                stats.add(token_ratio(log_prob, old_log_prob), advantages, mask, weights=weights)
+                stats.add(token_ratio(log_prob, old_log_prob), advantages, mask, weights=weights, behaviour_log_prob=old_log_prob)
                 tokens += float(mask.sum())
         search = stats.solve()
         search_metrics = {
             "bapo/search/lower": search.lower,
             "bapo/search/upper": search.upper,
             "bapo/search/positive_share": search.positive_share,
+            "bapo/search/pos_neg": search.pos_neg,
+            "bapo/search/no_signal": float(search.no_signal),
+            "bapo/search/target": stats.config.target,
             "bapo/search/reached": float(search.reached),
             "bapo/search/steps": float(search.steps),
             "bapo/search/micro_batches": float(len(micro_batches)),

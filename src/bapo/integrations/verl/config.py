@@ -31,10 +31,12 @@ BOUND_SEARCH_LOSSES = ("bapo",)
 class BAPOPolicyLossConfig(PolicyLossConfig):
     """verl's PolicyLossConfig plus the parameters of bapo's `bapo`, `topr` and `dcpo` losses.
 
-    bapo (defaults: bapo.core.BAPOConfig, the paper's): target, target_kind ("share" = rho0,
-      "pos_neg" = the public recipe's pos/neg ratio), order ("upper-first" | "lower-first"),
-      lower_start/lower_max/lower_step and upper_start/upper_max/upper_step (ratio bounds, not
-      epsilons), dual_clip (optional cap on the loss of negative tokens, > 1).
+    bapo (defaults: bapo.core.BAPOConfig, bapo's gradient share; every BAPOConfig field, see its
+      docstring): target, target_kind ("share" = rho0 | "pos_neg"), order, contribution,
+      weighting, stepping, pos_neg_eps, lower_start/lower_max/lower_step and
+      upper_start/upper_max/upper_step (ratio bounds, not epsilons), target_mode and the
+      target_* fields of the entropy controller; dual_clip (optional cap on the loss of negative
+      tokens, > 1). BAPOConfig.paper() / .recipe() give the values of the paper and the recipe.
     topr: negative_ratio_max (truncation of the IS ratio of negative tokens).
     dcpo: eps_low, eps_high, ratio_max.
     None means bapo.core's default for that loss.
@@ -57,6 +59,17 @@ class BAPOPolicyLossConfig(PolicyLossConfig):
     upper_start: float = BAPOConfig.upper_start
     upper_max: float = BAPOConfig.upper_max
     upper_step: float = BAPOConfig.upper_step
+    contribution: str = BAPOConfig.contribution
+    weighting: str = BAPOConfig.weighting
+    stepping: str = BAPOConfig.stepping
+    pos_neg_eps: float = BAPOConfig.pos_neg_eps
+    target_mode: str = BAPOConfig.target_mode
+    target_entropy: float = BAPOConfig.target_entropy
+    target_hold_updates: int = BAPOConfig.target_hold_updates
+    target_min: float = BAPOConfig.target_min
+    target_max: float = BAPOConfig.target_max
+    target_gain: float = BAPOConfig.target_gain
+    target_integral_gain: float = BAPOConfig.target_integral_gain
     dual_clip: Optional[float] = None
     negative_ratio_max: Optional[float] = None
     eps_low: Optional[float] = None
@@ -66,7 +79,9 @@ class BAPOPolicyLossConfig(PolicyLossConfig):
     def __post_init__(self) -> None:
         getattr(super(), "__post_init__", lambda: None)()
         self.solved: SearchResult | None = None
-        self.bapo_config()  # fail at config time, with bapo.core's message, on a bad search space
+        if self.bapo_config().target_mode == "entropy":  # also fails at config time on a bad search space
+            raise ValueError("target_mode: 'entropy' is not wired into verl's workers yet; use target_mode=fixed "
+                             "there (bapo train and BAPOGRPOTrainer support it)")
         _install_worker_hook()
 
     def bapo_config(self) -> BAPOConfig:

@@ -86,6 +86,8 @@ def verl_metrics(core_metrics: dict[str, float], k1_kl: float, policy_loss_confi
     if solved is not None:
         metrics[METRIC_PREFIX + "positive_share"] = solved.positive_share
         metrics[METRIC_PREFIX + "reached"] = float(solved.reached)
+        metrics[METRIC_PREFIX + "pos_neg"] = solved.pos_neg
+        metrics[METRIC_PREFIX + "no_signal"] = float(solved.no_signal)
         metrics[METRIC_PREFIX + "steps"] = float(solved.steps)
     return metrics
 

@@ -58,7 +58,8 @@ def add_bound_stats(model_output: dict, data: TensorDict, dp_group=None, *, stat
     tokens = data.select(*fields).to_padded_tensor()
     weights = tokens["rollout_is_weights"].to(log_prob.dtype) if "rollout_is_weights" in tokens else None
     ratio = token_ratio(log_prob, tokens["old_log_probs"].to(log_prob.dtype))
-    stats.add(ratio, tokens["advantages"].to(log_prob.dtype), tokens["response_mask"].to(torch.bool), weights=weights)
+    stats.add(ratio, tokens["advantages"].to(log_prob.dtype), tokens["response_mask"].to(torch.bool), weights=weights,
+              behaviour_log_prob=tokens["old_log_probs"].to(log_prob.dtype))
     return torch.zeros((), device=log_prob.device), {}
 
 
