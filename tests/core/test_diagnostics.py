@@ -28,8 +28,9 @@ def test_counts_shares_and_covariance_on_a_hand_example():
 
 def test_entropy_from_logits_and_masking():
     logits = torch.zeros(1, 2, 4)  # uniform over 4: entropy log 4
-    metrics = clip_diagnostics(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.tensor([[1, 0]]), 0.8, 1.2,
-                               logits=logits)
+    metrics = clip_diagnostics(
+        torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.tensor([[1, 0]]), 0.8, 1.2, logits=logits
+    )
     assert metrics["entropy"] == pytest.approx(torch.log(torch.tensor(4.0)).item())
     assert metrics["tokens"] == 1 and metrics["approx_kl"] == 0.0
 
@@ -89,8 +90,16 @@ def test_statistics_of_micro_batches_add_up_to_the_whole_batch(seed, bounds):
     parts = None
     for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
         part_bounds = [b[rows] if isinstance(b, torch.Tensor) else b for b in (lower, upper)]
-        part = clip_statistics(log_prob[rows], old[rows], advantages[rows], mask[rows], *part_bounds,
-                               dual_clip=2.0, importance_weights=weights[rows], entropy=entropy[rows])
+        part = clip_statistics(
+            log_prob[rows],
+            old[rows],
+            advantages[rows],
+            mask[rows],
+            *part_bounds,
+            dual_clip=2.0,
+            importance_weights=weights[rows],
+            entropy=entropy[rows],
+        )
         parts = part if parts is None else parts + part
     added = parts.finalize()
     assert added.keys() == whole.keys()
@@ -129,7 +138,9 @@ def test_dual_clipped_tokens_count_as_clipped_everywhere():
     # the capped token leaves the covariance's signal: A*X over tokens = [0, -1, 1]
     lp = log_prob[0].double()
     signal = torch.tensor([0.0, -1.0, 1.0], dtype=torch.float64)
-    assert capped["entropy_change_estimate"] == pytest.approx(-float((lp * signal).mean() - lp.mean() * signal.mean()), rel=1e-5)
+    assert capped["entropy_change_estimate"] == pytest.approx(
+        -float((lp * signal).mean() - lp.mean() * signal.mean()), rel=1e-5
+    )
 
 
 def test_entropy_change_estimate_is_importance_weighted():
@@ -152,3 +163,42 @@ def test_no_signal_gives_nan_share_and_is_counted(case):
     assert math.isnan(metrics["positive_share"]) and metrics["bapo/no_signal"] == 1.0
     with_signal = clip_diagnostics(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2, 3), 0.8, 1.2)
     assert with_signal["positive_share"] == 1.0 and with_signal["bapo/no_signal"] == 0.0
+
+
+def _all_reduce_worker(rank, world_size, init_file, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        log_prob, old, advantages, mask, entropy, weights = _random_batch(11)
+        rows = slice(0, 2) if rank == 0 else slice(2, 6)
+        stats = clip_statistics(
+            log_prob[rows],
+            old[rows],
+            advantages[rows],
+            mask[rows],
+            0.8,
+            1.3,
+            dual_clip=2.0,
+            importance_weights=weights[rows],
+            entropy=entropy[rows],
+        )
+        stats.all_reduce()
+        results[rank] = stats.finalize()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_finalize_the_whole_batch(tmp_path):
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_all_reduce_worker, args=(2, str(tmp_path / "rendezvous"), results), nprocs=2, join=True)
+    log_prob, old, advantages, mask, entropy, weights = _random_batch(11)
+    whole = clip_diagnostics(
+        log_prob, old, advantages, mask, 0.8, 1.3, dual_clip=2.0, importance_weights=weights, entropy=entropy
+    )
+    for rank in (0, 1):
+        assert results[rank].keys() == whole.keys()
+        for key, value in whole.items():
+            assert results[rank][key] == pytest.approx(value, rel=1e-9, abs=1e-12), key

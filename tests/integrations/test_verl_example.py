@@ -15,10 +15,13 @@ PYTHON_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def launch_arguments(**env: str) -> list[str]:
     """The verl command run_bapo.sh would run (DRY_RUN), one argument per element."""
-    printed = subprocess.run(["bash", str(EXAMPLE / "run_bapo.sh"), "trainer.total_epochs=1"],
-                             env={**os.environ, "DRY_RUN": "1", "MODEL_PATH": "/models/m",
-                                  "TRAIN_FILES": "/data/train.parquet", **env},
-                             capture_output=True, text=True, check=True)
+    printed = subprocess.run(
+        ["bash", str(EXAMPLE / "run_bapo.sh"), "trainer.total_epochs=1"],
+        env={**os.environ, "DRY_RUN": "1", "MODEL_PATH": "/models/m", "TRAIN_FILES": "/data/train.parquet", **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return printed.stdout.splitlines()
 
 
@@ -82,8 +85,10 @@ def test_import_verl_loads_bapo_through_the_verl_plugins_entry_point(tmp_path):
     dist_info.mkdir()
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: bapo-entry-point-probe\nVersion: 0\n")
     (dist_info / "entry_points.txt").write_text("[verl.plugins]\nbapo = bapo.integrations.verl\n")
-    probe = ("import sys, verl; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as r; "
-             "print('bapo.integrations.verl' in sys.modules, sorted(k for k in ('bapo', 'topr', 'dcpo') if k in r))")
+    probe = (
+        "import sys, verl; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as r; "
+        "print('bapo.integrations.verl' in sys.modules, sorted(k for k in ('bapo', 'topr', 'dcpo') if k in r))"
+    )
     env = {**PYTHON_ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]), "VERL_USE_EXTERNAL_PLUGINS": "bapo"}
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip().splitlines()[-1] == "True ['bapo', 'dcpo', 'topr']", done.stderr[-2000:]
@@ -101,8 +106,9 @@ def test_building_the_config_in_a_worker_process_installs_the_hook(monkeypatch):
     assert ActorRolloutRefWorker.actor_worker_cls is BAPOTrainingWorker
 
 
-@pytest.mark.parametrize(("name", "primary"), [("bapo_common", "bapo_grpo"), ("bapo_grpo", "bapo_grpo"),
-                                               ("bapo_recipe", "bapo_recipe")])
+@pytest.mark.parametrize(
+    ("name", "primary"), [("bapo_common", "bapo_grpo"), ("bapo_grpo", "bapo_grpo"), ("bapo_recipe", "bapo_recipe")]
+)
 def test_example_sets_only_keys_verl_has_or_bapo_adds(name, primary):
     """A typo in an example yaml would merge silently into verl's config: compare with verl's own."""
     from dataclasses import fields
@@ -122,7 +128,8 @@ def test_example_sets_only_keys_verl_has_or_bapo_adds(name, primary):
     verl = compose(["python3", "-m", "main", f"--config-path={EXAMPLE}", f"--config-name={primary}"])
     base = compose(["python3", "-m", "main", f"--config-path={verl_config_dir()}", "--config-name=ppo_trainer"])
     added = {f"actor_rollout_ref.actor.policy_loss.{f.name}" for f in fields(BAPOPolicyLossConfig)} - {
-        f"actor_rollout_ref.actor.policy_loss.{f.name}" for f in fields(PolicyLossConfig)}
+        f"actor_rollout_ref.actor.policy_loss.{f.name}" for f in fields(PolicyLossConfig)
+    }
     for path in leaves(ours):
         assert OmegaConf.select(verl, path) is not None, path
         assert path in added or OmegaConf.select(base, path, default="<absent>") != "<absent>", path

@@ -6,7 +6,9 @@ import torch
 from torch import Tensor
 
 
-def group_advantages(rewards: Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def group_advantages(
+    rewards: Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
     """A_i = (r_i - mean(group)) / (std(group) + eps); scale_by_std=False is Dr.GRPO's r_i - mean.
 
     rewards: [N] with N = prompts * group_size, each prompt's responses contiguous.
@@ -55,7 +57,11 @@ def smooth_advantages(
     if group_size < 2 or rewards.numel() % group_size:
         raise ValueError(f"group_size: {group_size} must be >= 2 and divide the number of rewards ({rewards.numel()})")
     prompts = rewards.numel() // group_size
-    for name, tensor in (("history_mean", history_mean), ("history_std", history_std), ("history_steps", history_steps)):
+    for name, tensor in (
+        ("history_mean", history_mean),
+        ("history_std", history_std),
+        ("history_steps", history_steps),
+    ):
         if tuple(tensor.shape) != (prompts,):
             raise ValueError(f"{name}: expected shape [{prompts}] (one per prompt), got {tuple(tensor.shape)}")
     if not torch.isfinite(rewards).all():
@@ -77,5 +83,9 @@ def smooth_advantages(
     weight = (1.0 / count)[:, None]
     first, second = weight * total + (1 - weight) * new, weight * new + (1 - weight) * total
     advantages = torch.where(first.abs() < second.abs(), first, second)
-    return (advantages.reshape(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32),
-            mean.to(history_mean.dtype), std.to(history_std.dtype), history_steps + 1)
+    return (
+        advantages.reshape(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32),
+        mean.to(history_mean.dtype),
+        std.to(history_std.dtype),
+        history_steps + 1,
+    )

@@ -82,8 +82,11 @@ def verl_metrics(core_metrics: dict[str, float], k1_kl: float, policy_loss_confi
     search's, over all ranks. Non-finite values (TOPR's unbounded upper) are left out.
     """
     negative = core_metrics["quadrant/high_neg/count"] + core_metrics["quadrant/low_neg/count"]
-    metrics = {"actor/pg_clipfrac": core_metrics["clip_frac"], "actor/ppo_kl": k1_kl,
-               "actor/pg_clipfrac_lower": core_metrics["clip_frac/dual"] * negative / max(core_metrics["tokens"], 1.0)}
+    metrics = {
+        "actor/pg_clipfrac": core_metrics["clip_frac"],
+        "actor/ppo_kl": k1_kl,
+        "actor/pg_clipfrac_lower": core_metrics["clip_frac/dual"] * negative / max(core_metrics["tokens"], 1.0),
+    }
     for name, value in core_metrics.items():
         if name not in DROPPED_METRICS and math.isfinite(value):
             metrics[METRIC_PREFIX + name.removeprefix("bapo/")] = value
