@@ -371,7 +371,7 @@ def test_dcpo_worked_example_bounds_dual_clip_and_aggregation():
     lower_10 = 0.5 + 0.5 * math.sqrt(max(1 - 0.64 / 0.5, 0))  # 0.5: r = 0.5 sits on the bound, free
     assert upper_00 > 1.1 and upper_01 > 2.0 and lower_10 == 0.5
     # token losses: -1.1, -2.0 (A = +1); 0.5 (A = -1, r*|A|); r = 5 > 3: dual-clipped at 3*|A| = 3
-    assert float(loss) == pytest.approx(((-1.1 - 2.0) + (0.5 + 3.0)) / 2)
+    assert float(loss.detach()) == pytest.approx(((-1.1 - 2.0) + (0.5 + 3.0)) / 2)
     assert log_prob.grad.flatten().tolist() == pytest.approx([-1.1 / 2, -2.0 / 2, 0.5 / 2, 0.0])
     assert metrics["clip_frac/dual"] == 0.5
 
