@@ -11,6 +11,7 @@ from bapo.core import (
     POLICY_LOSSES,
     BAPOConfig,
     BoundStats,
+    PromptRewardHistory,
     aggregate_loss,
     group_advantages,
     policy_loss,
@@ -411,3 +412,30 @@ def test_smooth_advantages_first_step_is_grpo_and_history_rescues_zero_variance_
     assert (again > 0).all()
     with pytest.raises(ValueError, match="history_steps"):
         smooth_advantages(torch.ones(3), 3, torch.zeros(1), torch.zeros(1), torch.zeros(2))
+
+
+def test_prompt_reward_history_chains_smooth_advantages_per_prompt_and_round_trips():
+    history = PromptRewardHistory()
+    first = history.advantages(["a", "b"], torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]), 3)
+    direct, mean, std, steps = smooth_advantages(
+        torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]),
+        3,
+        torch.zeros(2),
+        torch.zeros(2),
+        torch.zeros(2, dtype=torch.long),
+    )
+    assert first.tolist() == pytest.approx(direct.tolist())
+    restored = PromptRewardHistory()
+    restored.load_state_dict(history.state_dict())
+    # step 2: prompt "b" again (history: mean 1/3, steps 1) and a new prompt "c"
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    second = history.advantages(["b", "c"], rewards, 3)
+    expected, *_ = smooth_advantages(
+        rewards, 3, torch.tensor([float(mean[1]), 0.0]), torch.tensor([float(std[1]), 0.0]), torch.tensor([1, 0])
+    )
+    assert second.tolist() == pytest.approx(expected.tolist())
+    assert (second[:3] < 0).all() or (second[:3] > 0).all()  # an all-correct group now carries signal
+    assert restored.advantages(["b", "c"], rewards, 3).tolist() == pytest.approx(second.tolist())
+    assert history.stats["b"][2] == 2 and history.stats["a"][2] == 1
+    with pytest.raises(ValueError, match="prompt_keys"):
+        history.advantages(["a"], rewards, 3)
