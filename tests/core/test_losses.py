@@ -230,28 +230,60 @@ def test_bapo_search_inside_the_loss_weighs_tokens_by_importance_weights():
 # --- numerics: fp16 inputs, inf inputs, masked -inf, normalizer --------------------------------
 
 
-@settings(max_examples=150, deadline=None)
+FLOAT16_MAX = torch.finfo(torch.float16).max
+DUAL_CLIP_LOSSES = ("grpo", "clip-higher", "bapo", "dcpo")
+
+
+@settings(max_examples=200, deadline=None)
 @given(
     method=st.sampled_from(sorted(POLICY_LOSSES)),
+    dual_clip=st.sampled_from([None, 3.0]),
     mode=st.sampled_from(ALL_MODES),
     log_gap=st.floats(-30.0, 30.0),
     spread=st.floats(0.0, 15.0),
     advantage_scale=st.floats(1e-3, 1e3),
     seed=st.integers(0, 2**16),
 )
-def test_fp16_inputs_give_finite_losses_and_gradients(method, mode, log_gap, spread, advantage_scale, seed):
-    """fp16 log-probs with log-ratios up to ~+-45 (exp(11.1) is already inf in float16)."""
+def test_fp16_inputs_give_finite_losses_and_gradients(method, dual_clip, mode, log_gap, spread, advantage_scale, seed):
+    """fp16 log-probs (behaviour log-probs down to -25, log-ratios up to ~+-45; exp(11.1) is inf in
+    float16): the loss is always finite and float32. The gradient w.r.t. an fp16 log-prob is fp16:
+    it is finite and equals the float64 gradient whenever that fits float16, always with dual-clip
+    (bounded by 3|A|). Without dual-clip a negative token's exact gradient r*|A| can exceed 65504;
+    then no fp16 tensor can hold it, which is what dual-clip (the trainer's and verl's default) is for."""
+    params = {"dual_clip": dual_clip} if method in DUAL_CLIP_LOSSES and dual_clip is not None else {}
+    if method == "bapo":
+        params["bounds"] = (0.8, 1.2)
     generator = torch.Generator().manual_seed(seed)
-    old = (-5.0 * torch.rand(3, 6, generator=generator)).half()
+    old = (-25.0 * torch.rand(3, 6, generator=generator)).half()
     log_prob = (old.float() + log_gap + spread * torch.randn(3, 6, generator=generator)).clamp(max=0.0).half()
-    log_prob.requires_grad_()
     advantages = (advantage_scale * torch.randn(3, generator=generator)).half()
     mask = (torch.rand(3, 6, generator=generator) > 0.3).float()
-    loss, metrics = policy_loss(log_prob, old, advantages, mask, method, loss_agg_mode=mode)
+    gradients = []
+    for dtype in (torch.float16, torch.float64):
+        leaf = log_prob.detach().to(dtype).clone().requires_grad_()
+        loss, metrics = policy_loss(
+            leaf, old.to(dtype), advantages.to(dtype), mask, method, loss_agg_mode=mode, **params
+        )
+        loss.backward()
+        assert torch.isfinite(loss) and math.isfinite(metrics["ratio/max"])
+        gradients.append(leaf.grad)
+    assert loss.dtype == torch.float64 and math.isfinite(metrics["entropy_change_estimate"])
+    half_grad, exact_grad = gradients
+    if exact_grad.abs().max() < 0.99 * FLOAT16_MAX:
+        assert torch.isfinite(half_grad).all()
+        torch.testing.assert_close(
+            half_grad.double(), exact_grad, rtol=2e-3, atol=1e-3 * float(exact_grad.abs().max()) + 1e-6
+        )
+    assert method not in ("topr", "dual-clip") and dual_clip is None or torch.isfinite(half_grad).all()
+
+
+def test_fp16_loss_is_float32():
+    log_prob = torch.tensor([[-20.0, -0.1]], dtype=torch.float16, requires_grad=True)
+    old = torch.tensor([[-0.1, -19.0]], dtype=torch.float16)  # log-ratios -19.9 and +18.9: exp overflows fp16
+    loss, metrics = policy_loss(log_prob, old, torch.tensor([1.0]).half(), torch.ones(1, 2), "dual-clip")
     loss.backward()
-    assert torch.isfinite(loss) and torch.isfinite(log_prob.grad).all()
-    assert loss.dtype == torch.float32
-    assert math.isfinite(metrics["ratio/max"]) and math.isfinite(metrics["entropy_change_estimate"])
+    assert loss.dtype == torch.float32 and torch.isfinite(loss) and torch.isfinite(log_prob.grad).all()
+    assert metrics["ratio/max"] == pytest.approx(math.exp(18.9), rel=1e-2)
 
 
 @pytest.mark.parametrize("name", ["log_prob", "old_log_prob", "advantages", "importance_weights"])
