@@ -6,6 +6,7 @@
 #   MODEL_PATH=/ckpt/Qwen2.5-7B TRAIN_FILES=/data/train.parquet VAL_FILES=/data/aime24.parquet \
 #   NNODES=2 bash examples/verl/run_bapo.sh trainer.total_epochs=10
 #
+# CONFIG=bapo_grpo (default: the paper's settings) or CONFIG=bapo_recipe (the public recipe's search).
 # STALENESS=k: k+1 updates per rollout batch (mini-batches of TRAIN_PROMPTS/(k+1) prompts), so the
 # last update trains on data k updates old. Extra arguments are Hydra overrides for verl.
 set -euo pipefail
@@ -18,6 +19,7 @@ GPUS_PER_NODE=${GPUS_PER_NODE:-8}
 TRAIN_PROMPTS=${TRAIN_PROMPTS:-256}
 STALENESS=${STALENESS:-3}
 PPO_EPOCHS=${PPO_EPOCHS:-1}
+CONFIG=${CONFIG:-bapo_grpo}
 PROJECT=${PROJECT:-bapo}
 EXPERIMENT=${EXPERIMENT:-bapo-staleness${STALENESS}}
 
@@ -29,14 +31,13 @@ fi
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 
 command=(python3 -m verl.trainer.main_ppo
-  --config-path="$HERE" --config-name=bapo_grpo
+  --config-path="$HERE" --config-name="$CONFIG"
   data.train_files="$TRAIN_FILES"
   data.val_files="$VAL_FILES"
   data.train_batch_size="$TRAIN_PROMPTS"
   actor_rollout_ref.model.path="$MODEL_PATH"
   actor_rollout_ref.actor.ppo_mini_batch_size=$((TRAIN_PROMPTS / UPDATES))
   actor_rollout_ref.actor.ppo_epochs="$PPO_EPOCHS"
-  actor_rollout_ref.actor.optim.lr=1e-6
   actor_rollout_ref.rollout.name=vllm
   actor_rollout_ref.rollout.tensor_model_parallel_size=1
   actor_rollout_ref.rollout.gpu_memory_utilization=0.6

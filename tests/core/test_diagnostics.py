@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from bapo.core import clip_diagnostics, entropy_from_logits, policy_loss
+from bapo.core import clip_diagnostics, clip_statistics, entropy_from_logits, policy_loss
 
 
 def test_counts_shares_and_covariance_on_a_hand_example():
@@ -28,8 +28,9 @@ def test_counts_shares_and_covariance_on_a_hand_example():
 
 def test_entropy_from_logits_and_masking():
     logits = torch.zeros(1, 2, 4)  # uniform over 4: entropy log 4
-    metrics = clip_diagnostics(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.tensor([[1, 0]]), 0.8, 1.2,
-                               logits=logits)
+    metrics = clip_diagnostics(
+        torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), torch.tensor([[1, 0]]), 0.8, 1.2, logits=logits
+    )
     assert metrics["entropy"] == pytest.approx(torch.log(torch.tensor(4.0)).item())
     assert metrics["tokens"] == 1 and metrics["approx_kl"] == 0.0
 
@@ -66,3 +67,138 @@ def test_k3_kl_is_nonnegative_finite_and_exact_in_range():
     assert torch.isfinite(kl).all() and (kl >= 0).all() and kl[2] == 0
     assert kl[3].item() == pytest.approx(math.exp(0.5) - 0.5 - 1)
     assert kl[0].item() == pytest.approx(math.exp(-20) + 20 - 1)  # clamped like the ratio
+
+
+def _random_batch(seed, batch=6, length=9):
+    generator = torch.Generator().manual_seed(seed)
+    old = -3.0 * torch.rand(batch, length, generator=generator, dtype=torch.float64)
+    log_prob = old + 0.8 * torch.randn(batch, length, generator=generator, dtype=torch.float64)
+    advantages = torch.randn(batch, generator=generator, dtype=torch.float64)
+    mask = (torch.rand(batch, length, generator=generator) > 0.25).float()
+    entropy = 3.0 * torch.rand(batch, length, generator=generator, dtype=torch.float64)
+    weights = 2.0 * torch.rand(batch, length, generator=generator, dtype=torch.float64)
+    return log_prob, old, advantages, mask, entropy, weights
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("bounds", ["fixed", "per_token"])
+def test_statistics_of_micro_batches_add_up_to_the_whole_batch(seed, bounds):
+    log_prob, old, advantages, mask, entropy, weights = _random_batch(seed)
+    lower, upper = (0.8, 1.3) if bounds == "fixed" else (0.7 + 0.1 * old.exp(), 1.2 + old.exp())
+    options = dict(dual_clip=2.0, importance_weights=weights, entropy=entropy)
+    whole = clip_statistics(log_prob, old, advantages, mask, lower, upper, **options).finalize()
+    parts = None
+    for rows in (slice(0, 2), slice(2, 3), slice(3, 6)):
+        part_bounds = [b[rows] if isinstance(b, torch.Tensor) else b for b in (lower, upper)]
+        part = clip_statistics(
+            log_prob[rows],
+            old[rows],
+            advantages[rows],
+            mask[rows],
+            *part_bounds,
+            dual_clip=2.0,
+            importance_weights=weights[rows],
+            entropy=entropy[rows],
+        )
+        parts = part if parts is None else parts + part
+    added = parts.finalize()
+    assert added.keys() == whole.keys()
+    for key, value in whole.items():
+        assert added[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+
+
+def test_quadrants_split_per_state_when_entropy_is_given_and_name_the_split():
+    # log pi = -1 at a state of entropy 0.5 is *low* for that state (-1 < -0.5) though it is the
+    # batch's most likely token; log pi = -2 at entropy 3 is high there (-2 > -3).
+    log_prob = torch.tensor([[-1.0, -2.0]])
+    advantages = torch.tensor([[1.0, 1.0]])
+    entropy = torch.tensor([[0.5, 3.0]])
+    per_state = clip_diagnostics(log_prob, log_prob, advantages, torch.ones(1, 2), 0.8, 1.2, entropy=entropy)
+    batch_mean = clip_diagnostics(log_prob, log_prob, advantages, torch.ones(1, 2), 0.8, 1.2)
+    assert per_state["quadrant/split_per_state"] == 1.0 and batch_mean["quadrant/split_per_state"] == 0.0
+    assert per_state["quadrant/low_pos/loss_share"] == pytest.approx(0.5)  # token 0 is low for its state
+    assert per_state["quadrant/high_pos/count"] == 1 and per_state["quadrant/low_pos/count"] == 1
+    # batch-mean split (mean -1.5): token 0 high, token 1 low
+    assert batch_mean["quadrant/high_pos/count"] == 1
+    assert batch_mean["quadrant/high_pos/loss_share"] == pytest.approx(0.5)
+    _, metrics = policy_loss(log_prob.clone(), log_prob, advantages, torch.ones(1, 2), "grpo", entropy=entropy)
+    assert metrics["quadrant/split_per_state"] == 1.0
+
+
+def test_dual_clipped_tokens_count_as_clipped_everywhere():
+    ratio = torch.tensor([[5.0, 1.0, 1.0]])
+    log_prob = torch.tensor([[-0.1, -1.0, -2.0]])
+    advantages = torch.tensor([[-1.0, -1.0, 1.0]])
+    args = (log_prob, log_prob - ratio.log(), advantages, torch.ones(1, 3), 0.8, 1.2)
+    capped = clip_diagnostics(*args, dual_clip=3.0)
+    free = clip_diagnostics(*args)
+    assert capped["clip_frac/dual"] == 0.5 and capped["clip_frac"] == pytest.approx(1 / 3)
+    assert free["clip_frac/dual"] == 0.0 and free["clip_frac"] == 0.0
+    assert capped["positive_share"] == pytest.approx(0.5) and free["positive_share"] == pytest.approx(1 / 7)
+    # the capped token leaves the covariance's signal: A*X over tokens = [0, -1, 1]
+    lp = log_prob[0].double()
+    signal = torch.tensor([0.0, -1.0, 1.0], dtype=torch.float64)
+    assert capped["entropy_change_estimate"] == pytest.approx(
+        -float((lp * signal).mean() - lp.mean() * signal.mean()), rel=1e-5
+    )
+
+
+def test_entropy_change_estimate_is_importance_weighted():
+    log_prob = torch.tensor([[-0.5, -2.0, -1.0]], dtype=torch.float64)
+    advantages = torch.tensor([[1.0, -1.0, 0.5]], dtype=torch.float64)
+    weights = torch.tensor([[2.0, 0.5, 1.0]], dtype=torch.float64)
+    metrics = clip_diagnostics(log_prob, log_prob, advantages, torch.ones(1, 3), 0.8, 1.2, importance_weights=weights)
+    w, lp, s = weights[0], log_prob[0], advantages[0]
+    mean = lambda x: float((w * x).sum() / w.sum())  # noqa: E731
+    assert metrics["entropy_change_estimate"] == pytest.approx(-(mean(lp * s) - mean(lp) * mean(s)))
+    # and the positive share weighs |r*A| by the same weights: (2*1 + 1*0.5) / (2 + 0.5 + 0.5)
+    assert metrics["positive_share"] == pytest.approx(2.5 / 3.0)
+
+
+@pytest.mark.parametrize("case", ["zero_advantages", "empty_mask"])
+def test_no_signal_gives_nan_share_and_is_counted(case):
+    advantages = torch.zeros(2, 3) if case == "zero_advantages" else torch.ones(2, 3)
+    mask = torch.ones(2, 3) if case == "zero_advantages" else torch.zeros(2, 3)
+    metrics = clip_diagnostics(torch.zeros(2, 3), torch.zeros(2, 3), advantages, mask, 0.8, 1.2)
+    assert math.isnan(metrics["positive_share"]) and metrics["bapo/no_signal"] == 1.0
+    with_signal = clip_diagnostics(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2, 3), torch.ones(2, 3), 0.8, 1.2)
+    assert with_signal["positive_share"] == 1.0 and with_signal["bapo/no_signal"] == 0.0
+
+
+def _all_reduce_worker(rank, world_size, init_file, results):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+    try:
+        log_prob, old, advantages, mask, entropy, weights = _random_batch(11)
+        rows = slice(0, 2) if rank == 0 else slice(2, 6)
+        stats = clip_statistics(
+            log_prob[rows],
+            old[rows],
+            advantages[rows],
+            mask[rows],
+            0.8,
+            1.3,
+            dual_clip=2.0,
+            importance_weights=weights[rows],
+            entropy=entropy[rows],
+        )
+        stats.all_reduce()
+        results[rank] = stats.finalize()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_finalize_the_whole_batch(tmp_path):
+    import torch.multiprocessing as mp
+
+    results = mp.Manager().dict()
+    mp.spawn(_all_reduce_worker, args=(2, str(tmp_path / "rendezvous"), results), nprocs=2, join=True)
+    log_prob, old, advantages, mask, entropy, weights = _random_batch(11)
+    whole = clip_diagnostics(
+        log_prob, old, advantages, mask, 0.8, 1.3, dual_clip=2.0, importance_weights=weights, entropy=entropy
+    )
+    for rank in (0, 1):
+        assert results[rank].keys() == whole.keys()
+        for key, value in whole.items():
+            assert results[rank][key] == pytest.approx(value, rel=1e-9, abs=1e-12), key

@@ -7,8 +7,17 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bapo.core import (BAPOConfig, BoundStats, POLICY_LOSSES, aggregate_loss, group_advantages, policy_loss,
-                       smooth_advantages, token_ratio)
+from bapo.core import (
+    POLICY_LOSSES,
+    BAPOConfig,
+    BoundStats,
+    PromptRewardHistory,
+    aggregate_loss,
+    group_advantages,
+    policy_loss,
+    smooth_advantages,
+    token_ratio,
+)
 
 ALL_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 
@@ -18,8 +27,9 @@ def per_token_grad(method, log_ratio, advantages, mask=None, **params):
     log_prob = torch.tensor(log_ratio, dtype=torch.float64).reshape(1, -1).requires_grad_()
     adv = torch.tensor(advantages, dtype=torch.float64).reshape(1, -1)
     mask = torch.ones_like(adv) if mask is None else torch.tensor(mask).reshape(1, -1)
-    loss, _ = policy_loss(log_prob, torch.zeros_like(log_prob), adv, mask, method,
-                          loss_agg_mode="seq-mean-token-sum", **params)
+    loss, _ = policy_loss(
+        log_prob, torch.zeros_like(log_prob), adv, mask, method, loss_agg_mode="seq-mean-token-sum", **params
+    )
     loss.backward()
     return log_prob.grad[0]
 
@@ -49,7 +59,9 @@ def test_clip_higher_keeps_moderately_stale_positive_tokens():
 def test_dual_clip_caps_negative_tokens_with_huge_ratio():
     grad = per_token_grad("dual-clip", [math.log(5.0), math.log(2.0)], [-1.0, -1.0])
     assert grad.tolist() == pytest.approx([0.0, 2.0])  # r=5 > 3: capped, no gradient
-    loss, _ = policy_loss(torch.tensor([[math.log(5.0)]]), torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), "dual-clip")
+    loss, _ = policy_loss(
+        torch.tensor([[math.log(5.0)]]), torch.zeros(1, 1), -torch.ones(1, 1), torch.ones(1, 1), "dual-clip"
+    )
     assert float(loss) == pytest.approx(3.0)
 
 
@@ -90,7 +102,9 @@ def test_bapo_uses_given_bounds_or_searches_them():
     assert (searched["lower"], searched["upper"]) == (found.lower, found.upper)
     given_loss, given = policy_loss(log_prob, old, advantages, mask, "bapo", bounds=(0.7, 2.0))
     grpo_loss, _ = policy_loss(log_prob, old, advantages, mask, "grpo", lower=0.7, upper=2.0)
-    assert (given["lower"], given["upper"]) == (0.7, 2.0) and float(given_loss.detach()) == pytest.approx(float(grpo_loss.detach()))
+    assert (given["lower"], given["upper"]) == (0.7, 2.0) and float(given_loss.detach()) == pytest.approx(
+        float(grpo_loss.detach())
+    )
 
 
 def test_aggregation_modes_and_micro_batch_normalizer():
@@ -103,15 +117,22 @@ def test_aggregation_modes_and_micro_batch_normalizer():
     for mode in ALL_MODES:
         whole = aggregate_loss(token_loss, mask, mode)
         normalizer = {"token-mean": 3.0, "seq-mean-token-sum-norm": 6.0}.get(mode, 2.0)
-        halves = sum(aggregate_loss(token_loss[i:i + 1], mask[i:i + 1], mode, normalizer) for i in range(2))
+        halves = sum(aggregate_loss(token_loss[i : i + 1], mask[i : i + 1], mode, normalizer) for i in range(2))
         assert float(halves) == pytest.approx(float(whole))
 
 
 def test_importance_weights_multiply_the_token_loss():
     log_prob = torch.zeros(1, 2, requires_grad=True)
     weights = torch.tensor([[0.5, 2.0]])
-    loss, _ = policy_loss(log_prob, torch.zeros(1, 2), torch.ones(1, 2), torch.ones(1, 2), "grpo",
-                          importance_weights=weights, loss_agg_mode="seq-mean-token-sum")
+    loss, _ = policy_loss(
+        log_prob,
+        torch.zeros(1, 2),
+        torch.ones(1, 2),
+        torch.ones(1, 2),
+        "grpo",
+        importance_weights=weights,
+        loss_agg_mode="seq-mean-token-sum",
+    )
     loss.backward()
     assert log_prob.grad.tolist() == [[-0.5, -2.0]]
 
@@ -130,13 +151,20 @@ def test_every_loss_is_finite_on_extreme_inputs(method, mode, gap, advantage_kin
     batch, length = 4, 5
     old = torch.randn(batch, length, generator=generator) - 2.0
     log_prob = (old + gap * torch.rand(batch, length, generator=generator)).to(dtype).requires_grad_()
-    rewards = {"zero": torch.zeros(batch), "negative": -torch.ones(batch), "mixed": torch.tensor([1.0, 0.0, 0.0, 1.0]),
-               "zero-variance-groups": torch.tensor([1.0, 1.0, 0.0, 0.0])}[advantage_kind]
+    rewards = {
+        "zero": torch.zeros(batch),
+        "negative": -torch.ones(batch),
+        "mixed": torch.tensor([1.0, 0.0, 0.0, 1.0]),
+        "zero-variance-groups": torch.tensor([1.0, 1.0, 0.0, 0.0]),
+    }[advantage_kind]
     advantages, _ = group_advantages(rewards, 2)
     if advantage_kind == "negative":
         advantages = -torch.ones(batch)  # all-negative group, as a Dr.GRPO-free caller may pass
-    mask = {"empty": torch.zeros(batch, length), "full": torch.ones(batch, length),
-            "random": (torch.rand(batch, length, generator=generator) > 0.5).float()}[mask_kind]
+    mask = {
+        "empty": torch.zeros(batch, length),
+        "full": torch.ones(batch, length),
+        "random": (torch.rand(batch, length, generator=generator) > 0.5).float(),
+    }[mask_kind]
     loss, metrics = policy_loss(log_prob, old.to(dtype), advantages.to(dtype), mask, method, loss_agg_mode=mode)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(log_prob.grad).all()
@@ -153,21 +181,29 @@ def test_zero_variance_groups_get_exactly_zero_advantage():
     assert unscaled.tolist() == [0.5, -0.5]
 
 
-@pytest.mark.parametrize("kwargs, name", [
-    (dict(old_log_prob=torch.zeros(2, 4)), "old_log_prob"),
-    (dict(advantages=torch.zeros(3)), "advantages"),
-    (dict(mask=torch.full((2, 3), 2.0)), "mask"),
-    (dict(log_prob=torch.tensor([[0.0, float("nan"), 0.0], [0.0, 0.0, 0.0]])), "log_prob"),
-    (dict(log_prob=torch.zeros(2, 3, dtype=torch.long)), "log_prob"),
-    (dict(method="gpro"), "did you mean 'grpo'"),
-    (dict(lower=1.2), "lower"),
-    (dict(upper=0.95), "upper"),
-    (dict(upper_bound=1.3), "upper_bound"),
-    (dict(loss_agg_mode="mean"), "loss_agg_mode"),
-])
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        (dict(old_log_prob=torch.zeros(2, 4)), "old_log_prob"),
+        (dict(advantages=torch.zeros(3)), "advantages"),
+        (dict(mask=torch.full((2, 3), 2.0)), "mask"),
+        (dict(log_prob=torch.tensor([[0.0, float("nan"), 0.0], [0.0, 0.0, 0.0]])), "log_prob"),
+        (dict(log_prob=torch.zeros(2, 3, dtype=torch.long)), "log_prob"),
+        (dict(method="gpro"), "did you mean 'grpo'"),
+        (dict(lower=1.2), "lower"),
+        (dict(upper=0.95), "upper"),
+        (dict(upper_bound=1.3), "upper_bound"),
+        (dict(loss_agg_mode="mean"), "loss_agg_mode"),
+    ],
+)
 def test_bad_input_names_the_argument(kwargs, name):
-    args = dict(log_prob=torch.zeros(2, 3), old_log_prob=torch.zeros(2, 3), advantages=torch.zeros(2),
-                mask=torch.ones(2, 3), method="grpo")
+    args = dict(
+        log_prob=torch.zeros(2, 3),
+        old_log_prob=torch.zeros(2, 3),
+        advantages=torch.zeros(2),
+        mask=torch.ones(2, 3),
+        method="grpo",
+    )
     args.update(kwargs)
     with pytest.raises(ValueError, match=name):
         policy_loss(**args)
@@ -180,42 +216,85 @@ def test_bapo_search_inside_the_loss_weighs_tokens_by_importance_weights():
     mask = torch.ones(4, 12)
     weights = torch.rand(4, 12, generator=generator) * 2
     cfg = BAPOConfig(target=0.5, lower_step=0.05)
-    _, metrics = policy_loss(log_prob, torch.zeros(4, 12), advantages, mask, "bapo", bapo=cfg, importance_weights=weights)
-    found = BoundStats(cfg).add(token_ratio(log_prob, torch.zeros(4, 12)), advantages, mask, weights=weights).solve(sync=False)
+    _, metrics = policy_loss(
+        log_prob, torch.zeros(4, 12), advantages, mask, "bapo", bapo=cfg, importance_weights=weights
+    )
+    found = (
+        BoundStats(cfg)
+        .add(token_ratio(log_prob, torch.zeros(4, 12)), advantages, mask, weights=weights)
+        .solve(sync=False)
+    )
     assert (metrics["lower"], metrics["upper"]) == (found.lower, found.upper)
 
 
 # --- numerics: fp16 inputs, inf inputs, masked -inf, normalizer --------------------------------
 
-@settings(max_examples=150, deadline=None)
+
+FLOAT16_MAX = torch.finfo(torch.float16).max
+DUAL_CLIP_LOSSES = ("grpo", "clip-higher", "bapo", "dcpo")
+
+
+@settings(max_examples=200, deadline=None)
 @given(
     method=st.sampled_from(sorted(POLICY_LOSSES)),
+    dual_clip=st.sampled_from([None, 3.0]),
     mode=st.sampled_from(ALL_MODES),
     log_gap=st.floats(-30.0, 30.0),
     spread=st.floats(0.0, 15.0),
     advantage_scale=st.floats(1e-3, 1e3),
     seed=st.integers(0, 2**16),
 )
-def test_fp16_inputs_give_finite_losses_and_gradients(method, mode, log_gap, spread, advantage_scale, seed):
-    """fp16 log-probs with log-ratios up to ~+-45 (exp(11.1) is already inf in float16)."""
+def test_fp16_inputs_give_finite_losses_and_gradients(method, dual_clip, mode, log_gap, spread, advantage_scale, seed):
+    """fp16 log-probs (behaviour log-probs down to -25, log-ratios up to ~+-45; exp(11.1) is inf in
+    float16): the loss is always finite and float32. The gradient w.r.t. an fp16 log-prob is fp16:
+    it is finite and equals the float64 gradient whenever that fits float16, always with dual-clip
+    (bounded by 3|A|). Without dual-clip a negative token's exact gradient r*|A| can exceed 65504;
+    then no fp16 tensor can hold it, which is what dual-clip (the trainer's and verl's default) is for."""
+    params = {"dual_clip": dual_clip} if method in DUAL_CLIP_LOSSES and dual_clip is not None else {}
+    if method == "bapo":
+        params["bounds"] = (0.8, 1.2)
     generator = torch.Generator().manual_seed(seed)
-    old = (-5.0 * torch.rand(3, 6, generator=generator)).half()
+    old = (-25.0 * torch.rand(3, 6, generator=generator)).half()
     log_prob = (old.float() + log_gap + spread * torch.randn(3, 6, generator=generator)).clamp(max=0.0).half()
-    log_prob.requires_grad_()
     advantages = (advantage_scale * torch.randn(3, generator=generator)).half()
     mask = (torch.rand(3, 6, generator=generator) > 0.3).float()
-    loss, metrics = policy_loss(log_prob, old, advantages, mask, method, loss_agg_mode=mode)
+    gradients = []
+    for dtype in (torch.float16, torch.float64):
+        leaf = log_prob.detach().to(dtype).clone().requires_grad_()
+        loss, metrics = policy_loss(
+            leaf, old.to(dtype), advantages.to(dtype), mask, method, loss_agg_mode=mode, **params
+        )
+        loss.backward()
+        assert torch.isfinite(loss) and math.isfinite(metrics["ratio/max"])
+        gradients.append(leaf.grad)
+    assert loss.dtype == torch.float64 and math.isfinite(metrics["entropy_change_estimate"])
+    half_grad, exact_grad = gradients
+    if exact_grad.abs().max() < 0.99 * FLOAT16_MAX:
+        assert torch.isfinite(half_grad).all()
+        torch.testing.assert_close(
+            half_grad.double(), exact_grad, rtol=2e-3, atol=1e-3 * float(exact_grad.abs().max()) + 1e-6
+        )
+    assert method not in ("topr", "dual-clip") and dual_clip is None or torch.isfinite(half_grad).all()
+
+
+def test_fp16_loss_is_float32():
+    log_prob = torch.tensor([[-20.0, -0.1]], dtype=torch.float16, requires_grad=True)
+    old = torch.tensor([[-0.1, -19.0]], dtype=torch.float16)  # log-ratios -19.9 and +18.9: exp overflows fp16
+    loss, metrics = policy_loss(log_prob, old, torch.tensor([1.0]).half(), torch.ones(1, 2), "dual-clip")
     loss.backward()
-    assert torch.isfinite(loss) and torch.isfinite(log_prob.grad).all()
-    assert loss.dtype == torch.float32
-    assert math.isfinite(metrics["ratio/max"]) and math.isfinite(metrics["entropy_change_estimate"])
+    assert loss.dtype == torch.float32 and torch.isfinite(loss) and torch.isfinite(log_prob.grad).all()
+    assert metrics["ratio/max"] == pytest.approx(math.exp(18.9), rel=1e-2)
 
 
 @pytest.mark.parametrize("name", ["log_prob", "old_log_prob", "advantages", "importance_weights"])
 @pytest.mark.parametrize("value", [float("inf"), float("-inf")])
 def test_inf_under_the_mask_is_rejected_naming_the_argument(name, value):
-    args = dict(log_prob=torch.zeros(2, 3), old_log_prob=torch.zeros(2, 3), advantages=torch.ones(2, 3),
-                importance_weights=torch.ones(2, 3))
+    args = dict(
+        log_prob=torch.zeros(2, 3),
+        old_log_prob=torch.zeros(2, 3),
+        advantages=torch.ones(2, 3),
+        importance_weights=torch.ones(2, 3),
+    )
     args[name] = args[name].clone()
     args[name][1, 1] = value
     with pytest.raises(ValueError, match=f"^{name}: .*inf"):
@@ -238,10 +317,13 @@ def test_minus_inf_log_probs_on_masked_positions_give_no_nan(method):
 @pytest.mark.parametrize("normalizer", [0.0, -3.0, float("nan"), float("inf"), torch.tensor(0.0)])
 def test_normalizer_must_be_positive(normalizer):
     with pytest.raises(ValueError, match="normalizer"):
-        policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2), torch.ones(2, 3), "grpo", normalizer=normalizer)
+        policy_loss(
+            torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2), torch.ones(2, 3), "grpo", normalizer=normalizer
+        )
 
 
 # --- dual-clip ------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("method", ["grpo", "clip-higher", "bapo", "dcpo"])
 def test_dual_clip_bounds_a_ratio_500_negative_token(method):
@@ -251,15 +333,17 @@ def test_dual_clip_bounds_a_ratio_500_negative_token(method):
     advantages = torch.tensor([[-2.0, 1.0]], dtype=torch.float64)
     params = {"bounds": (0.8, 1.2)} if method == "bapo" else {}
     old = torch.zeros(1, 2, dtype=torch.float64)  # q = 1: DCPO's bounds are (0.8, 1.17), 1.1 is free everywhere
-    loss, metrics = policy_loss(log_prob, old, advantages, torch.ones(1, 2), method, loss_agg_mode="seq-mean-token-sum",
-                                dual_clip=3.0, **params)
+    loss, metrics = policy_loss(
+        log_prob, old, advantages, torch.ones(1, 2), method, loss_agg_mode="seq-mean-token-sum", dual_clip=3.0, **params
+    )
     loss.backward()
     assert log_prob.grad[0, 0] == 0.0
     assert float(loss.detach()) == pytest.approx(3.0 * 2.0 - 1.1)  # capped at 3 * |A|, plus the free token
     assert metrics["clip_frac/dual"] == 1.0 and metrics["clip_frac"] == 0.5
     free_log_prob = log_prob.detach().clone().requires_grad_()
-    free, free_metrics = policy_loss(free_log_prob, old, advantages, torch.ones(1, 2), method,
-                                     loss_agg_mode="seq-mean-token-sum", **params)
+    free, free_metrics = policy_loss(
+        free_log_prob, old, advantages, torch.ones(1, 2), method, loss_agg_mode="seq-mean-token-sum", **params
+    )
     free.backward()
     assert free_log_prob.grad[0, 0] == pytest.approx(1000.0) and free_metrics["clip_frac/dual"] == 0.0
 
@@ -275,6 +359,7 @@ def test_dual_clip_is_off_in_core_defaults_and_on_in_the_named_baseline():
 
 # --- TOPR at sequence level, DCPO complete: worked examples from the papers' formulas ------------
 
+
 def test_topr_sequence_level_weights_negative_sequences_by_their_truncated_sequence_ratio():
     """TOPR: grad = sum_{A>=0} A grad log pi(y) + sum_{A<0} sg(min(prod_t r_t, 1)) A grad log pi(y),
     averaged over sequences (seq-mean-token-sum, the default)."""
@@ -288,8 +373,10 @@ def test_topr_sequence_level_weights_negative_sequences_by_their_truncated_seque
     expected = [-0.25, -0.25, 0.125, 0.125, 0.25, 0.25, 0.0, 0.0]
     assert log_prob.grad.flatten().tolist() == pytest.approx(expected)
     assert float(loss.detach()) == pytest.approx((-1 * 2 + 0.5 * 2 + 1 * 2) / 4)
-    token, _ = policy_loss(ratios.log(), torch.zeros_like(ratios), advantages, torch.ones_like(ratios), "topr", level="token")
-    assert float(token) != pytest.approx(float(loss))  # per token: min(r_t, 1) differs
+    token, _ = policy_loss(
+        ratios.log(), torch.zeros_like(ratios), advantages, torch.ones_like(ratios), "topr", level="token"
+    )
+    assert float(token.detach()) != pytest.approx(float(loss.detach()))  # per token: min(r_t, 1) differs
 
 
 def test_topr_sequence_ratio_ignores_masked_tokens_and_survives_long_stale_sequences():
@@ -312,12 +399,12 @@ def test_dcpo_worked_example_bounds_dual_clip_and_aggregation():
     log_prob = (q.log() + ratios.log()).requires_grad_()
     loss, metrics = policy_loss(log_prob, q.log(), advantages, torch.ones_like(q), "dcpo", dual_clip=3.0)
     loss.backward()
-    upper_00 = 0.5 + 0.5 * math.sqrt(1 + 0.8)          # 1.1708: r = 1.1 free
-    upper_01 = 0.5 + 0.5 * math.sqrt(1 + 0.8 / 0.05)   # 2.5616: r = 2.0 free
+    upper_00 = 0.5 + 0.5 * math.sqrt(1 + 0.8)  # 1.1708: r = 1.1 free
+    upper_01 = 0.5 + 0.5 * math.sqrt(1 + 0.8 / 0.05)  # 2.5616: r = 2.0 free
     lower_10 = 0.5 + 0.5 * math.sqrt(max(1 - 0.64 / 0.5, 0))  # 0.5: r = 0.5 sits on the bound, free
     assert upper_00 > 1.1 and upper_01 > 2.0 and lower_10 == 0.5
     # token losses: -1.1, -2.0 (A = +1); 0.5 (A = -1, r*|A|); r = 5 > 3: dual-clipped at 3*|A| = 3
-    assert float(loss) == pytest.approx(((-1.1 - 2.0) + (0.5 + 3.0)) / 2)
+    assert float(loss.detach()) == pytest.approx(((-1.1 - 2.0) + (0.5 + 3.0)) / 2)
     assert log_prob.grad.flatten().tolist() == pytest.approx([-1.1 / 2, -2.0 / 2, 0.5 / 2, 0.0])
     assert metrics["clip_frac/dual"] == 0.5
 
@@ -325,11 +412,12 @@ def test_dcpo_worked_example_bounds_dual_clip_and_aggregation():
 def test_smooth_advantages_worked_example():
     """SAS with one prompt of four responses, history over two earlier steps (mean 0.5, std 0.5)."""
     rewards = torch.tensor([1.0, 0.0, 0.0, 0.0], dtype=torch.float64)
-    advantages, mean, std, steps = smooth_advantages(rewards, 4, torch.tensor([0.5]), torch.tensor([0.5]),
-                                                     torch.tensor([2]))
-    step_mean, step_std = 0.25, 0.5                               # std unbiased: sqrt((0.5625 + 3*0.0625)/3)
+    advantages, mean, std, steps = smooth_advantages(
+        rewards, 4, torch.tensor([0.5]), torch.tensor([0.5]), torch.tensor([2])
+    )
+    step_mean, step_std = 0.25, 0.5  # std unbiased: sqrt((0.5625 + 3*0.0625)/3)
     i = 3
-    total_mean = (0.5 * 2 + step_mean) / i                        # 0.41667
+    total_mean = (0.5 * 2 + step_mean) / i  # 0.41667
     total_std = math.sqrt((2 * 0.25 + step_std**2 + 2 / 3 * (step_mean - 0.5) ** 2) / i)  # 0.51370
     assert (float(mean[0]), float(std[0]), int(steps[0])) == (pytest.approx(total_mean), pytest.approx(total_std), 3)
     expected = []
@@ -343,7 +431,9 @@ def test_smooth_advantages_worked_example():
 
 def test_smooth_advantages_first_step_is_grpo_and_history_rescues_zero_variance_groups():
     rewards = torch.tensor([1.0, 0.0, 1.0, 1.0, 1.0, 1.0])
-    first, mean, std, steps = smooth_advantages(rewards, 3, torch.zeros(2), torch.zeros(2), torch.zeros(2, dtype=torch.long))
+    first, mean, std, steps = smooth_advantages(
+        rewards, 3, torch.zeros(2), torch.zeros(2), torch.zeros(2, dtype=torch.long)
+    )
     grouped = rewards.reshape(2, 3)
     grpo = ((grouped[0] - grouped[0].mean()) / grouped[0].std()).tolist()
     assert first[:3].tolist() == pytest.approx(grpo) and first[3:].tolist() == [0.0, 0.0, 0.0]
@@ -354,3 +444,30 @@ def test_smooth_advantages_first_step_is_grpo_and_history_rescues_zero_variance_
     assert (again > 0).all()
     with pytest.raises(ValueError, match="history_steps"):
         smooth_advantages(torch.ones(3), 3, torch.zeros(1), torch.zeros(1), torch.zeros(2))
+
+
+def test_prompt_reward_history_chains_smooth_advantages_per_prompt_and_round_trips():
+    history = PromptRewardHistory()
+    first = history.advantages(["a", "b"], torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]), 3)
+    direct, mean, std, steps = smooth_advantages(
+        torch.tensor([1.0, 0.0, 0.0, 0.0, 1.0, 1.0]),
+        3,
+        torch.zeros(2),
+        torch.zeros(2),
+        torch.zeros(2, dtype=torch.long),
+    )
+    assert first.tolist() == pytest.approx(direct.tolist())
+    restored = PromptRewardHistory()
+    restored.load_state_dict(history.state_dict())
+    # step 2: prompt "b" again (history: mean 1/3, steps 1) and a new prompt "c"
+    rewards = torch.tensor([1.0, 1.0, 1.0, 0.0, 1.0, 0.0])
+    second = history.advantages(["b", "c"], rewards, 3)
+    expected, *_ = smooth_advantages(
+        rewards, 3, torch.tensor([float(mean[1]), 0.0]), torch.tensor([float(std[1]), 0.0]), torch.tensor([1, 0])
+    )
+    assert second.tolist() == pytest.approx(expected.tolist())
+    assert (second[:3] < 0).all() or (second[:3] > 0).all()  # an all-correct group now carries signal
+    assert restored.advantages(["b", "c"], rewards, 3).tolist() == pytest.approx(second.tolist())
+    assert history.stats["b"][2] == 2 and history.stats["a"][2] == 1
+    with pytest.raises(ValueError, match="prompt_keys"):
+        history.advantages(["a"], rewards, 3)

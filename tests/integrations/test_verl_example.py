@@ -15,10 +15,13 @@ PYTHON_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 def launch_arguments(**env: str) -> list[str]:
     """The verl command run_bapo.sh would run (DRY_RUN), one argument per element."""
-    printed = subprocess.run(["bash", str(EXAMPLE / "run_bapo.sh"), "trainer.total_epochs=1"],
-                             env={**os.environ, "DRY_RUN": "1", "MODEL_PATH": "/models/m",
-                                  "TRAIN_FILES": "/data/train.parquet", **env},
-                             capture_output=True, text=True, check=True)
+    printed = subprocess.run(
+        ["bash", str(EXAMPLE / "run_bapo.sh"), "trainer.total_epochs=1"],
+        env={**os.environ, "DRY_RUN": "1", "MODEL_PATH": "/models/m", "TRAIN_FILES": "/data/train.parquet", **env},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return printed.stdout.splitlines()
 
 
@@ -49,9 +52,25 @@ def test_example_config_is_the_papers_setting():
     policy_loss = actor.policy_loss
     assert isinstance(policy_loss, BAPOPolicyLossConfig) and policy_loss.loss_mode == "bapo"
     search = policy_loss.bapo_config()
-    assert (search.target, search.target_kind) == (0.5, "share")
+    assert (search.target, search.target_kind, search.order) == (0.4, "share", "upper-first")
     assert (search.lower_grid[0], search.lower_grid[-1]) == pytest.approx((0.6, 0.9))
     assert (search.upper_grid[0], search.upper_grid[-1]) == pytest.approx((1.2, 3.0))
+    assert (search.lower_step, search.upper_step) == (0.02, 0.05)
+    assert actor.optim.lr == 2e-6 and config.actor_rollout_ref.rollout.temperature == 0.6
+    assert actor.clip_ratio_c == 3.0  # dual-clip, read by bapo's loss as verl's vanilla reads it
+
+
+def test_recipe_config_is_the_recipes_search():
+    from verl.utils.config import omega_conf_to_dataclass
+
+    config = compose(launch_arguments(CONFIG="bapo_recipe"))
+    actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
+    search = actor.policy_loss.bapo_config()
+    assert (search.target, search.target_kind, search.order) == (1.0, "pos_neg", "lower-first")
+    assert (search.lower_grid[0], search.lower_grid[-1]) == pytest.approx((0.6, 0.8))
+    assert (search.upper_grid[0], search.upper_grid[-1]) == pytest.approx((1.2, 2.0))
+    assert (search.lower_step, search.upper_step) == (0.05, 0.05) and actor.clip_ratio_c == 3.0
+    assert actor.optim.lr == 2e-6 and config.actor_rollout_ref.rollout.n == 16  # the rest from bapo_common.yaml
 
 
 def test_staleness_sets_the_mini_batch_size():
@@ -66,8 +85,10 @@ def test_import_verl_loads_bapo_through_the_verl_plugins_entry_point(tmp_path):
     dist_info.mkdir()
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: bapo-entry-point-probe\nVersion: 0\n")
     (dist_info / "entry_points.txt").write_text("[verl.plugins]\nbapo = bapo.integrations.verl\n")
-    probe = ("import sys, verl; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as r; "
-             "print('bapo.integrations.verl' in sys.modules, sorted(k for k in ('bapo', 'topr', 'dcpo') if k in r))")
+    probe = (
+        "import sys, verl; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as r; "
+        "print('bapo.integrations.verl' in sys.modules, sorted(k for k in ('bapo', 'topr', 'dcpo') if k in r))"
+    )
     env = {**PYTHON_ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]), "VERL_USE_EXTERNAL_PLUGINS": "bapo"}
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
     assert done.stdout.strip().splitlines()[-1] == "True ['bapo', 'dcpo', 'topr']", done.stderr[-2000:]
@@ -85,8 +106,11 @@ def test_building_the_config_in_a_worker_process_installs_the_hook(monkeypatch):
     assert ActorRolloutRefWorker.actor_worker_cls is BAPOTrainingWorker
 
 
-def test_example_sets_only_keys_verl_has_or_bapo_adds():
-    """A typo in bapo_grpo.yaml would merge silently into verl's config: compare with verl's own."""
+@pytest.mark.parametrize(
+    ("name", "primary"), [("bapo_common", "bapo_grpo"), ("bapo_grpo", "bapo_grpo"), ("bapo_recipe", "bapo_recipe")]
+)
+def test_example_sets_only_keys_verl_has_or_bapo_adds(name, primary):
+    """A typo in an example yaml would merge silently into verl's config: compare with verl's own."""
     from dataclasses import fields
 
     from omegaconf import OmegaConf
@@ -99,12 +123,13 @@ def test_example_sets_only_keys_verl_has_or_bapo_adds():
             path = f"{prefix}{key}"
             yield from leaves(value, path + ".") if isinstance(value, dict) else [path]
 
-    ours = OmegaConf.to_container(OmegaConf.load(EXAMPLE / "bapo_grpo.yaml"))
+    ours = OmegaConf.to_container(OmegaConf.load(EXAMPLE / f"{name}.yaml"))
     ours = {k: v for k, v in ours.items() if k not in ("hydra", "defaults")}
-    verl = compose(["python3", "-m", "main", f"--config-path={EXAMPLE}", "--config-name=bapo_grpo"])
+    verl = compose(["python3", "-m", "main", f"--config-path={EXAMPLE}", f"--config-name={primary}"])
     base = compose(["python3", "-m", "main", f"--config-path={verl_config_dir()}", "--config-name=ppo_trainer"])
     added = {f"actor_rollout_ref.actor.policy_loss.{f.name}" for f in fields(BAPOPolicyLossConfig)} - {
-        f"actor_rollout_ref.actor.policy_loss.{f.name}" for f in fields(PolicyLossConfig)}
+        f"actor_rollout_ref.actor.policy_loss.{f.name}" for f in fields(PolicyLossConfig)
+    }
     for path in leaves(ours):
         assert OmegaConf.select(verl, path) is not None, path
         assert path in added or OmegaConf.select(base, path, default="<absent>") != "<absent>", path

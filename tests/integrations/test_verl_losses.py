@@ -33,13 +33,24 @@ def make_tokens(seed: int = 0) -> dict[str, torch.Tensor]:
     mask = torch.arange(LENGTH)[None, :] < lengths[:, None]
     advantages = torch.randn(BATCH, 1, generator=generator).expand(BATCH, LENGTH).contiguous()
     weights = torch.rand(BATCH, LENGTH, generator=generator) * 0.5 + 0.75
-    return {"old_log_prob": old_log_prob, "log_prob": log_prob, "advantages": advantages,
-            "response_mask": mask, "rollout_is_weights": weights}
+    return {
+        "old_log_prob": old_log_prob,
+        "log_prob": log_prob,
+        "advantages": advantages,
+        "response_mask": mask,
+        "rollout_is_weights": weights,
+    }
 
 
 def actor_config(mode: str, policy_loss_config: PolicyLossConfig, global_info: dict) -> ActorConfig:
-    config = ActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, rollout_n=4,
-                         loss_agg_mode=mode, policy_loss=policy_loss_config)
+    config = ActorConfig(
+        strategy="fsdp",
+        ppo_mini_batch_size=4,
+        ppo_micro_batch_size_per_gpu=2,
+        rollout_n=4,
+        loss_agg_mode=mode,
+        policy_loss=policy_loss_config,
+    )
     config.global_batch_info.update(global_info)
     return config
 
@@ -61,8 +72,12 @@ def expected_normalizer(mode: str, mask: torch.Tensor, info: dict) -> float:
 def run_registered(method: str, mode: str, config: ActorConfig, tokens: dict, weighted: bool):
     log_prob = tokens["log_prob"].clone().requires_grad_(True)
     loss, metrics = POLICY_LOSS_REGISTRY[method](
-        old_log_prob=tokens["old_log_prob"], log_prob=log_prob, advantages=tokens["advantages"],
-        response_mask=tokens["response_mask"], loss_agg_mode=mode, config=config,
+        old_log_prob=tokens["old_log_prob"],
+        log_prob=log_prob,
+        advantages=tokens["advantages"],
+        response_mask=tokens["response_mask"],
+        loss_agg_mode=mode,
+        config=config,
         rollout_is_weights=tokens["rollout_is_weights"] if weighted else None,
     )
     loss.backward()
@@ -73,9 +88,15 @@ def run_core(method: str, mode: str, info: dict, tokens: dict, weighted: bool, *
     log_prob = tokens["log_prob"].clone().requires_grad_(True)
     core_mode = "token-mean" if mode == "token-sum" else mode
     loss, _ = policy_loss(
-        log_prob, tokens["old_log_prob"], tokens["advantages"], tokens["response_mask"], method,
-        loss_agg_mode=core_mode, normalizer=expected_normalizer(mode, tokens["response_mask"], info),
-        importance_weights=tokens["rollout_is_weights"] if weighted else None, **params,
+        log_prob,
+        tokens["old_log_prob"],
+        tokens["advantages"],
+        tokens["response_mask"],
+        method,
+        loss_agg_mode=core_mode,
+        normalizer=expected_normalizer(mode, tokens["response_mask"], info),
+        importance_weights=tokens["rollout_is_weights"] if weighted else None,
+        **params,
     )
     loss.backward()
     return loss.detach(), log_prob.grad
@@ -93,8 +114,12 @@ def test_core_aggregation_reproduces_verl_agg_loss(mode, info):
     loss_mat = torch.randn(BATCH, LENGTH)
     mask = tokens["response_mask"]
     core_mode, normalizer = core_aggregation(mode, mask, **info)
-    torch.testing.assert_close(aggregate_loss(loss_mat, mask, core_mode, normalizer),
-                               agg_loss(loss_mat, mask, mode, **info), rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(
+        aggregate_loss(loss_mat, mask, core_mode, normalizer),
+        agg_loss(loss_mat, mask, mode, **info),
+        rtol=1e-6,
+        atol=1e-7,
+    )
 
 
 @pytest.mark.parametrize("mode", VERL_MODES)
@@ -103,9 +128,9 @@ def test_core_aggregation_reproduces_verl_agg_loss(mode, info):
 @pytest.mark.parametrize(
     ("method", "loss_config", "core_params"),
     [
-        ("bapo", {"target": 0.5}, {"bounds": (0.7, 1.6)}),
+        ("bapo", {"target": 0.5}, {"bounds": (0.7, 1.6), "dual_clip": 3.0}),  # verl's clip_ratio_c default
         ("topr", {"negative_ratio_max": 1.5}, {"negative_ratio_max": 1.5}),
-        ("dcpo", {"eps_low": 0.1, "eps_high": 0.3}, {"eps_low": 0.1, "eps_high": 0.3}),
+        ("dcpo", {"eps_low": 0.1, "eps_high": 0.3}, {"eps_low": 0.1, "eps_high": 0.3, "dual_clip": 3.0}),
     ],
 )
 def test_registered_loss_equals_core(method, loss_config, core_params, mode, info, weighted):
@@ -122,43 +147,70 @@ def test_registered_loss_equals_core(method, loss_config, core_params, mode, inf
 
 @pytest.mark.parametrize("mode", VERL_MODES)
 @pytest.mark.parametrize("weighted", [False, True])
-def test_bapo_with_ppo_bounds_equals_verl_vanilla(mode, weighted):
-    """bapo at bounds (0.8, 1.2) is verl's own PPO loss with eps 0.2 (dual clip off), every mode."""
+@pytest.mark.parametrize("clip_ratio_c", [3.0, 1.5, 1e9])
+def test_bapo_with_ppo_bounds_equals_verl_vanilla(mode, weighted, clip_ratio_c):
+    """bapo at bounds (0.8, 1.2) is verl's own PPO loss with eps 0.2, dual-clip at the actor's
+    clip_ratio_c included (1.5 caps some of these tokens; 1e9 is off), every mode."""
     tokens = make_tokens(seed=2)
     info = GLOBAL_INFOS[1]
     bapo_config = BAPOPolicyLossConfig(loss_mode="bapo")
     bapo_config.solved = SearchResult(lower=0.8, upper=1.2, positive_share=0.5, reached=True, steps=0)
-    loss, grad, _ = run_registered("bapo", mode, actor_config(mode, bapo_config, info), tokens, weighted)
+    config = actor_config(mode, bapo_config, info)
+    object.__setattr__(config, "clip_ratio_c", clip_ratio_c)
+    loss, grad, metrics = run_registered("bapo", mode, config, tokens, weighted)
 
     vanilla = actor_config(mode, PolicyLossConfig(), info)
-    object.__setattr__(vanilla, "clip_ratio_c", 1e9)  # no dual clip
+    object.__setattr__(vanilla, "clip_ratio_c", clip_ratio_c)
     log_prob = tokens["log_prob"].clone().requires_grad_(True)
-    expected, _ = compute_policy_loss_vanilla(
-        tokens["old_log_prob"], log_prob, tokens["advantages"], tokens["response_mask"], mode, vanilla,
+    expected, vanilla_metrics = compute_policy_loss_vanilla(
+        tokens["old_log_prob"],
+        log_prob,
+        tokens["advantages"],
+        tokens["response_mask"],
+        mode,
+        vanilla,
         tokens["rollout_is_weights"] if weighted else None,
     )
     expected.backward()
     torch.testing.assert_close(loss, expected.detach(), rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(grad, log_prob.grad, rtol=1e-5, atol=1e-6)
+    assert metrics["actor/pg_clipfrac_lower"] == pytest.approx(
+        float(vanilla_metrics["actor/pg_clipfrac_lower"]), abs=1e-6
+    )
+    if clip_ratio_c == 1.5:
+        assert metrics["actor/pg_clipfrac_lower"] > 0 and metrics["actor/bapo/clip_frac/dual"] > 0
 
 
 def test_metrics_use_verl_names_and_the_solved_bounds():
     tokens = make_tokens(seed=3)
     policy_loss_config = BAPOPolicyLossConfig(loss_mode="bapo")
     policy_loss_config.solved = SearchResult(lower=0.66, upper=1.85, positive_share=0.52, reached=True, steps=13)
-    _, _, metrics = run_registered("bapo", "token-mean", actor_config("token-mean", policy_loss_config, {}), tokens, True)
+    _, _, metrics = run_registered(
+        "bapo", "token-mean", actor_config("token-mean", policy_loss_config, {}), tokens, True
+    )
     assert metrics["actor/bapo/lower"] == 0.66 and metrics["actor/bapo/upper"] == 1.85
     assert metrics["actor/bapo/positive_share"] == 0.52 and metrics["actor/bapo/steps"] == 13.0
-    for key in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/bapo/clip_frac/upper", "actor/bapo/clip_frac/lower",
-                "actor/bapo/approx_kl", "actor/bapo/quadrant/low_pos/clip_frac"):
+    for key in (
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/bapo/clip_frac/upper",
+        "actor/bapo/clip_frac/lower",
+        "actor/bapo/approx_kl",
+        "actor/bapo/quadrant/low_pos/clip_frac",
+    ):
         assert math.isfinite(metrics[key]), key
-    assert "actor/pg_clipfrac_lower" not in metrics  # verl's name means the dual-clip fraction
+    assert metrics["actor/pg_clipfrac_lower"] >= 0  # verl's name: the dual-clip fraction of all tokens
     assert all(isinstance(value, float) for value in metrics.values())
 
 
 def test_topr_leaves_out_its_unbounded_upper():
-    _, _, metrics = run_registered("topr", "token-mean", actor_config("token-mean", BAPOPolicyLossConfig(loss_mode="topr"), {}),
-                                   make_tokens(), False)
+    _, _, metrics = run_registered(
+        "topr",
+        "token-mean",
+        actor_config("token-mean", BAPOPolicyLossConfig(loss_mode="topr"), {}),
+        make_tokens(),
+        False,
+    )
     assert "actor/bapo/upper" not in metrics and all(math.isfinite(v) for v in metrics.values())
 
 
@@ -175,3 +227,17 @@ def test_plain_policy_loss_config_searches_per_micro_batch():
 def test_config_rejects_a_bad_search_space():
     with pytest.raises(ValueError, match="lower"):
         BAPOPolicyLossConfig(lower_start=0.95, lower_max=0.9)
+
+
+def test_distillation_config_without_policy_loss_fails_naming_the_setting():
+    """verl's distillation path passes its DistillationLossConfig (no policy_loss) as config."""
+    from verl.workers.config.distillation import DistillationLossConfig
+
+    config = DistillationLossConfig(use_policy_gradient=True, loss_mode="k1")
+    config.global_batch_info.update({})
+    tokens = make_tokens()
+    with pytest.raises(ValueError, match="policy_loss_mode.*actor_rollout_ref.actor.policy_loss"):
+        run_registered("bapo", "token-mean", config, tokens, False)
+    for method in ("topr", "dcpo"):  # no bapo search: core's defaults, dual-clip 3.0 as vanilla
+        loss, grad, metrics = run_registered(method, "token-mean", config, tokens, False)
+        assert torch.isfinite(loss) and torch.isfinite(grad).all()

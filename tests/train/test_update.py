@@ -43,6 +43,9 @@ def test_micro_batches_give_the_same_update(stale_setup, method):
     (full, d_full), (split, d_split) = results
     assert split["lower"] == full["lower"] and split["upper"] == full["upper"]
     assert split["loss"] == pytest.approx(full["loss"], abs=1e-5)
+    for key in ("tokens", "clip_frac", "clip_frac/dual", "positive_share", "quadrant/low_pos/loss_share",
+                "quadrant/high_neg/count", "entropy_change_estimate", "ratio/max", "entropy"):  # additive diagnostics
+        assert split[key] == pytest.approx(full[key], rel=1e-4, abs=1e-6), key
     assert split["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-4)
     torch.testing.assert_close(d_split, d_full, atol=1e-5, rtol=1e-4)
     if method == "bapo":  # bounds of the whole update, not of any one micro-batch
@@ -54,3 +57,18 @@ def test_micro_batches_give_the_same_update(stale_setup, method):
         assert (split["lower"], split["upper"]) == (found.lower, found.upper)
         assert (found.lower, found.upper) != (0.6, 1.2)  # the search moved
         assert split["bapo/search_positive_share"] == pytest.approx(found.positive_share)
+
+
+def test_loss_dual_clip_reaches_the_loss_and_null_turns_it_off(stale_setup):
+    """loss.dual_clip caps negative tokens in grpo (default 3.0); a cap just above 1 clips many."""
+    trainer, batch = stale_setup
+    clipped = {}
+    for dual_clip in (1.01, None):
+        cfg = trainer.cfg.model_copy(deep=True)
+        cfg.loss.method, cfg.loss.dual_clip = "grpo", dual_clip
+        model = copy.deepcopy(trainer.model)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0)
+        clipped[dual_clip] = optimizer_update(model, opt, sched, batch, cfg)["clip_frac/dual"]
+    assert clipped[1.01] > 0 and clipped[None] == 0.0
+    assert make_config(trainer.cfg.model.path, "unused").loss.dual_clip == 3.0

@@ -1,6 +1,6 @@
 """bapo.core: clipped policy losses, the BAPO bound search and its diagnostics (torch only, no I/O)."""
 
-from bapo.core.advantages import group_advantages, smooth_advantages
+from bapo.core.advantages import PromptRewardHistory, group_advantages, smooth_advantages
 from bapo.core.diagnostics import ClipStats, clip_diagnostics, clip_statistics, entropy_from_logits, k3_kl, token_ratio
 from bapo.core.losses import (
     LOSS_AGG_MODES,
@@ -26,8 +26,8 @@ from bapo.core.target import EntropyTargetController, token_mean_over_ranks
 
 __all__ = [
     "BAPOConfig", "BoundStats", "ClipStats", "EntropyTargetController", "LOSS_AGG_MODES", "PAPER_AGG_MODES",
-    "POLICY_LOSSES", "SearchResult", "TokenBatch", "TokenLoss", "aggregate_loss", "candidate_grid", "clip_diagnostics",
-    "clip_statistics", "clipped_surrogate", "entropy_from_logits", "group_advantages", "k3_kl", "policy_loss",
-    "positive_share", "register_policy_loss", "search_bounds", "smooth_advantages", "token_contributions",
-    "token_mean_over_ranks", "token_ratio",
+    "POLICY_LOSSES", "PromptRewardHistory", "SearchResult", "TokenBatch", "TokenLoss", "aggregate_loss",
+    "candidate_grid", "clip_diagnostics", "clip_statistics", "clipped_surrogate", "entropy_from_logits",
+    "group_advantages", "k3_kl", "policy_loss", "positive_share", "register_policy_loss", "search_bounds",
+    "smooth_advantages", "token_contributions", "token_mean_over_ranks", "token_ratio",
 ]

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+from collections.abc import Hashable, Sequence
+
 import torch
 from torch import Tensor
 
 
-def group_advantages(rewards: Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6) -> tuple[Tensor, Tensor]:
+def group_advantages(
+    rewards: Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-6
+) -> tuple[Tensor, Tensor]:
     """A_i = (r_i - mean(group)) / (std(group) + eps); scale_by_std=False is Dr.GRPO's r_i - mean.
 
     rewards: [N] with N = prompts * group_size, each prompt's responses contiguous.
@@ -55,7 +59,11 @@ def smooth_advantages(
     if group_size < 2 or rewards.numel() % group_size:
         raise ValueError(f"group_size: {group_size} must be >= 2 and divide the number of rewards ({rewards.numel()})")
     prompts = rewards.numel() // group_size
-    for name, tensor in (("history_mean", history_mean), ("history_std", history_std), ("history_steps", history_steps)):
+    for name, tensor in (
+        ("history_mean", history_mean),
+        ("history_std", history_std),
+        ("history_steps", history_steps),
+    ):
         if tuple(tensor.shape) != (prompts,):
             raise ValueError(f"{name}: expected shape [{prompts}] (one per prompt), got {tuple(tensor.shape)}")
     if not torch.isfinite(rewards).all():
@@ -77,5 +85,44 @@ def smooth_advantages(
     weight = (1.0 / count)[:, None]
     first, second = weight * total + (1 - weight) * new, weight * new + (1 - weight) * total
     advantages = torch.where(first.abs() < second.abs(), first, second)
-    return (advantages.reshape(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32),
-            mean.to(history_mean.dtype), std.to(history_std.dtype), history_steps + 1)
+    return (
+        advantages.reshape(-1).to(rewards.dtype if rewards.is_floating_point() else torch.float32),
+        mean.to(history_mean.dtype),
+        std.to(history_std.dtype),
+        history_steps + 1,
+    )
+
+
+class PromptRewardHistory:
+    """Each prompt's running reward statistics across rollout steps, for `smooth_advantages`
+    (DCPO's SAS). Keys are any hashable prompt id (its dataset index, its text); the state is a
+    plain dict for a checkpoint (state_dict / load_state_dict)."""
+
+    def __init__(self) -> None:
+        self.stats: dict[Hashable, tuple[float, float, int]] = {}  # prompt -> (mean, std, steps)
+
+    def advantages(self, prompt_keys: Sequence[Hashable], rewards: Tensor, group_size: int) -> Tensor:
+        """SAS advantages [N] for one rollout step; prompt_keys: [P] (one per group, in the order of
+        the groups in rewards [N = P * group_size]). Updates the history of those prompts."""
+        if len(prompt_keys) * group_size != rewards.numel():
+            raise ValueError(
+                f"prompt_keys: {len(prompt_keys)} prompts x group_size {group_size} != "
+                f"{rewards.numel()} rewards; pass one key per group"
+            )
+        if len(set(prompt_keys)) != len(prompt_keys):
+            raise ValueError("prompt_keys: a prompt appears twice in one step; give each group its own key")
+        known = [self.stats.get(key, (0.0, 0.0, 0)) for key in prompt_keys]
+        mean, std, steps = (
+            torch.tensor(column, dtype=dtype)
+            for column, dtype in zip(zip(*known), (torch.float64, torch.float64, torch.int64))
+        )
+        advantages, mean, std, steps = smooth_advantages(rewards, group_size, mean, std, steps)
+        for key, values in zip(prompt_keys, zip(mean.tolist(), std.tolist(), steps.tolist())):
+            self.stats[key] = values
+        return advantages
+
+    def state_dict(self) -> dict:
+        return {"stats": dict(self.stats)}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.stats = {key: tuple(values) for key, values in state["stats"].items()}

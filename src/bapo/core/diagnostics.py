@@ -12,6 +12,7 @@ them into shares and means with one host sync. `clip_diagnostics` is both steps 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -26,12 +27,26 @@ QUADRANTS = ("high_pos", "high_neg", "low_pos", "low_neg")
 
 # Slots of ClipStats.sums (added across parts) and ClipStats.maxima (combined by max).
 SUM_FIELDS = (
-    "parts", "entropy_parts", "tokens", "positive", "negative",
-    "clipped_upper", "clipped_lower", "clipped_dual",
-    "contribution", "positive_contribution",
+    "parts",
+    "entropy_parts",
+    "tokens",
+    "positive",
+    "negative",
+    "clipped_upper",
+    "clipped_lower",
+    "clipped_dual",
+    "contribution",
+    "positive_contribution",
     *(f"{quadrant}/{part}" for quadrant in QUADRANTS for part in ("count", "contribution", "clipped")),
-    "weight", "weight_log_prob", "weight_signal", "weight_log_prob_signal",
-    "entropy", "approx_kl", "ratio", "lower", "upper",
+    "weight",
+    "weight_log_prob",
+    "weight_signal",
+    "weight_log_prob_signal",
+    "entropy",
+    "approx_kl",
+    "ratio",
+    "lower",
+    "upper",
 )
 MAX_FIELDS = ("ratio_max", "ratio_min_negated", "lower_max", "lower_min_negated", "upper_max", "upper_min_negated")
 
@@ -76,15 +91,17 @@ class ClipStats:
     maxima: Tensor
 
     @classmethod
-    def empty(cls, device: torch.device | str | None = None) -> "ClipStats":
-        return cls(torch.zeros(len(SUM_FIELDS), dtype=torch.float64, device=device),
-                   torch.full((len(MAX_FIELDS),), -torch.inf, dtype=torch.float64, device=device))
+    def empty(cls, device: torch.device | str | None = None) -> ClipStats:
+        return cls(
+            torch.zeros(len(SUM_FIELDS), dtype=torch.float64, device=device),
+            torch.full((len(MAX_FIELDS),), -torch.inf, dtype=torch.float64, device=device),
+        )
 
-    def __add__(self, other: "ClipStats") -> "ClipStats":
+    def __add__(self, other: ClipStats) -> ClipStats:
         other_sums, other_maxima = other.sums.to(self.sums.device), other.maxima.to(self.sums.device)
         return ClipStats(self.sums + other_sums, torch.maximum(self.maxima, other_maxima))
 
-    def add_(self, other: "ClipStats") -> "ClipStats":
+    def add_(self, other: ClipStats) -> ClipStats:
         """Add `other` into this one in place (a running total over micro-batches); returns self."""
         combined = self + other
         self.sums, self.maxima = combined.sums, combined.maxima
@@ -129,12 +146,15 @@ class ClipStats:
         for quadrant in QUADRANTS:
             count = values[f"{quadrant}/count"]
             metrics[f"quadrant/{quadrant}/count"] = count
-            metrics[f"quadrant/{quadrant}/loss_share"] = share(values[f"{quadrant}/contribution"], values["contribution"])
+            metrics[f"quadrant/{quadrant}/loss_share"] = share(
+                values[f"{quadrant}/contribution"], values["contribution"]
+            )
             metrics[f"quadrant/{quadrant}/clip_frac"] = share(values[f"{quadrant}/clipped"], count)
         metrics["quadrant/split_per_state"] = share(values["entropy_parts"], values["parts"])
         weight = values["weight"]
         covariance = share(values["weight_log_prob_signal"], weight) - (
-            share(values["weight_log_prob"], weight) * share(values["weight_signal"], weight))
+            share(values["weight_log_prob"], weight) * share(values["weight_signal"], weight)
+        )
         metrics["entropy_change_estimate"] = -covariance
         if values["entropy_parts"] > 0:
             metrics["entropy"] = share(values["entropy"], tokens)
@@ -209,15 +229,26 @@ def clip_statistics(
         high_prob = log_prob > -entropy
     else:
         high_prob = log_prob >= (log_prob * counted).sum() / counted.sum().clamp_min(1)
-    quadrant_masks = {"high_pos": positive & high_prob, "high_neg": negative & high_prob,
-                      "low_pos": positive & ~high_prob, "low_neg": negative & ~high_prob}
+    quadrant_masks = {
+        "high_pos": positive & high_prob,
+        "high_neg": negative & high_prob,
+        "low_pos": positive & ~high_prob,
+        "low_neg": negative & ~high_prob,
+    }
 
     signal = advantages * carries_gradient
     entries: dict[str, Tensor] = {
-        "tokens": counted.sum(), "positive": positive.sum(), "negative": negative.sum(),
-        "clipped_upper": clipped_upper.sum(), "clipped_lower": clipped_lower.sum(), "clipped_dual": clipped_dual.sum(),
-        "contribution": contribution.sum(), "positive_contribution": torch.where(positive, contribution, 0.0).sum(),
-        "weight": weight.sum(), "weight_log_prob": (weight * log_prob).sum(), "weight_signal": (weight * signal).sum(),
+        "tokens": counted.sum(),
+        "positive": positive.sum(),
+        "negative": negative.sum(),
+        "clipped_upper": clipped_upper.sum(),
+        "clipped_lower": clipped_lower.sum(),
+        "clipped_dual": clipped_dual.sum(),
+        "contribution": contribution.sum(),
+        "positive_contribution": torch.where(positive, contribution, 0.0).sum(),
+        "weight": weight.sum(),
+        "weight_log_prob": (weight * log_prob).sum(),
+        "weight_signal": (weight * signal).sum(),
         "weight_log_prob_signal": (weight * log_prob * signal).sum(),
         "approx_kl": torch.where(counted, k3_kl(log_prob - old_log_prob), 0.0).sum(),
         "ratio": torch.where(counted, ratio, 0.0).sum(),
@@ -237,12 +268,20 @@ def clip_statistics(
         else:
             # An infinite bound (TOPR's upper) stays exact through the extremes; its sum is unused.
             entries[name] = counted.sum() * (bound if abs(bound) < torch.inf else 0.0)
-            maxima[f"{name}_max"], maxima[f"{name}_min_negated"] = (torch.tensor(float(bound), dtype=torch.float64),
-                                                                    torch.tensor(-float(bound), dtype=torch.float64))
+            maxima[f"{name}_max"], maxima[f"{name}_min_negated"] = (
+                torch.tensor(float(bound), dtype=torch.float64),
+                torch.tensor(-float(bound), dtype=torch.float64),
+            )
 
     device = log_prob.device
-    sums = torch.stack([entries[name].to(device, torch.float64).reshape(()) if name in entries
-                        else torch.zeros((), dtype=torch.float64, device=device) for name in SUM_FIELDS])
+    sums = torch.stack(
+        [
+            entries[name].to(device, torch.float64).reshape(())
+            if name in entries
+            else torch.zeros((), dtype=torch.float64, device=device)
+            for name in SUM_FIELDS
+        ]
+    )
     sums[SUM_FIELDS.index("parts")] = 1.0
     sums[SUM_FIELDS.index("entropy_parts")] = float(entropy is not None)
     return ClipStats(sums, torch.stack([maxima[name].to(device, torch.float64).reshape(()) for name in MAX_FIELDS]))
@@ -255,7 +294,7 @@ def clip_diagnostics(
     mask: Tensor,
     lower: float | Tensor,
     upper: float | Tensor,
-    **options,
+    **options: Any,
 ) -> dict[str, float]:
     """clip_statistics(...).finalize() for one batch: clip fractions per side, positive share,
     Entropy-Clip quadrants, entropy-change estimate (see ClipStats.finalize for the keys).

@@ -20,8 +20,9 @@ from __future__ import annotations
 import difflib
 import inspect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -59,8 +60,8 @@ class TokenLoss:
     dual_clip: float | None = None
 
 
-class PolicyLossFn(Protocol):
-    def __call__(self, batch: TokenBatch, **params) -> TokenLoss: ...
+# A registered loss: fn(batch: TokenBatch, **its keyword-only parameters) -> TokenLoss.
+PolicyLossFn = Callable[..., TokenLoss]
 
 
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
@@ -87,7 +88,13 @@ def clipped_surrogate(
 ) -> Tensor:
     """PPO's -min(r*A, clip(r, lower, upper)*A) per token [B, T]; dual_clip caps it at -dual_clip*A for A < 0."""
     unclipped = ratio * advantages
-    clipped = torch.clamp(ratio, lower, upper) * advantages
+    # as_tensor: clamp takes a float or a per-token tensor bound alike
+    clipped = torch.clamp(
+        ratio,
+        torch.as_tensor(lower, dtype=ratio.dtype, device=ratio.device),
+        torch.as_tensor(upper, dtype=ratio.dtype, device=ratio.device),
+    )
+    clipped = clipped * advantages
     loss = -torch.minimum(unclipped, clipped)
     if dual_clip is not None:
         loss = torch.where(advantages < 0, torch.minimum(loss, -dual_clip * advantages), loss)
@@ -97,12 +104,18 @@ def clipped_surrogate(
 def _fixed_bounds(default_lower: float, default_upper: float, default_dual_clip: float | None = None) -> PolicyLossFn:
     """A clipped surrogate with fixed ratio bounds; the registered baselines differ only in defaults."""
 
-    def loss(batch: TokenBatch, *, lower: float = default_lower, upper: float = default_upper,
-             dual_clip: float | None = default_dual_clip) -> TokenLoss:
+    def loss(
+        batch: TokenBatch,
+        *,
+        lower: float = default_lower,
+        upper: float = default_upper,
+        dual_clip: float | None = default_dual_clip,
+    ) -> TokenLoss:
         check_ratio_bounds(lower, upper)
         check_dual_clip(dual_clip)
-        return TokenLoss(clipped_surrogate(batch.ratio, batch.advantages, lower, upper, dual_clip), lower, upper,
-                         dual_clip=dual_clip)
+        return TokenLoss(
+            clipped_surrogate(batch.ratio, batch.advantages, lower, upper, dual_clip), lower, upper, dual_clip=dual_clip
+        )
 
     return loss
 
@@ -113,8 +126,13 @@ register_policy_loss("dual-clip")(_fixed_bounds(0.8, 1.2, 3.0))
 
 
 @register_policy_loss("bapo")
-def bapo_loss(batch: TokenBatch, *, bapo: BAPOConfig | None = None, bounds: tuple[float, float] | None = None,
-              dual_clip: float | None = None) -> TokenLoss:
+def bapo_loss(
+    batch: TokenBatch,
+    *,
+    bapo: BAPOConfig | None = None,
+    bounds: tuple[float, float] | None = None,
+    dual_clip: float | None = None,
+) -> TokenLoss:
     """Clipped surrogate with BAPO's adaptive bounds.
 
     bounds: (lower, upper) already solved over the whole update (BoundStats over all
@@ -134,8 +152,9 @@ def bapo_loss(batch: TokenBatch, *, bapo: BAPOConfig | None = None, bounds: tupl
     lower, upper = bounds
     check_ratio_bounds(lower, upper)
     check_dual_clip(dual_clip)
-    return TokenLoss(clipped_surrogate(batch.ratio, batch.advantages, lower, upper, dual_clip), lower, upper, metrics,
-                     dual_clip)
+    return TokenLoss(
+        clipped_surrogate(batch.ratio, batch.advantages, lower, upper, dual_clip), lower, upper, metrics, dual_clip
+    )
 
 
 TOPR_LEVELS = ("sequence", "token")
@@ -163,7 +182,9 @@ def topr_loss(batch: TokenBatch, *, level: str = "sequence", negative_ratio_max:
         # prod_t r_t in log space: a long stale response has a log-ratio sum far beyond the
         # per-token clamp, and only its minimum with log(negative_ratio_max) is ever exponentiated.
         counted = batch.mask.to(torch.bool)
-        sequence_log_ratio = torch.where(counted, batch.log_prob.detach() - batch.old_log_prob, 0.0).sum(-1, keepdim=True)
+        sequence_log_ratio = torch.where(counted, batch.log_prob.detach() - batch.old_log_prob, 0.0).sum(
+            -1, keepdim=True
+        )
         negative_weight = sequence_log_ratio.clamp(max=math.log(negative_ratio_max)).exp().expand_as(batch.ratio)
     weight = torch.where(batch.advantages >= 0, torch.ones_like(batch.ratio), negative_weight)
     score = torch.exp(batch.log_prob - batch.log_prob.detach())
@@ -172,8 +193,14 @@ def topr_loss(batch: TokenBatch, *, level: str = "sequence", negative_ratio_max:
 
 
 @register_policy_loss("dcpo", agg_mode="seq-mean-token-sum")
-def dcpo_loss(batch: TokenBatch, *, eps_low: float = 0.16, eps_high: float = 0.2, ratio_max: float = 10.0,
-              dual_clip: float | None = None) -> TokenLoss:
+def dcpo_loss(
+    batch: TokenBatch,
+    *,
+    eps_low: float = 0.16,
+    eps_high: float = 0.2,
+    ratio_max: float = 10.0,
+    dual_clip: float | None = None,
+) -> TokenLoss:
     """DCPO's dynamic adaptive clipping (arXiv 2509.02333): per-token ratio bounds from the prior
     probability q = pi_behaviour(y_t), from the constraint |(r - 1) * r| * q <= eps:
         lower = 0.5 + 0.5 * sqrt(max(1 - 4 eps_low / q, 0)),  upper = 0.5 + 0.5 * sqrt(1 + 4 eps_high / q),
@@ -192,11 +219,14 @@ def dcpo_loss(batch: TokenBatch, *, eps_low: float = 0.16, eps_high: float = 0.2
     prior = batch.old_log_prob.detach().exp().clamp_min(1e-12)
     lower = 0.5 + 0.5 * torch.sqrt((1.0 - 4.0 * eps_low / prior).clamp_min(0.0))
     upper = (0.5 + 0.5 * torch.sqrt(1.0 + 4.0 * eps_high / prior)).clamp(max=ratio_max)
-    return TokenLoss(clipped_surrogate(batch.ratio, batch.advantages, lower, upper, dual_clip), lower, upper,
-                     dual_clip=dual_clip)
+    return TokenLoss(
+        clipped_surrogate(batch.ratio, batch.advantages, lower, upper, dual_clip), lower, upper, dual_clip=dual_clip
+    )
 
 
-def aggregate_loss(token_loss: Tensor, mask: Tensor, mode: str = "token-mean", normalizer: float | None = None) -> Tensor:
+def aggregate_loss(
+    token_loss: Tensor, mask: Tensor, mode: str = "token-mean", normalizer: float | Tensor | None = None
+) -> Tensor:
     """Reduce a per-token loss [B, T] to a scalar.
 
     token-mean: sum over masked tokens / normalizer (default: this batch's masked token count).
@@ -257,7 +287,7 @@ def policy_loss(
     logits: Tensor | None = None,
     stats: ClipStats | None = None,
     validate: bool = True,
-    **params,
+    **params: Any,
 ) -> tuple[Tensor, dict[str, float]]:
     """The policy-gradient loss of `method` and its diagnostics.
 
@@ -279,10 +309,14 @@ def policy_loss(
         named = {"log_prob": log_prob, "old_log_prob": old_log_prob, "advantages": advantages}
         if importance_weights is not None:
             named["importance_weights"] = importance_weights
-        checks = ()
+        checks: tuple = ()
         if isinstance(normalizer, Tensor):
-            checks = ((lambda _: ~(torch.isfinite(normalizer) & (normalizer > 0)).all(),
-                       f"normalizer: must be finite and > 0 (the update's token or sequence count)"),)
+            checks = (
+                (
+                    lambda _: ~(torch.isfinite(normalizer) & (normalizer > 0)).all(),
+                    "normalizer: must be finite and > 0 (the update's token or sequence count)",
+                ),
+            )
         check_token_inputs(named, mask, reference="log_prob", allow_row_vector=("advantages",), extra_checks=checks)
     dtype = compute_dtype(log_prob, old_log_prob)
     counted = mask.to(torch.bool)
@@ -299,8 +333,18 @@ def policy_loss(
     if weights is not None:
         token_loss = token_loss * weights
     loss = aggregate_loss(token_loss, mask, loss_agg_mode, normalizer)
-    batch_stats = clip_statistics(log_prob, old_log_prob, advantages, mask, result.lower, result.upper,
-                                  dual_clip=result.dual_clip, importance_weights=weights, entropy=entropy, logits=logits)
+    batch_stats = clip_statistics(
+        log_prob,
+        old_log_prob,
+        advantages,
+        mask,
+        result.lower,
+        result.upper,
+        dual_clip=result.dual_clip,
+        importance_weights=weights,
+        entropy=entropy,
+        logits=logits,
+    )
     if stats is not None:
         stats.add_(batch_stats)
         metrics = {}

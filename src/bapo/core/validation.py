@@ -50,8 +50,10 @@ def check_token_inputs(
     # are padding: they may hold anything (-inf log-probs of padded tokens) and are never read.
     counted = mask != 0
     counted_rows = counted.any(-1)
-    checks = [((~torch.isfinite(tensor) & (counted if tensor.dim() == 2 else counted_rows)).any(), name)
-              for name, tensor in named.items()]
+    checks = [
+        ((~torch.isfinite(tensor) & (counted if tensor.dim() == 2 else counted_rows)).any(), name)
+        for name, tensor in named.items()
+    ]
     if mask.dtype != torch.bool:
         checks.append((((mask != 0) & (mask != 1)).any(), "mask"))
     checks += [(check(named), message) for check, message in extra_checks]
@@ -63,8 +65,10 @@ def check_token_inputs(
             tensor = named[what]
             under_mask = tensor[counted if tensor.dim() == 2 else counted_rows]
             nan, inf = int(torch.isnan(under_mask).sum()), int(torch.isinf(under_mask).sum())
-            raise ValueError(f"{what}: contains {nan} NaN and {inf} inf value(s) at masked-in positions; "
-                             f"check the forward pass (or reward) that produced it")
+            raise ValueError(
+                f"{what}: contains {nan} NaN and {inf} inf value(s) at masked-in positions; "
+                f"check the forward pass (or reward) that produced it"
+            )
         if what == "mask":
             odd = mask[(mask != 0) & (mask != 1)].flatten()[:3].tolist()
             raise ValueError(f"mask: values must be 0 or 1, found {odd}; pass a bool or 0/1 response mask")
@@ -73,11 +77,15 @@ def check_token_inputs(
 
 def check_dual_clip(dual_clip: float | None) -> None:
     """dual_clip caps the ratio of negative-advantage tokens (verl's clip_ratio_c); None = off."""
-    if dual_clip is not None and not (isinstance(dual_clip, (int, float)) and math.isfinite(dual_clip) and dual_clip > 1.0):
-        raise ValueError(f"dual_clip: {dual_clip} must be a number > 1 (verl's clip_ratio_c, 3.0), or None to turn it off")
+    if dual_clip is not None and not (
+        isinstance(dual_clip, (int, float)) and math.isfinite(dual_clip) and dual_clip > 1.0
+    ):
+        raise ValueError(
+            f"dual_clip: {dual_clip} must be a number > 1 (verl's clip_ratio_c, 3.0), or None to turn it off"
+        )
 
 
-def check_normalizer(normalizer: float | None) -> None:
+def check_normalizer(normalizer: float | Tensor | None) -> None:
     """A python-number normalizer must be finite and > 0 (tensors are checked in policy_loss's one sync)."""
     if normalizer is None or isinstance(normalizer, Tensor):
         return
@@ -89,8 +97,7 @@ def check_ratio_bounds(lower: float, upper: float) -> None:
     """Ratio bounds are ratios, not epsilons: 0 <= lower < 1 < upper."""
     if not 0.0 <= lower < 1.0:
         raise ValueError(
-            f"lower: ratio bound {lower} must lie in [0, 1); it is a ratio, not an epsilon "
-            f"(PPO's eps=0.2 is lower=0.8)"
+            f"lower: ratio bound {lower} must lie in [0, 1); it is a ratio, not an epsilon (PPO's eps=0.2 is lower=0.8)"
         )
     if not upper > 1.0:
         raise ValueError(

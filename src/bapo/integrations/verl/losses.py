@@ -31,6 +31,8 @@ METRIC_PREFIX = "actor/bapo/"
 # bapo.core metrics that verl already logs under its own names (actor/pg_loss) or that do not
 # average meaningfully over micro-batches.
 DROPPED_METRICS = ("loss", "tokens")
+# The clipped losses that take verl's dual-clip cap (actor.clip_ratio_c), as vanilla does.
+DUAL_CLIP_LOSSES = ("bapo", "dcpo")
 
 
 def core_aggregation(
@@ -72,16 +74,22 @@ def verl_metrics(core_metrics: dict[str, float], k1_kl: float, policy_loss_confi
     """bapo.core's diagnostics under verl's metric names.
 
     actor/pg_clipfrac: share of masked tokens whose clipped term is active (verl's meaning);
-    actor/ppo_kl: verl's k1 estimate mean(old_log_prob - log_prob); everything else under
-    actor/bapo/... (lower, upper, positive_share, clip_frac/upper, clip_frac/lower, quadrants,
-    approx_kl, ...). verl's actor/pg_clipfrac_lower (its dual-clip fraction) is not emitted.
+    actor/pg_clipfrac_lower: verl's dual-clip fraction (negative tokens with ratio > clip_ratio_c,
+    over all masked tokens); actor/ppo_kl: verl's k1 estimate mean(old_log_prob - log_prob);
+    everything else under actor/bapo/... (lower, upper, positive_share, clip_frac/upper,
+    clip_frac/lower, clip_frac/dual, quadrants, approx_kl, ...; bapo/no_signal as actor/bapo/no_signal).
     With bounds solved over the whole mini-batch, positive_share, reached and steps are the
     search's, over all ranks. Non-finite values (TOPR's unbounded upper) are left out.
     """
-    metrics = {"actor/pg_clipfrac": core_metrics["clip_frac"], "actor/ppo_kl": k1_kl}
+    negative = core_metrics["quadrant/high_neg/count"] + core_metrics["quadrant/low_neg/count"]
+    metrics = {
+        "actor/pg_clipfrac": core_metrics["clip_frac"],
+        "actor/ppo_kl": k1_kl,
+        "actor/pg_clipfrac_lower": core_metrics["clip_frac/dual"] * negative / max(core_metrics["tokens"], 1.0),
+    }
     for name, value in core_metrics.items():
         if name not in DROPPED_METRICS and math.isfinite(value):
-            metrics[METRIC_PREFIX + name] = value
+            metrics[METRIC_PREFIX + name.removeprefix("bapo/")] = value
     solved = getattr(policy_loss_config, "solved", None)
     if solved is not None:
         metrics[METRIC_PREFIX + "positive_share"] = solved.positive_share
@@ -102,13 +110,26 @@ def _k1_kl(log_prob: Tensor, old_log_prob: Tensor, response_mask: Tensor) -> Ten
 _warned_per_micro_batch = False
 
 
-def _core_params(method: str, policy_loss_config: Any) -> dict[str, Any]:
-    """bapo.core parameters from verl's policy_loss config; a plain PolicyLossConfig gives defaults."""
+def _core_params(method: str, config: Any) -> dict[str, Any]:
+    """bapo.core parameters from verl's config (ActorConfig): its policy_loss (a plain
+    PolicyLossConfig gives core's defaults) and, for bapo and dcpo, the dual-clip cap
+    clip_ratio_c read as vanilla reads it (default 3.0; BAPOPolicyLossConfig.dual_clip overrides)."""
     global _warned_per_micro_batch
+    policy_loss_config = getattr(config, "policy_loss", None)
+    if policy_loss_config is None and method == "bapo":
+        # verl's distillation path passes its DistillationLossConfig, which has no policy_loss.
+        raise ValueError(
+            f"policy_loss_mode: 'bapo' needs the actor's policy_loss config (actor_rollout_ref.actor.policy_loss, "
+            f"a BAPOPolicyLossConfig), which this caller's {type(config).__name__} lacks (verl's distillation "
+            f"loss); set its policy_loss_mode to 'vanilla'"
+        )
     if isinstance(policy_loss_config, BAPOPolicyLossConfig):
         params = policy_loss_config.core_params(method)
     else:
         params = {}
+    if method in DUAL_CLIP_LOSSES and params.get("dual_clip") is None:
+        getter = config.get if hasattr(config, "get") else lambda name, default: getattr(config, name, default)
+        params["dual_clip"] = getter("clip_ratio_c", 3.0)
     if method == "bapo" and params.get("bounds") is None and not _warned_per_micro_batch:
         _warned_per_micro_batch = True
         logger.warning(
@@ -134,7 +155,8 @@ def make_verl_loss(method: str):
         """All tensors [B, T] of one micro-batch; config: verl's ActorConfig. Returns (loss, metrics)."""
         if config is None:
             raise ValueError("config: verl's ActorConfig is required (verl passes it from ppo_loss)")
-        policy_loss_config = config.policy_loss
+        policy_loss_config = getattr(config, "policy_loss", None)
+        params = _core_params(method, config)
         mode, normalizer = core_aggregation(loss_agg_mode, response_mask, **config.global_batch_info)
         loss, core_metrics = policy_loss(
             log_prob,
@@ -145,7 +167,7 @@ def make_verl_loss(method: str):
             loss_agg_mode=mode,
             normalizer=normalizer,
             importance_weights=rollout_is_weights,
-            **_core_params(method, policy_loss_config),
+            **params,
         )
         k1_kl = float(_k1_kl(log_prob, old_log_prob, response_mask))
         return loss, verl_metrics(core_metrics, k1_kl, policy_loss_config)
