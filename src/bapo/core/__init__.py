@@ -13,9 +13,10 @@ from bapo.core.losses import (
     register_policy_loss,
 )
 from bapo.core.search import BAPOConfig, BoundStats, SearchResult, candidate_grid, positive_share, search_bounds
+from bapo.core.search_metrics import search_metrics
 
 __all__ = [
     "BAPOConfig", "BoundStats", "LOSS_AGG_MODES", "POLICY_LOSSES", "SearchResult", "TokenBatch", "TokenLoss",
     "aggregate_loss", "candidate_grid", "clip_diagnostics", "clipped_surrogate", "entropy_from_logits",
-    "group_advantages", "k3_kl", "policy_loss", "positive_share", "register_policy_loss", "search_bounds", "token_ratio",
+    "group_advantages", "k3_kl", "policy_loss", "positive_share", "register_policy_loss", "search_bounds", "search_metrics", "token_ratio",
 ]

@@ -239,7 +239,8 @@ class Trainer:
             for rows_idx in order.chunk(off.mini_batches) if len(batch) else []:
                 mini = batch.select(rows_idx.sort().values)
                 staleness = (self.version - mini.versions[mini.response_mask]).float()
-                metrics = optimizer_update(self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg)
+                metrics = optimizer_update(self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg,
+                                           version=self.version)
                 self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["skipped"] else 0
                 self.version += 1
                 metrics["tokens_per_s/update"] = metrics["tokens/update"] / max(metrics["time/update_s"], 1e-9)
