@@ -354,3 +354,25 @@ def test_micro_batch_scope_solves_per_micro_batch_consistently_across_ranks(rank
 
 def test_micro_batch_scope_refuses_dynamic_batch_sizes(ranks):
     assert "use_dynamic_bsz" in ranks[0]["micro_refusal"]
+
+
+def test_plugin_import_installs_the_worker_after_verl_loads_its_workers():
+    """Importing bapo.integrations.verl (verl's plugin entry point) before verl's worker module
+    makes ActorRolloutRefWorker build BAPOTrainingWorker once that module loads; building a
+    BAPOPolicyLossConfig no longer installs anything."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, bapo.integrations.verl\n"
+        "assert 'verl.workers.engine_workers' not in sys.modules\n"
+        "from bapo.integrations.verl import BAPOPolicyLossConfig\n"
+        "BAPOPolicyLossConfig()\n"
+        "import verl.workers.engine_workers as ew\n"
+        "from bapo.integrations.verl.worker import BAPOTrainingWorker\n"
+        "assert ew.ActorRolloutRefWorker.actor_worker_cls is BAPOTrainingWorker\n"
+    )
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(src), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
