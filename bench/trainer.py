@@ -1,17 +1,24 @@
 """Rollout and update throughput of bapo's trainer vs TRL's GRPOTrainer, same model/batch/lengths, one run.
 
     OMP_NUM_THREADS=2 python bench/trainer.py                 # tiny random Llama on CPU
+    python bench/trainer.py --json                            # one JSON object (rows + ratios)
     python bench/trainer.py --device cuda --hidden 256 --new-tokens 64
 
 Setup shared by every row: one locally built tiny Llama (random init, the demo's char tokenizer), P prompts x G
 responses per rollout, at most L new tokens, temperature 1, no top-k/top-p, two optimizer updates
 per rollout batch over micro-batches of M sequences, AdamW (lr 1e-6: lengths must not drift
 apart), grad-clip 1.0, no KL, fp32.
-  bapo        bapo.train.Trainer, loss.method=bapo (its search over the whole update included)
-  trl         trl.GRPOTrainer, its default loss (dapo); generation_batch = P*G, 2 steps per generation
-  bapo-in-trl bapo.integrations.trl.BAPOGRPOTrainer with bapo_method=bapo (for reference)
-Both systems recompute the behaviour log-probs after generation (TRL does when a generation spans
-several optimizer steps), so "rollout" is generate + reward + behaviour log-probs in both.
+  bapo-grpo        bapo.train.Trainer, loss.method=grpo (fixed clip: the baseline of the overheads)
+  bapo-step        bapo.train.Trainer, loss.method=bapo, loss.bapo.scope=step (search over the whole update)
+  bapo-micro       bapo.train.Trainer, loss.method=bapo, loss.bapo.scope=micro_batch
+  trl              trl.GRPOTrainer, its default loss (dapo); generation_batch = P*G, 2 steps per generation
+  trl-bapo-step    bapo.integrations.trl.BAPOGRPOTrainer, bapo_method=bapo, bapo_scope=step
+  trl-bapo-micro   the same with bapo_scope=micro_batch
+Ratios: bapo_step_overhead / bapo_micro_batch_overhead = update time per token of bapo-step /
+bapo-micro over bapo-grpo (same trainer); trl_bapo_*_overhead the same inside TRL;
+rollout_vs_trl / update_vs_trl = tokens/s of bapo-grpo over trl.
+"Rollout" is generate + reward + behaviour log-probs in every system (TRL recomputes them when a
+generation spans several optimizer steps; bapo's lean sampler reads them from the sampling pass).
 Tokens are response tokens (mask sums); rollout tok/s = generated tokens / rollout seconds,
 update tok/s = trained tokens / update seconds (forward, backward, optimizer step, search).
 The first rollout and its updates are warm-up and not timed; each system runs --repeats times in
@@ -21,6 +28,7 @@ alternating order and keeps its fastest run per phase. Not a test: prints a tabl
 from __future__ import annotations
 
 import argparse
+import json
 import tempfile
 import time
 from dataclasses import dataclass
@@ -59,7 +67,7 @@ def best(measured: list[Throughput]) -> Throughput:
                       fastest_update.update_s, fastest_update.update_tokens)
 
 
-def bench_bapo(model_dir: Path, rows: list[dict], options, workdir: Path) -> Throughput:
+def bench_bapo(model_dir: Path, rows: list[dict], options, workdir: Path, method: str, scope: str) -> Throughput:
     """bapo.train: warm-up rollout + updates, then `options.rollouts` timed rollout/update pairs."""
     from bapo.integrations.trl.tiny import digit_match_reward
     from bapo.train import Trainer, config_from_dict
@@ -68,7 +76,7 @@ def bench_bapo(model_dir: Path, rows: list[dict], options, workdir: Path) -> Thr
         "model": {"path": str(model_dir), "device": options.device},
         "rollout": {"prompts_per_batch": options.prompts, "group_size": options.group,
                     "max_new_tokens": options.new_tokens, "temperature": 1.0},
-        "loss": {"method": "bapo"},
+        "loss": {"method": method, "bapo": {"scope": scope}},
         "offpolicy": {"mini_batches": 2},
         "optim": {"lr": LEARNING_RATE, "micro_batch_size": options.micro_batch, "max_grad_norm": 1.0},
         "run": {"output_dir": str(workdir / "bapo"), "steps": options.rollouts + 1, "progress": False,
@@ -130,7 +138,7 @@ def timed_trl_trainer(base):
     return Timed
 
 
-def bench_trl(model_dir: Path, rows: list[dict], options, workdir: Path, bapo: bool) -> Throughput:
+def bench_trl(model_dir: Path, rows: list[dict], options, workdir: Path, bapo_scope: str | None) -> Throughput:
     """TRL's GRPOTrainer (or bapo's subclass): 1 + `options.rollouts` generations, 2 optimizer steps each."""
     from datasets import Dataset
     from transformers.trainer_callback import PrinterCallback
@@ -141,10 +149,11 @@ def bench_trl(model_dir: Path, rows: list[dict], options, workdir: Path, bapo: b
 
     sequences = options.prompts * options.group
     steps_per_generation = sequences // options.micro_batch
+    bapo = bapo_scope is not None
     config_class, trainer_class = (BAPOGRPOConfig, BAPOGRPOTrainer) if bapo else (GRPOConfig, GRPOTrainer)
-    extra = {"bapo_method": "bapo"} if bapo else {}
+    extra = {"bapo_method": "bapo", "bapo_scope": bapo_scope} if bapo else {}
     args = config_class(
-        output_dir=str(workdir / ("bapo-in-trl" if bapo else "trl")), use_cpu=options.device == "cpu", bf16=False,
+        output_dir=str(workdir / (f"trl-bapo-{bapo_scope}" if bapo else "trl")), use_cpu=options.device == "cpu", bf16=False,
         report_to="none", save_strategy="no", logging_steps=10**6, disable_tqdm=True, seed=0,
         beta=0.0, temperature=1.0, top_k=0, top_p=1.0, num_generations=options.group,
         max_completion_length=options.new_tokens, per_device_train_batch_size=options.micro_batch,
@@ -177,8 +186,10 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=128)
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--model", default=None, help="a local model directory instead of the tiny random Llama")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
     parser.add_argument("--skip-bapo-in-trl", action="store_true")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     options = parser.parse_args()
     if (options.prompts * options.group) % (2 * options.micro_batch):
         parser.error("P*G must be a multiple of 2*M (two optimizer updates per rollout, whole micro-batches)")
@@ -188,12 +199,18 @@ def main() -> None:
     from bapo.integrations.trl.tiny import addition_prompts, build_tiny_model
 
     workdir = Path(tempfile.mkdtemp(prefix="bapo-bench-"))
-    model_dir = build_tiny_model(workdir / "model", hidden_size=options.hidden, num_layers=options.layers)
+    model_dir = Path(options.model) if options.model else build_tiny_model(
+        workdir / "model", hidden_size=options.hidden, num_layers=options.layers)
     rows = addition_prompts(options.prompts * (options.rollouts + 2) * 4, seed=1)
-    systems = {"bapo": lambda run_dir: bench_bapo(model_dir, rows, options, run_dir),
-               "trl": lambda run_dir: bench_trl(model_dir, rows, options, run_dir, bapo=False)}
+    systems = {
+        "bapo-grpo": lambda run_dir: bench_bapo(model_dir, rows, options, run_dir, "grpo", "step"),
+        "bapo-step": lambda run_dir: bench_bapo(model_dir, rows, options, run_dir, "bapo", "step"),
+        "bapo-micro": lambda run_dir: bench_bapo(model_dir, rows, options, run_dir, "bapo", "micro_batch"),
+        "trl": lambda run_dir: bench_trl(model_dir, rows, options, run_dir, None),
+    }
     if not options.skip_bapo_in_trl:
-        systems["bapo-in-trl"] = lambda run_dir: bench_trl(model_dir, rows, options, run_dir, bapo=True)
+        systems["trl-bapo-step"] = lambda run_dir: bench_trl(model_dir, rows, options, run_dir, "step")
+        systems["trl-bapo-micro"] = lambda run_dir: bench_trl(model_dir, rows, options, run_dir, "micro_batch")
     runs: dict[str, list[Throughput]] = {name: [] for name in systems}
     for repeat in range(options.repeats):  # alternate the order so that load drifts hit every system
         order = list(systems) if repeat % 2 == 0 else list(reversed(systems))
@@ -201,20 +218,38 @@ def main() -> None:
             runs[name].append(systems[name](workdir / f"repeat{repeat}"))
     results = {name: best(measured) for name, measured in runs.items()}
 
-    print(f"\nLlama {options.layers}x{options.hidden}, {options.prompts}x{options.group} responses <= "
-          f"{options.new_tokens} tokens, micro-batch {options.micro_batch}, {options.rollouts} timed rollouts, "
-          f"device {options.device}, torch threads {torch.get_num_threads()}")
-    print(f"{'system':12s} {'rollout tok/s':>14s} {'update tok/s':>13s} {'rollout s':>10s} {'update s':>9s} "
+    def per_token_update(name: str) -> float:
+        return 1.0 / results[name].update_tps
+
+    ratios = {
+        "bapo_step_overhead": per_token_update("bapo-step") / per_token_update("bapo-grpo"),
+        "bapo_micro_batch_overhead": per_token_update("bapo-micro") / per_token_update("bapo-grpo"),
+        "rollout_vs_trl": results["bapo-grpo"].rollout_tps / results["trl"].rollout_tps,
+        "update_vs_trl": results["bapo-grpo"].update_tps / results["trl"].update_tps,
+    }
+    if not options.skip_bapo_in_trl:
+        ratios["trl_bapo_step_overhead"] = per_token_update("trl-bapo-step") / per_token_update("trl")
+        ratios["trl_bapo_micro_batch_overhead"] = per_token_update("trl-bapo-micro") / per_token_update("trl")
+    setup = (f"Llama {options.layers}x{options.hidden}" if not options.model else options.model) + (
+        f", {options.prompts}x{options.group} responses <= {options.new_tokens} tokens, micro-batch "
+        f"{options.micro_batch}, {options.rollouts} timed rollouts, best of {options.repeats}, device {options.device}, "
+        f"torch threads {torch.get_num_threads()}")
+    if options.json:
+        print(json.dumps({"setup": setup, **ratios, "systems": {
+            name: {"rollout_tok_s": r.rollout_tps, "update_tok_s": r.update_tps, "rollout_s": r.rollout_s,
+                   "update_s": r.update_s, "rollout_tokens": r.rollout_tokens, "update_tokens": r.update_tokens}
+            for name, r in results.items()}}))
+        return
+    print(f"\n{setup}")
+    print(f"{'system':15s} {'rollout tok/s':>14s} {'update tok/s':>13s} {'rollout s':>10s} {'update s':>9s} "
           f"{'rollout tok':>12s} {'update tok':>11s} {'mean len':>9s}")
     sequences = options.prompts * options.group * options.rollouts
     for name, result in results.items():
-        print(f"{name:12s} {result.rollout_tps:14.1f} {result.update_tps:13.1f} {result.rollout_s:10.2f} "
+        print(f"{name:15s} {result.rollout_tps:14.1f} {result.update_tps:13.1f} {result.rollout_s:10.2f} "
               f"{result.update_s:9.2f} {result.rollout_tokens:12d} {result.update_tokens:11d} "
               f"{result.rollout_tokens / sequences:9.1f}")
-    bapo, trl = results["bapo"], results["trl"]
-    rollout_ratio, update_ratio = bapo.rollout_tps / trl.rollout_tps, bapo.update_tps / trl.update_tps
-    print(f"bapo / trl: rollout {rollout_ratio:.2f}x, update {update_ratio:.2f}x "
-          f"(target >= 1.00 on both: {'met' if min(rollout_ratio, update_ratio) >= 1.0 else 'NOT met'})")
+    for name, value in ratios.items():
+        print(f"{name:30s} {value:6.3f}")
 
 
 if __name__ == "__main__":

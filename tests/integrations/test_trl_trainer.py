@@ -23,6 +23,7 @@ from trl import GRPOTrainer  # noqa: E402
 
 from bapo.core import BAPOConfig, policy_loss, search_bounds, token_ratio  # noqa: E402
 from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer  # noqa: E402
+from bapo.integrations.trl.trainer import starts_optimizer_step  # noqa: E402
 from bapo.integrations.trl.tiny import addition_prompts, build_tiny_model, digit_match_reward  # noqa: E402
 
 GROUP = 4
@@ -156,7 +157,9 @@ def test_bapo_bounds_see_the_whole_optimizer_step_and_loss_equals_core(tiny_mode
 
     assert differs_per_micro_batch
     metrics = trainer._metrics["train"]
-    assert metrics["bapo/search/micro_batches"] == [ACCUMULATION, ACCUMULATION]
+    step_tokens = [float(sum(b["completion_mask"].sum() for b in buffer[i:i + ACCUMULATION])) for i in (0, ACCUMULATION)]
+    assert metrics["bapo/search/tokens"] == step_tokens  # one search per step, over all its micro-batches
+    assert metrics["bapo/search/scope"] == [0.0, 0.0]
     assert metrics["bapo/upper"][-1] == expected_bounds.upper
     assert metrics["bapo/lower"][-1] == expected_bounds.lower
 
@@ -179,6 +182,51 @@ def test_search_reuses_trl_old_log_probs_right_after_generation(tiny_model_dir, 
     start_optimizer_step(trainer, buffer, ACCUMULATION)  # a later step (weights updated): the search must look
     trainer._compute_loss(trainer.model, buffer[ACCUMULATION])
     assert len(forwards) == ACCUMULATION + ACCUMULATION + 1
+
+
+def test_micro_batch_scope_solves_each_micro_batch_from_its_own_forward(tiny_model_dir, tmp_path, monkeypatch):
+    trainer = make_trainer(tiny_model_dir, tmp_path, bapo_target=0.6, num_iterations=2, bapo_scope="micro_batch")
+    buffer = generation_buffer(trainer)
+    config = trainer.args.bapo_config()
+    forwards = []
+    original = trainer._completion_log_probs
+    monkeypatch.setattr(trainer, "_completion_log_probs", lambda *a, **k: forwards.append(1) or original(*a, **k))
+    tokens_per_step = float(buffer[0]["num_items_in_batch"]) * ACCUMULATION / STEPS_PER_GENERATION
+    start_optimizer_step(trainer, buffer, STEPS_PER_GENERATION)  # second pass over the generation: stale
+    found_all = []
+    for index, batch in enumerate(buffer[:ACCUMULATION]):
+        trainer._step = STEPS_PER_GENERATION + index
+        log_prob, entropy = current_log_prob(trainer, batch)
+        mask = batch["completion_mask"]
+        advantages = batch["advantages"][:, None].expand_as(mask)
+        found = search_bounds(token_ratio(log_prob, batch["old_per_token_logps"]), advantages, mask, config)
+        found_all.append(found)
+        calls = len(forwards)
+        loss = trainer._compute_loss(trainer.model, batch)
+        assert len(forwards) == calls + 1  # the loss's own forward only
+        expected, _ = policy_loss(log_prob, batch["old_per_token_logps"], advantages, mask, "bapo",
+                                  normalizer=tokens_per_step, entropy=entropy, bounds=(found.lower, found.upper))
+        torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
+    metrics = trainer._metrics["train"]
+    assert metrics["bapo/search/upper"] == [found.upper for found in found_all]
+    assert metrics["bapo/search/lower"] == [found.lower for found in found_all]
+    assert metrics["bapo/search/scope"] == [1.0, 1.0]
+
+
+def test_optimizer_step_boundaries_come_from_trl_state(tiny_model_dir, tmp_path):
+    """starts_optimizer_step, read from TRL's counters, is True exactly at the first micro-batch of
+    every optimizer step TRL takes (checked on the installed TRL, in a real training run)."""
+    seen = []
+
+    class Recording(BAPOGRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            seen.append((self.state.global_step, starts_optimizer_step(self)))
+            return super()._compute_loss(model, inputs)
+
+    trainer = make_trainer(tiny_model_dir, tmp_path, trainer_class=Recording, max_steps=3, num_iterations=2)
+    trainer.train()
+    assert [step for step, _ in seen] == [0, 0, 1, 1, 2, 2]
+    assert [starts for _, starts in seen] == [True, False] * 3
 
 
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo"])
@@ -234,7 +282,7 @@ def test_training_off_policy_logs_bapo_metrics(tiny_model_dir, tmp_path):
         for key in ("bapo/lower", "bapo/upper", "bapo/positive_share", "bapo/clip_frac/upper", "bapo/clip_frac/lower",
                     "bapo/quadrant/low_pos/loss_share", "bapo/ratio/mean", "bapo/entropy", "bapo/search/reached"):
             assert key in entry and math.isfinite(entry[key]), key
-        assert entry["bapo/search/micro_batches"] == ACCUMULATION
+        assert entry["bapo/search/scope"] == 0.0 and math.isfinite(entry["bapo/search/share"])
         assert config.lower_start <= entry["bapo/lower"] <= config.lower_max
         assert config.upper_start <= entry["bapo/upper"] <= config.upper_max
         assert math.isfinite(entry["loss"])
@@ -257,5 +305,5 @@ def test_evaluate_searches_on_the_eval_batch(tiny_model_dir, tmp_path):
     trainer = make_trainer(tiny_model_dir, tmp_path, per_device_eval_batch_size=GROUP)
     metrics = trainer.evaluate(Dataset.from_list(addition_prompts(2 * GROUP, seed=3)))
     assert math.isfinite(metrics["eval_loss"])
-    assert metrics["eval_bapo/search/micro_batches"] == 1
+    assert metrics["eval_bapo/search/tokens"] > 0
     assert "eval_bapo/upper" in metrics

@@ -94,15 +94,19 @@ def test_import_verl_loads_bapo_through_the_verl_plugins_entry_point(tmp_path):
     assert done.stdout.strip().splitlines()[-1] == "True ['bapo', 'dcpo', 'topr']", done.stderr[-2000:]
 
 
-def test_building_the_config_in_a_worker_process_installs_the_hook(monkeypatch):
+def test_the_plugin_hook_installs_the_worker_and_the_config_does_not(monkeypatch):
+    """Runtime wiring lives in the plugin entry point (install_worker_hook), not in building the config."""
     pytest.importorskip("verl.workers.engine_workers")
     from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
     from bapo.integrations.verl import BAPOPolicyLossConfig
+    from bapo.integrations.verl.config import install_worker_hook
     from bapo.integrations.verl.worker import BAPOTrainingWorker
 
     monkeypatch.setattr(ActorRolloutRefWorker, "actor_worker_cls", TrainingWorker)
     BAPOPolicyLossConfig(loss_mode="bapo")
+    assert ActorRolloutRefWorker.actor_worker_cls is TrainingWorker
+    install_worker_hook()  # verl's worker module is loaded here: installs at once
     assert ActorRolloutRefWorker.actor_worker_cls is BAPOTrainingWorker
 
 

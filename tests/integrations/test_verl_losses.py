@@ -11,8 +11,9 @@ from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, compute_
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 
 import bapo.integrations.verl  # noqa: E402,F401  (registers the losses)
-from bapo.core import SearchResult, aggregate_loss, policy_loss  # noqa: E402
+from bapo.core import SearchResult, aggregate_loss, policy_loss, search_bounds, token_ratio  # noqa: E402
 from bapo.integrations.verl import BAPOPolicyLossConfig, core_aggregation  # noqa: E402
+from bapo.integrations.verl.config import StepBounds, optimizer_step_bounds  # noqa: E402
 
 VERL_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # One micro-batch of a bigger update on 2 ranks (what verl's ppo_loss writes), and a lone batch.
@@ -136,10 +137,11 @@ def test_core_aggregation_reproduces_verl_agg_loss(mode, info):
 def test_registered_loss_equals_core(method, loss_config, core_params, mode, info, weighted):
     tokens = make_tokens(seed=1)
     policy_loss_config = BAPOPolicyLossConfig(loss_mode=method, **loss_config)
-    if method == "bapo":  # bounds as BAPOTrainingWorker leaves them for the step
-        policy_loss_config.solved = SearchResult(lower=0.7, upper=1.6, positive_share=0.55, reached=True, steps=9)
+    # bounds as BAPOTrainingWorker hands them to the step
+    solved = SearchResult(lower=0.7, upper=1.6, positive_share=0.55, reached=True, steps=9)
     config = actor_config(mode, policy_loss_config, info)
-    loss, grad, _ = run_registered(method, mode, config, tokens, weighted)
+    with optimizer_step_bounds(StepBounds("step", solved=solved, tokens=10)):
+        loss, grad, _ = run_registered(method, mode, config, tokens, weighted)
     expected_loss, expected_grad = run_core(method, mode, info, tokens, weighted, **core_params)
     torch.testing.assert_close(loss, expected_loss)
     torch.testing.assert_close(grad, expected_grad)
@@ -154,10 +156,11 @@ def test_bapo_with_ppo_bounds_equals_verl_vanilla(mode, weighted, clip_ratio_c):
     tokens = make_tokens(seed=2)
     info = GLOBAL_INFOS[1]
     bapo_config = BAPOPolicyLossConfig(loss_mode="bapo")
-    bapo_config.solved = SearchResult(lower=0.8, upper=1.2, positive_share=0.5, reached=True, steps=0)
+    solved = SearchResult(lower=0.8, upper=1.2, positive_share=0.5, reached=True, steps=0)
     config = actor_config(mode, bapo_config, info)
     object.__setattr__(config, "clip_ratio_c", clip_ratio_c)
-    loss, grad, metrics = run_registered("bapo", mode, config, tokens, weighted)
+    with optimizer_step_bounds(StepBounds("step", solved=solved)):
+        loss, grad, metrics = run_registered("bapo", mode, config, tokens, weighted)
 
     vanilla = actor_config(mode, PolicyLossConfig(), info)
     object.__setattr__(vanilla, "clip_ratio_c", clip_ratio_c)
@@ -184,23 +187,37 @@ def test_bapo_with_ppo_bounds_equals_verl_vanilla(mode, weighted, clip_ratio_c):
 def test_metrics_use_verl_names_and_the_solved_bounds():
     tokens = make_tokens(seed=3)
     policy_loss_config = BAPOPolicyLossConfig(loss_mode="bapo")
-    policy_loss_config.solved = SearchResult(lower=0.66, upper=1.85, positive_share=0.52, reached=True, steps=13)
-    _, _, metrics = run_registered(
-        "bapo", "token-mean", actor_config("token-mean", policy_loss_config, {}), tokens, True
-    )
+    solved = SearchResult(lower=0.66, upper=1.85, positive_share=0.52, reached=True, steps=13, pos_neg=0.52 / 0.48)
+    with optimizer_step_bounds(StepBounds("step", solved=solved, tokens=40)):
+        _, _, metrics = run_registered("bapo", "token-mean", actor_config("token-mean", policy_loss_config, {}),
+                                       tokens, True)
     assert metrics["actor/bapo/lower"] == 0.66 and metrics["actor/bapo/upper"] == 1.85
-    assert metrics["actor/bapo/positive_share"] == 0.52 and metrics["actor/bapo/steps"] == 13.0
-    for key in (
-        "actor/pg_clipfrac",
-        "actor/ppo_kl",
-        "actor/bapo/clip_frac/upper",
-        "actor/bapo/clip_frac/lower",
-        "actor/bapo/approx_kl",
-        "actor/bapo/quadrant/low_pos/clip_frac",
-    ):
+    assert metrics["actor/bapo/search/share"] == 0.52 and metrics["actor/bapo/search/steps"] == 13.0
+    assert metrics["actor/bapo/search/tokens"] == 40.0 and metrics["actor/bapo/search/scope"] == 0.0
+    assert metrics["actor/bapo/search/pos_neg"] == pytest.approx(0.52 / 0.48)
+    for key in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/bapo/clip_frac/upper", "actor/bapo/clip_frac/lower",
+                "actor/bapo/approx_kl", "actor/bapo/quadrant/low_pos/clip_frac"):
         assert math.isfinite(metrics[key]), key
     assert metrics["actor/pg_clipfrac_lower"] >= 0  # verl's name: the dual-clip fraction of all tokens
     assert all(isinstance(value, float) for value in metrics.values())
+
+
+@pytest.mark.parametrize("weighted", [False, True])
+def test_micro_batch_scope_searches_this_micro_batch(weighted):
+    """scope micro_batch: the loss solves bounds on its own micro-batch (weighted as in the loss)."""
+    tokens = make_tokens(seed=4)
+    policy_loss_config = BAPOPolicyLossConfig(loss_mode="bapo", target=0.6, scope="micro_batch")
+    with optimizer_step_bounds(StepBounds("micro_batch")):
+        loss, grad, metrics = run_registered("bapo", "token-mean", actor_config("token-mean", policy_loss_config, {}),
+                                             tokens, weighted)
+    found = search_bounds(token_ratio(tokens["log_prob"], tokens["old_log_prob"]), tokens["advantages"],
+                          tokens["response_mask"].bool(), policy_loss_config.bapo_config(),
+                          weights=tokens["rollout_is_weights"] if weighted else None)
+    assert (metrics["actor/bapo/search/lower"], metrics["actor/bapo/search/upper"]) == (found.lower, found.upper)
+    assert metrics["actor/bapo/search/scope"] == 1.0
+    expected_loss, expected_grad = run_core("bapo", "token-mean", {}, tokens, weighted, bounds=(found.lower, found.upper))
+    torch.testing.assert_close(loss, expected_loss)
+    torch.testing.assert_close(grad, expected_grad)
 
 
 def test_topr_leaves_out_its_unbounded_upper():

@@ -175,7 +175,7 @@ def interleave(shards: list[TensorDict], per_rank_mini_batch: int) -> TensorDict
     return torch.cat(pieces, dim=0)
 
 
-def make_worker(group, model):
+def make_worker(group, model, scope: str = "step", dynamic_batch_size: bool = True):
     """BAPOTrainingWorker wired as ActorRolloutRefWorker.init_model wires it, minus Ray and FSDP."""
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
@@ -186,18 +186,19 @@ def make_worker(group, model):
 
     class RecordingWorker(bapo_worker.BAPOTrainingWorker):
         def solve_bounds(self, data, policy_loss):
-            found = super().solve_bounds(data, policy_loss)
+            found, tokens = super().solve_bounds(data, policy_loss)
             self.solved.append(found)
-            return found
+            return found, tokens
 
     actor_config = omega_conf_to_dataclass(OmegaConf.create({  # Hydra instantiation, as init_model does
         "_target_": "verl.workers.config.FSDPActorConfig", "strategy": "fsdp", "ppo_mini_batch_size": MINI_BATCH,
-        "use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": TRAIN_TOKENS, "rollout_n": 1, "policy_loss": LOSS_CONFIG,
+        "use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": TRAIN_TOKENS, "rollout_n": 1,
+        "policy_loss": {**LOSS_CONFIG, "scope": scope},
     }))
     worker = RecordingWorker.__new__(RecordingWorker)  # TrainingWorker.__init__ needs Ray and an engine registry
     worker.engine = CPUEngine(model, group)
     worker.engine_config = OmegaConf.create({
-        "use_dynamic_bsz": True, "max_token_len_per_gpu": TRAIN_TOKENS, "micro_batch_size_per_gpu": None,
+        "use_dynamic_bsz": dynamic_batch_size, "max_token_len_per_gpu": TRAIN_TOKENS, "micro_batch_size_per_gpu": None if dynamic_batch_size else 2,
         "infer_max_token_len_per_gpu": PROBE_TOKENS, "infer_micro_batch_size_per_gpu": None,
         "use_fused_kernels": False, "forward_only": False,
     })
@@ -233,6 +234,19 @@ def rank_main(rank: int, world_size: int, port: int, out_dir: str):
     result = {"solved": worker.solved, "probe_micro_batch_counts": worker.engine.probe_micro_batch_counts,
               "all_reduces": all_reduces.count,
               "metrics": {k: v for k, v in metrics.items() if k.startswith("actor/") or k in ("loss", "grad_norm")}}
+
+    # scope micro_batch: no pre-pass; CPUEngine gives every rank the same micro-batch count in
+    # training (as FSDPEngine does), which a run without dynamic batch sizes guarantees
+    micro_worker = make_worker(dist.group.WORLD, tiny_qwen2(), scope="micro_batch", dynamic_batch_size=False)
+    before = all_reduces.count
+    micro_metrics = train(micro_worker, no_padding(shards[rank]))
+    result["micro"] = {"metrics": {k: v for k, v in micro_metrics.items() if k.startswith("actor/bapo/search/")},
+                       "all_reduces": all_reduces.count - before, "probes": len(micro_worker.engine.probe_micro_batch_counts),
+                       "solved": micro_worker.solved}
+    try:
+        train(make_worker(dist.group.WORLD, tiny_qwen2(), scope="micro_batch"), no_padding(shards[rank]))
+    except ValueError as error:
+        result["micro_refusal"] = str(error)
 
     alone = dist.new_group([0])  # every rank takes part in creating it; only rank 0 uses it
     if rank == 0:
@@ -320,6 +334,45 @@ def test_update_logs_bapo_metrics_under_verl_names(ranks):
     solved = ranks[0]["solved"]
     assert metrics["actor/bapo/lower"] == pytest.approx([s.lower for s in solved])
     assert metrics["actor/bapo/upper"] == pytest.approx([s.upper for s in solved])
-    assert metrics["actor/bapo/positive_share"] == pytest.approx([s.positive_share for s in solved])
+    assert metrics["actor/bapo/search/share"] == pytest.approx([s.positive_share for s in solved])
+    assert metrics["actor/bapo/search/scope"] == pytest.approx([0.0] * len(solved))
     for key in ("actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "actor/bapo/clip_frac/upper", "grad_norm"):
         assert all(torch.isfinite(torch.tensor(metrics[key]))), key
+
+
+def test_micro_batch_scope_solves_per_micro_batch_consistently_across_ranks(ranks):
+    micro = [rank["micro"] for rank in ranks]
+    assert micro[0]["probes"] == 0 and micro[0]["solved"] == []  # no pre-pass, no step search
+    lower, upper = micro[0]["metrics"]["actor/bapo/search/lower"], micro[0]["metrics"]["actor/bapo/search/upper"]
+    assert lower == micro[1]["metrics"]["actor/bapo/search/lower"]  # one all-reduce per micro-batch: same bounds
+    assert upper == micro[1]["metrics"]["actor/bapo/search/upper"]
+    assert all(scope == 1.0 for scope in micro[0]["metrics"]["actor/bapo/search/scope"])
+    assert micro[0]["all_reduces"] == micro[1]["all_reduces"]
+    # per micro-batch bounds move between micro-batches (not one value for the step)
+    assert len(set(zip(lower, upper))) > 1
+
+
+def test_micro_batch_scope_refuses_dynamic_batch_sizes(ranks):
+    assert "use_dynamic_bsz" in ranks[0]["micro_refusal"]
+
+
+def test_plugin_import_installs_the_worker_after_verl_loads_its_workers():
+    """Importing bapo.integrations.verl (verl's plugin entry point) before verl's worker module
+    makes ActorRolloutRefWorker build BAPOTrainingWorker once that module loads; building a
+    BAPOPolicyLossConfig no longer installs anything."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, bapo.integrations.verl\n"
+        "assert 'verl.workers.engine_workers' not in sys.modules\n"
+        "from bapo.integrations.verl import BAPOPolicyLossConfig\n"
+        "BAPOPolicyLossConfig()\n"
+        "import verl.workers.engine_workers as ew\n"
+        "from bapo.integrations.verl.worker import BAPOTrainingWorker\n"
+        "assert ew.ActorRolloutRefWorker.actor_worker_cls is BAPOTrainingWorker\n"
+    )
+    src = os.path.join(os.path.dirname(__file__), "..", "..", "src")
+    env = {**os.environ, "PYTHONPATH": os.path.abspath(src), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]

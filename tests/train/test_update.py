@@ -5,10 +5,10 @@ import copy
 import pytest
 import torch
 
-from bapo.core import BAPOConfig, search_bounds, token_ratio
+from bapo.core import BAPOConfig, policy_loss, search_bounds, token_ratio
 from bapo.train import Trainer
 from bapo.train.rollout import token_log_probs
-from bapo.train.update import optimizer_update
+from bapo.train.update import behaviour_is_current, optimizer_update
 from tests.train.conftest import arithmetic_examples, digit_share, make_config
 
 
@@ -56,7 +56,8 @@ def test_micro_batches_give_the_same_update(stale_setup, method):
                               BAPOConfig(**trainer.cfg.loss.bapo.model_dump()))
         assert (split["lower"], split["upper"]) == (found.lower, found.upper)
         assert (found.lower, found.upper) != (0.6, 1.2)  # the search moved
-        assert split["bapo/search_positive_share"] == pytest.approx(found.positive_share)
+        assert split["bapo/search/share"] == pytest.approx(found.positive_share)
+        assert split["bapo/search/tokens"] == batch.tokens and split["bapo/search/scope"] == 0.0
 
 
 def test_loss_dual_clip_reaches_the_loss_and_null_turns_it_off(stale_setup):
@@ -72,3 +73,75 @@ def test_loss_dual_clip_reaches_the_loss_and_null_turns_it_off(stale_setup):
         clipped[dual_clip] = optimizer_update(model, opt, sched, batch, cfg)["clip_frac/dual"]
     assert clipped[1.01] > 0 and clipped[None] == 0.0
     assert make_config(trainer.cfg.model.path, "unused").loss.dual_clip == 3.0
+
+
+def _sgd_update(model, batch, cfg, **kwargs):
+    """optimizer_update with SGD(lr=1) on a copy of `model`: (metrics, parameter delta, forward calls)."""
+    model = copy.deepcopy(model)
+    calls = []
+    model.register_forward_hook(lambda *_: calls.append(1))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    metrics = optimizer_update(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), batch, cfg, **kwargs)
+    delta = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+    return metrics, delta, len(calls)
+
+
+def test_micro_batch_scope_solves_each_micro_batch_alone(stale_setup):
+    trainer, batch = stale_setup
+    cfg = trainer.cfg.model_copy(deep=True)
+    cfg.optim.micro_batch_size, cfg.loss.bapo.scope = 5, "micro_batch"
+    metrics, delta, calls = _sgd_update(trainer.model, batch, cfg)
+    assert calls == 5  # 24 rows in micro-batches of 5: no extra forward
+    # reference: search_bounds on each micro-batch's ratio, policy_loss with those bounds, summed gradients
+    model = copy.deepcopy(trainer.model)
+    model.zero_grad()
+    bapo_cfg = BAPOConfig(**cfg.loss.bapo.model_dump())
+    found_all, tokens = [], []
+    for start in range(0, len(batch), 5):
+        mb = batch.select(torch.arange(start, min(start + 5, len(batch))))
+        lp, _ = token_log_probs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
+                                cfg.rollout.temperature)
+        found = search_bounds(token_ratio(lp.detach(), mb.old_log_prob), mb.advantages, mb.response_mask, bapo_cfg)
+        found_all.append(found)
+        tokens.append(mb.tokens)
+        loss, _ = policy_loss(lp, mb.old_log_prob, mb.advantages, mb.response_mask, "bapo",
+                              normalizer=float(batch.tokens), bounds=(found.lower, found.upper))
+        loss.backward()
+    expected = -torch.cat([p.grad.flatten() for p in model.parameters()])
+    torch.testing.assert_close(delta, expected, atol=1e-5, rtol=1e-4)
+    assert len({(f.lower, f.upper) for f in found_all}) > 1  # micro-batches settled on different bounds
+    mean_upper = sum(f.upper * n for f, n in zip(found_all, tokens)) / sum(tokens)
+    assert metrics["bapo/search/upper"] == pytest.approx(mean_upper)
+    assert metrics["bapo/search/scope"] == 1.0 and metrics["bapo/search/tokens"] == batch.tokens
+
+
+@pytest.fixture(scope="module")
+def fresh_setup(stale_setup):
+    """A batch the trainer's current weights just generated (every token of version trainer.version)."""
+    trainer, _ = stale_setup
+    batch, _ = trainer.rollout_step()
+    return trainer, batch
+
+
+def test_step_scope_skips_the_forward_on_a_fresh_batch(fresh_setup):
+    trainer, batch = fresh_setup
+    assert behaviour_is_current(batch, trainer.version) and not behaviour_is_current(batch, trainer.version + 1)
+    cfg = trainer.cfg.model_copy(deep=True)
+    cfg.optim.micro_batch_size = 5
+    skipped, delta_skipped, calls_skipped = _sgd_update(trainer.model, batch, cfg, version=trainer.version)
+    forward, delta_forward, calls_forward = _sgd_update(trainer.model, batch, cfg)  # version unknown: no-grad pass
+    micro_batches = -(-len(batch) // 5)
+    assert (calls_skipped, calls_forward) == (micro_batches, 2 * micro_batches)
+    for key in ("bapo/search/lower", "bapo/search/upper", "bapo/search/reached", "bapo/search/steps", "lower", "upper"):
+        assert skipped[key] == forward[key]
+    assert skipped["bapo/search/share"] == pytest.approx(forward["bapo/search/share"], abs=1e-6)
+    torch.testing.assert_close(delta_skipped, delta_forward)
+    # the ratio-1 search is the search on the recomputed ratios
+    with torch.no_grad():
+        lp, _ = token_log_probs(trainer.model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                batch.response_mask, cfg.rollout.temperature)
+    ratio = token_ratio(lp, batch.old_log_prob)
+    assert (ratio[batch.response_mask] - 1).abs().max() < 1e-4
+    found = search_bounds(ratio, batch.advantages, batch.response_mask, BAPOConfig(**cfg.loss.bapo.model_dump()))
+    assert (skipped["bapo/search/lower"], skipped["bapo/search/upper"]) == (found.lower, found.upper)

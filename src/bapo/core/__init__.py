@@ -22,6 +22,7 @@ from bapo.core.search import (
     search_bounds,
     token_contributions,
 )
+from bapo.core.search_metrics import search_metrics
 from bapo.core.target import EntropyTargetController, token_mean_over_ranks
 
 __all__ = [
@@ -29,5 +30,5 @@ __all__ = [
     "POLICY_LOSSES", "PromptRewardHistory", "SearchResult", "TokenBatch", "TokenLoss", "aggregate_loss",
     "candidate_grid", "clip_diagnostics", "clip_statistics", "clipped_surrogate", "entropy_from_logits",
     "group_advantages", "k3_kl", "policy_loss", "positive_share", "register_policy_loss", "search_bounds",
-    "smooth_advantages", "token_contributions", "token_mean_over_ranks", "token_ratio",
+    "search_metrics", "smooth_advantages", "token_contributions", "token_mean_over_ranks", "token_ratio",
 ]

@@ -356,7 +356,8 @@ class Trainer:
             mini = batch.select(rows_idx)
             staleness = (self.version - mini.versions[mini.response_mask]).float()
             search = self.bapo_target.search_config() if self.bapo_target else None
-            metrics = optimizer_update(self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg, search)
+            metrics = optimizer_update(self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg, search,
+                                       version=self.version)
             if self.bapo_target:  # rho0 of this update; the next one's from this update's entropy
                 metrics["bapo/target"] = search.target
                 self.bapo_target.update(metrics.get("entropy", float("nan")))

@@ -1,6 +1,6 @@
 """One optimizer update on one mini-batch: micro-batch gradient accumulation, the BAPO bound
-search over the whole update, optional KL / entropy terms, gradient clipping, and skipping of
-non-finite updates."""
+search (over the whole update, or per micro-batch: `loss.bapo.scope`), optional KL / entropy
+terms, gradient clipping, and skipping of non-finite updates."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import time
 
 import torch
 
-from bapo.core import BAPOConfig, BoundStats, ClipStats, aggregate_loss, k3_kl, policy_loss, token_ratio
+from bapo.core import (BAPOConfig, BoundStats, ClipStats, SearchResult, aggregate_loss, k3_kl, policy_loss,
+                       search_metrics, token_ratio)
 from bapo.core.losses import loss_parameters
 from bapo.train.config import TrainConfig
 from bapo.train.rollout import Batch, token_log_probs
@@ -31,7 +32,36 @@ def _forward(model, mb: Batch, cfg: TrainConfig):
                            cfg.rollout.temperature, with_entropy=True, entropy_grad=cfg.loss.entropy_coef > 0)
 
 
-def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig, bapo: BAPOConfig | None = None) -> dict:
+def behaviour_is_current(batch: Batch, version: int | None) -> bool:
+    """Whether every token of `batch` was sampled, and its behaviour log-prob computed, by policy
+    `version` (the weights about to be updated): then every ratio is 1 before the first update."""
+    return version is not None and bool((batch.versions[batch.response_mask] == version).all())
+
+
+def _step_bounds(model, micro: list[Batch], cfg: TrainConfig, bapo_cfg: BAPOConfig,
+                 ratio_is_one: bool) -> SearchResult | None:
+    """Bounds over every token of the update (scope "step"), or None when the update's own forward
+    serves (a single micro-batch). A batch the current weights just generated has ratio 1 on every
+    token, so the search runs on that without a forward; otherwise a no-grad forward first."""
+    stats = BoundStats(bapo_cfg)
+    if ratio_is_one:
+        for mb in micro:
+            stats.add(torch.ones_like(mb.old_log_prob), mb.advantages, mb.response_mask,
+                      behaviour_log_prob=mb.old_log_prob)
+        return stats.solve()
+    if len(micro) == 1:
+        return None
+    with torch.no_grad():
+        for mb in micro:
+            log_prob, _ = token_log_probs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
+                                          mb.response_mask, cfg.rollout.temperature)
+            stats.add(token_ratio(log_prob, mb.old_log_prob), mb.advantages, mb.response_mask,
+                      behaviour_log_prob=mb.old_log_prob)
+    return stats.solve()
+
+
+def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig, bapo: BAPOConfig | None = None,
+                     version: int | None = None) -> dict:
     """Forward+backward over micro-batches of `batch` (on the model's device), then one step.
 
     Returns metrics: every policy_loss diagnostic over all micro-batches (bapo.core.ClipStats,
@@ -39,6 +69,9 @@ def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig
     method's own metrics (mean over micro-batches), grad_norm
     (before clipping), lr, skipped (1 when the loss or gradient was non-finite and no step was taken).
     bapo: the search config of this update (the trainer's adaptive target); None = cfg.loss.bapo.
+    version: the policy version of the current weights; when every token of `batch` has it
+    (just generated, first update), BAPO's step-scope search needs no extra forward. Method bapo
+    adds bapo/search/* (bapo.core.search_metrics).
     """
     start = time.perf_counter()
     micro = [batch.select(torch.arange(s, min(s + cfg.optim.micro_batch_size, len(batch))))
@@ -47,32 +80,31 @@ def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig
     params = dict(cfg.loss.params)
     if cfg.loss.dual_clip is not None and "dual_clip" in loss_parameters(cfg.loss.method):
         params.setdefault("dual_clip", cfg.loss.dual_clip)
-    extra: dict[str, float] = {}
-    if cfg.loss.method == "bapo":
-        bapo_cfg = bapo or BAPOConfig(**cfg.loss.bapo.model_dump())
-        if len(micro) == 1:  # policy_loss searches on the ratio of the forward it is given
-            params["bapo"] = bapo_cfg
-        else:  # the search must see every token of the update: a no-grad pass first
-            stats = BoundStats(bapo_cfg)
-            with torch.no_grad():
-                for mb in micro:
-                    log_prob, _ = token_log_probs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                                  mb.response_mask, cfg.rollout.temperature)
-                    stats.add(token_ratio(log_prob, mb.old_log_prob), mb.advantages, mb.response_mask, behaviour_log_prob=mb.old_log_prob)
-            found = stats.solve()
+    bapo_cfg = (bapo or BAPOConfig(**cfg.loss.bapo.model_dump())) if cfg.loss.method == "bapo" else None
+    searches: list[tuple[SearchResult, int]] = []  # (result, tokens) per search, for bapo/search/*
+    if bapo_cfg is not None and bapo_cfg.scope == "step":
+        found = _step_bounds(model, micro, cfg, bapo_cfg, behaviour_is_current(batch, version))
+        if found is not None:
             params["bounds"] = (found.lower, found.upper)
-            extra = {"bapo/reached": float(found.reached), "bapo/steps": float(found.steps),
-                     "bapo/search_positive_share": found.positive_share, "bapo/pos_neg": found.pos_neg,
-                     "bapo/no_signal": float(found.no_signal)}
+            searches.append((found, batch.tokens))
 
     optimizer.zero_grad(set_to_none=True)
     diagnostic_sums: ClipStats | None = None  # the diagnostics' sums over the finite micro-batches
     losses: dict[str, float] = {}   # each term uses the update's normalizer, so micro-batch values add up
     own_metrics: list[dict[str, float]] = []
     finite = True
+    # the micro-batch's own forward serves the search: scope micro_batch, or a step of one micro-batch
+    search_in_loop = bapo_cfg is not None and not searches
     for mb in micro:
         log_prob, entropy = _forward(model, mb, cfg)
         mb_stats = ClipStats.empty(mb.response_mask.device)
+        if search_in_loop:
+            # validate=False: a non-finite forward must reach the skip below, not raise here
+            found = BoundStats(bapo_cfg).add(token_ratio(log_prob.detach(), mb.old_log_prob), mb.advantages,
+                                             mb.response_mask, validate=False,
+                                             behaviour_log_prob=mb.old_log_prob).solve()
+            searches.append((found, mb.tokens))
+            params["bounds"] = (found.lower, found.upper)
         loss, metrics = policy_loss(log_prob, mb.old_log_prob, mb.advantages, mb.response_mask, cfg.loss.method,
                                     loss_agg_mode=cfg.loss.agg_mode, normalizer=normalizer, entropy=entropy,
                                     stats=mb_stats, **params)
@@ -106,7 +138,8 @@ def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig
     out = {} if diagnostic_sums is None else {**diagnostic_sums.finalize(), **losses}
     for name in own_metrics[0] if own_metrics else ():  # e.g. bapo/reached of a search inside the loss
         out[name] = sum(metrics[name] for metrics in own_metrics) / len(own_metrics)
-    out.update(extra)
+    if bapo_cfg is not None:
+        out.update(search_metrics(searches, bapo_cfg.scope))
     out.update({"grad_norm": grad_norm, "lr": lr, "skipped": int(skipped), "tokens/update": batch.tokens,
                 "time/update_s": time.perf_counter() - start})
     return out

@@ -9,9 +9,14 @@ How one optimizer step goes (TRL buffers `steps_per_generation` micro-batches pe
 serves micro-batch s from `_buffered_inputs[s % steps_per_generation]`, and accumulates
 `gradient_accumulation_steps` micro-batches per optimizer step):
 
-1. At the first micro-batch of a step, one no-grad forward per micro-batch of that step gives
-   the current ratios; their `BoundStats` are summed and solved once (one all-reduce across
-   ranks when torch.distributed is up). So BAPO's bounds see the whole step, not one micro-batch.
+1. `bapo_scope="step"`: at the first micro-batch of a step, the `BoundStats` of every
+   micro-batch of that step are summed and solved once (one all-reduce across ranks when
+   torch.distributed is up), so BAPO's bounds see the whole step. The current ratios come from
+   one no-grad forward per micro-batch, except right after a generation (TRL's old log-probs were
+   computed by these weights: ratio 1) or on-policy (no old log-probs: ratio 1), where no forward runs.
+   `bapo_scope="micro_batch"`: each micro-batch solves its own bounds from the forward of its
+   loss (one all-reduce of the bucket sums per micro-batch; every rank runs the same number of
+   micro-batches per step under accelerate), no extra forward.
 2. Every micro-batch of the step then runs `policy_loss(method="bapo", bounds=those bounds)`
    with the normalizer of TRL's `loss_type`, so the summed micro-batch losses equal the loss of
    the whole step, as in TRL.
@@ -26,7 +31,8 @@ from torch import Tensor
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from bapo.core import BoundStats, EntropyTargetController, SearchResult, aggregate_loss, policy_loss, token_mean_over_ranks, token_ratio
+from bapo.core import (BoundStats, EntropyTargetController, SearchResult, aggregate_loss, policy_loss, search_metrics,
+                        token_mean_over_ranks, token_ratio)
 from bapo.core.validation import per_token
 from bapo.integrations.trl.config import BAPOGRPOConfig
 
@@ -35,6 +41,15 @@ FORWARD_FIELDS = (
     "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
     "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
 )
+
+
+def starts_optimizer_step(trainer: GRPOTrainer) -> bool:
+    """Whether the micro-batch about to run is the first of an optimizer step, read from TRL's own
+    state: `GRPOTrainer._step` counts the micro-batches already run (`training_step` increments it
+    after each) and TRL closes an optimizer step when `_step % current_gradient_accumulation_steps`
+    returns to 0 (its `step_time` metric). The one place that reads TRL's private counters;
+    tests/integrations/test_trl_trainer.py checks it against the optimizer steps TRL takes."""
+    return trainer._step % trainer.current_gradient_accumulation_steps == 0
 
 
 class BAPOGRPOTrainer(GRPOTrainer):
@@ -53,8 +68,7 @@ class BAPOGRPOTrainer(GRPOTrainer):
             raise TypeError(f"args: expected a BAPOGRPOConfig, got {type(args).__name__}; the BAPO fields live there")
         super().__init__(model, reward_funcs, args=args, **kwargs)
         self._loss_params = args.bapo_loss_params()
-        self._step_search: SearchResult | None = None
-        self._micro_batches_left = 0  # micro-batches of the current optimizer step still to use _step_search
+        self._step_search: SearchResult | None = None  # bounds of the current optimizer step (scope "step")
         # BAPO's rho0, fixed or steered by the entropy of the previous optimizer step (all ranks' tokens)
         self._bapo_target = EntropyTargetController(args.bapo_config())
         self._step_entropy = [0.0, 0.0]  # sum of token entropies, tokens: this step's training micro-batches
@@ -64,7 +78,7 @@ class BAPOGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs: dict[str, Any]) -> Tensor:
         """Loss of one micro-batch, scaled so that the step's micro-batch losses add up to the step loss."""
         mode = "train" if self.model.training else "eval"
-        params = self._step_loss_params(model, inputs, mode)  # before this forward's graph exists
+        params = self._step_loss_params(model, mode)  # before this forward's graph exists
         mask = self._loss_mask(inputs)
         advantages = self._advantages(inputs, mask)
         log_prob, entropy, aux_loss = self._completion_log_probs(
@@ -75,6 +89,12 @@ class BAPOGRPOTrainer(GRPOTrainer):
             self._step_entropy = [self._step_entropy[0] + float((entropy.detach() * mask).sum()),
                                   self._step_entropy[1] + float(mask.sum())]
         weights = self._token_weights(inputs, log_prob.detach(), old_log_prob, entropy, mask, advantages)
+        if params is None:  # bounds of this micro-batch alone, from the forward just run
+            stats = BoundStats(self._bapo_target.search_config()).add(
+                token_ratio(log_prob.detach(), old_log_prob), advantages, mask, weights=weights, validate=False,
+                behaviour_log_prob=old_log_prob)
+            search = self._log_search(stats.solve(), float(mask.sum()), mode)
+            params = {**self._loss_params, "bounds": (search.lower, search.upper)}
         loss_agg_mode, normalizer = self._aggregation(inputs, mask, mode)
         loss, metrics = policy_loss(
             log_prob, old_log_prob, advantages, mask, self.args.bapo_method,
@@ -91,22 +111,23 @@ class BAPOGRPOTrainer(GRPOTrainer):
 
     # ---- the bounds of one optimizer step ----------------------------------------------------------------
 
-    def _step_loss_params(self, model, inputs: dict[str, Any], mode: str) -> dict[str, Any]:
-        """`policy_loss` parameters of this micro-batch: the configured ones, plus BAPO's step bounds."""
+    def _step_loss_params(self, model, mode: str) -> dict[str, Any] | None:
+        """`policy_loss` parameters of this micro-batch: the configured ones, plus BAPO's step bounds;
+        None when the bounds come from this micro-batch's own forward (scope "micro_batch", evaluation)."""
         if self.args.bapo_method != "bapo":
             return self._loss_params
-        if mode == "eval":  # no accumulation in evaluation: the batch is the whole step
-            search = self._solve_bounds(model, [inputs], mode)
-        else:
-            if self._micro_batches_left == 0:
-                if self._bapo_target.config.target_mode == "entropy":  # every rank, every step: one all-reduce
-                    self._bapo_target.update(token_mean_over_ranks(*self._step_entropy, device=self.accelerator.device))
-                    self._step_entropy = [0.0, 0.0]
+        if mode == "eval":
+            return None  # evaluation has no accumulation: the batch is the whole step
+        scope = self._loss_params["bapo"].scope
+        if starts_optimizer_step(self):
+            if self._bapo_target.config.target_mode == "entropy":  # every rank, every step: one all-reduce
+                self._bapo_target.update(token_mean_over_ranks(*self._step_entropy, device=self.accelerator.device))
+                self._step_entropy = [0.0, 0.0]
+            if scope == "step":
                 self._step_search = self._solve_bounds(model, self._step_micro_batches(), mode)
-                self._micro_batches_left = self.current_gradient_accumulation_steps
-            self._micro_batches_left -= 1
-            search = self._step_search
-        return {**self._loss_params, "bounds": (search.lower, search.upper)}
+        if scope == "micro_batch":
+            return None
+        return {**self._loss_params, "bounds": (self._step_search.lower, self._step_search.upper)}
 
     def _step_micro_batches(self) -> list[dict[str, Any]]:
         """TRL's buffered micro-batches of the optimizer step that starts at micro-batch `self._step`.
@@ -144,21 +165,13 @@ class BAPOGRPOTrainer(GRPOTrainer):
                 weights = self._token_weights(inputs, log_prob, old_log_prob, entropy, mask, advantages)
                 stats.add(token_ratio(log_prob, old_log_prob), advantages, mask, weights=weights, behaviour_log_prob=old_log_prob)
                 tokens += float(mask.sum())
-        search = stats.solve()
-        search_metrics = {
-            "bapo/search/lower": search.lower,
-            "bapo/search/upper": search.upper,
-            "bapo/search/positive_share": search.positive_share,
-            "bapo/search/pos_neg": search.pos_neg,
-            "bapo/search/no_signal": float(search.no_signal),
-            "bapo/search/target": stats.config.target,
-            "bapo/search/reached": float(search.reached),
-            "bapo/search/steps": float(search.steps),
-            "bapo/search/micro_batches": float(len(micro_batches)),
-            "bapo/search/tokens": tokens,
-        }
-        for name, value in search_metrics.items():
+        return self._log_search(stats.solve(), tokens, mode)
+
+    def _log_search(self, search: SearchResult, tokens: float, mode: str) -> SearchResult:
+        """Append bapo/search/* of one search to TRL's metrics (TRL averages them per logging step)."""
+        for name, value in search_metrics([(search, int(tokens))], self._loss_params["bapo"].scope).items():
             self._metrics[mode][name].append(value)
+        self._metrics[mode]["bapo/target"].append(self._bapo_target.target)
         return search
 
     def _search_log_probs(

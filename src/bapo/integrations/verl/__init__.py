@@ -9,15 +9,17 @@ in every process through the `verl.plugins` entry point, and Hydra imports it wh
     +actor_rollout_ref.actor.policy_loss.target=0.5           # any BAPOConfig field, see config.py
 
 With that config every actor worker solves BAPO's bounds once per optimizer step over the
-whole mini-batch and all data-parallel ranks (`worker.BAPOTrainingWorker`); metrics appear as
-actor/bapo/lower, actor/bapo/upper, actor/bapo/positive_share, ... next to verl's own.
+whole mini-batch and all data-parallel ranks (`worker.BAPOTrainingWorker`; policy_loss.scope=micro_batch:
+per micro-batch, no extra forward); the search's metrics appear as actor/bapo/search/{lower, upper,
+share, pos_neg, reached, steps, scope, tokens}, the loss's diagnostics as actor/bapo/..., next to verl's own.
 `BAPOTrainingWorker` and `install` live in `bapo.integrations.verl.worker`, which imports verl's
 worker stack (Ray, FastAPI, uvicorn); this module imports only verl's loss registry and configs.
 """
 
-from bapo.integrations.verl.config import BAPOPolicyLossConfig
+from bapo.integrations.verl.config import BAPOPolicyLossConfig, install_worker_hook
 from bapo.integrations.verl.losses import VERL_LOSSES, core_aggregation, make_verl_loss, register_verl_losses
 
 register_verl_losses()
+install_worker_hook()  # the bound-search worker, once verl's worker module loads
 
 __all__ = ["BAPOPolicyLossConfig", "VERL_LOSSES", "core_aggregation", "make_verl_loss", "register_verl_losses"]

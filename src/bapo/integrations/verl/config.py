@@ -8,14 +8,21 @@ patching verl:
     actor_rollout_ref.actor.policy_loss.loss_mode=bapo
     +actor_rollout_ref.actor.policy_loss.target=0.5
 
-Building it (verl does so in every actor worker, in `ActorRolloutRefWorker.init_model`, just
-before it builds its inner `TrainingWorker`) also installs the per-mini-batch bound search; see
+The config holds configuration only. What the worker solves for one optimizer step reaches the
+loss through `step_bounds`, a context variable the worker sets around that step
+(`optimizer_step_bounds`); the worker itself is installed from the plugin entry point
+(`install_worker_hook`, run when `bapo.integrations.verl` is imported); see
 `bapo.integrations.verl.worker`.
 """
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.util
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
@@ -25,6 +32,40 @@ from bapo.core import BAPOConfig, SearchResult
 
 # The losses whose bounds are solved once per optimizer step, before the first micro-batch.
 BOUND_SEARCH_LOSSES = ("bapo",)
+WORKER_MODULE = "verl.workers.engine_workers"
+
+
+@dataclass(frozen=True)
+class StepBounds:
+    """What the worker hands the loss for one optimizer step.
+
+    solved: scope "step": the bounds searched over the whole mini-batch on all ranks.
+    process_group: scope "micro_batch": the data-parallel group each micro-batch's loss
+      all-reduces its bucket sums over (None: the default group).
+    """
+
+    scope: str
+    solved: SearchResult | None = None
+    tokens: int = 0  # tokens the step search saw (this rank)
+    process_group: Any = None
+
+
+_step_bounds: ContextVar[StepBounds | None] = ContextVar("bapo_verl_step_bounds", default=None)
+
+
+@contextmanager
+def optimizer_step_bounds(bounds: StepBounds) -> Iterator[StepBounds]:
+    """Make `bounds` visible to the bapo loss for the optimizer step run inside this block."""
+    token = _step_bounds.set(bounds)
+    try:
+        yield bounds
+    finally:
+        _step_bounds.reset(token)
+
+
+def step_bounds() -> StepBounds | None:
+    """The bounds of the optimizer step in progress (None outside BAPOTrainingWorker.train_batch)."""
+    return _step_bounds.get()
 
 
 @dataclass
@@ -41,12 +82,10 @@ class BAPOPolicyLossConfig(PolicyLossConfig):
     dcpo: eps_low, eps_high, ratio_max.
     None means bapo.core's default for that loss.
 
-    `solved` is runtime state, not configuration: the bounds searched over the current
-    mini-batch on all ranks (a `SearchResult`), set by `BAPOTrainingWorker` for one optimizer
-    step and read by the registered `bapo` loss.
+    scope: "step" (bounds over the mini-batch and all ranks, solved by BAPOTrainingWorker) or
+      "micro_batch" (each micro-batch's loss solves its own, one all-reduce per micro-batch;
+      needs actor.use_dynamic_bsz=False so that every rank runs the same number of micro-batches).
     """
-
-    _mutable_fields = PolicyLossConfig._mutable_fields | {"solved"}
 
     loss_mode: str = "bapo"
     target: float = BAPOConfig.target
@@ -78,11 +117,9 @@ class BAPOPolicyLossConfig(PolicyLossConfig):
 
     def __post_init__(self) -> None:
         getattr(super(), "__post_init__", lambda: None)()
-        self.solved: SearchResult | None = None
         if self.bapo_config().target_mode == "entropy":  # also fails at config time on a bad search space
             raise ValueError("target_mode: 'entropy' is not wired into verl's workers yet; use target_mode=fixed "
                              "there (bapo train and BAPOGRPOTrainer support it)")
-        _install_worker_hook()
 
     def bapo_config(self) -> BAPOConfig:
         """The search space and target as bapo.core's BAPOConfig."""
@@ -94,22 +131,43 @@ class BAPOPolicyLossConfig(PolicyLossConfig):
         return self.loss_mode in BOUND_SEARCH_LOSSES
 
     def core_params(self, method: str) -> dict[str, Any]:
-        """Keyword parameters of bapo.core.policy_loss(method=...) taken from this config."""
+        """Keyword parameters of bapo.core.policy_loss(method=...) taken from this config (bounds: see step_bounds)."""
         if method == "bapo":
-            bounds = None if self.solved is None else (self.solved.lower, self.solved.upper)
-            return {"bapo": self.bapo_config(), "bounds": bounds, "dual_clip": self.dual_clip}
+            return {"bapo": self.bapo_config(), "dual_clip": self.dual_clip}
         names = {"topr": ("negative_ratio_max",), "dcpo": ("eps_low", "eps_high", "ratio_max")}[method]
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
 
 
-def _install_worker_hook() -> None:
-    """Install the bound-search worker where verl's actor workers live (their module is loaded).
+class _InstallAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Runs `install()` right after verl's worker module has been imported (one shot)."""
 
-    In an actor worker, `verl.workers.engine_workers` is always imported by the time verl builds
-    this config; elsewhere (a driver validating configs, a unit test) nothing is installed and
-    nothing heavy is imported.
-    """
-    if "verl.workers.engine_workers" in sys.modules:
+    def find_spec(self, name, path, target=None):
+        if name != WORKER_MODULE:
+            return None
+        sys.meta_path.remove(self)  # find the real module below us, and never fire twice
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.loader is None:
+            return spec
+        self.real_loader, spec.loader = spec.loader, self
+        return spec
+
+    def create_module(self, spec):
+        return self.real_loader.create_module(spec)
+
+    def exec_module(self, module) -> None:
+        self.real_loader.exec_module(module)
         from bapo.integrations.verl.worker import install
 
         install()
+
+
+def install_worker_hook() -> None:
+    """Make verl's actor workers build `BAPOTrainingWorker`: now when verl's worker module is
+    loaded, else right after it is first imported. Called by `bapo.integrations.verl`, which verl
+    imports in every process through the `verl.plugins` entry point; imports nothing heavy itself."""
+    if WORKER_MODULE in sys.modules:
+        from bapo.integrations.verl.worker import install
+
+        install()
+    elif not any(isinstance(finder, _InstallAfterImport) for finder in sys.meta_path):
+        sys.meta_path.insert(0, _InstallAfterImport())

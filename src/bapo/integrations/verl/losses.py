@@ -17,12 +17,13 @@ import math
 from typing import Any, Optional
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
 
-from bapo.core import policy_loss
+from bapo.core import BoundStats, policy_loss, search_metrics, token_ratio
 from bapo.core.diagnostics import LOG_RATIO_CLAMP
-from bapo.integrations.verl.config import BAPOPolicyLossConfig
+from bapo.integrations.verl.config import BAPOPolicyLossConfig, step_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,7 @@ def core_aggregation(
     return loss_agg_mode, sequences / dp_size
 
 
-def verl_metrics(core_metrics: dict[str, float], k1_kl: float, policy_loss_config: Any) -> dict[str, float]:
+def verl_metrics(core_metrics: dict[str, float], k1_kl: float, search: dict[str, float] | None = None) -> dict[str, float]:
     """bapo.core's diagnostics under verl's metric names.
 
     actor/pg_clipfrac: share of masked tokens whose clipped term is active (verl's meaning);
@@ -78,8 +79,8 @@ def verl_metrics(core_metrics: dict[str, float], k1_kl: float, policy_loss_confi
     over all masked tokens); actor/ppo_kl: verl's k1 estimate mean(old_log_prob - log_prob);
     everything else under actor/bapo/... (lower, upper, positive_share, clip_frac/upper,
     clip_frac/lower, clip_frac/dual, quadrants, approx_kl, ...; bapo/no_signal as actor/bapo/no_signal).
-    With bounds solved over the whole mini-batch, positive_share, reached and steps are the
-    search's, over all ranks. Non-finite values (TOPR's unbounded upper) are left out.
+    search: bapo.core.search_metrics of the bounds in effect, logged as actor/bapo/search/*.
+    Non-finite values (TOPR's unbounded upper) are left out.
     """
     negative = core_metrics["quadrant/high_neg/count"] + core_metrics["quadrant/low_neg/count"]
     metrics = {
@@ -90,13 +91,9 @@ def verl_metrics(core_metrics: dict[str, float], k1_kl: float, policy_loss_confi
     for name, value in core_metrics.items():
         if name not in DROPPED_METRICS and math.isfinite(value):
             metrics[METRIC_PREFIX + name.removeprefix("bapo/")] = value
-    solved = getattr(policy_loss_config, "solved", None)
-    if solved is not None:
-        metrics[METRIC_PREFIX + "positive_share"] = solved.positive_share
-        metrics[METRIC_PREFIX + "reached"] = float(solved.reached)
-        metrics[METRIC_PREFIX + "pos_neg"] = solved.pos_neg
-        metrics[METRIC_PREFIX + "no_signal"] = float(solved.no_signal)
-        metrics[METRIC_PREFIX + "steps"] = float(solved.steps)
+    for name, value in (search or {}).items():
+        if math.isfinite(value):
+            metrics["actor/" + name] = value
     return metrics
 
 
@@ -130,7 +127,7 @@ def _core_params(method: str, config: Any) -> dict[str, Any]:
     if method in DUAL_CLIP_LOSSES and params.get("dual_clip") is None:
         getter = config.get if hasattr(config, "get") else lambda name, default: getattr(config, name, default)
         params["dual_clip"] = getter("clip_ratio_c", 3.0)
-    if method == "bapo" and params.get("bounds") is None and not _warned_per_micro_batch:
+    if method == "bapo" and step_bounds() is None and not _warned_per_micro_batch:
         _warned_per_micro_batch = True
         logger.warning(
             "bapo: no bounds solved for this optimizer step, searching on each micro-batch alone. "
@@ -138,6 +135,27 @@ def _core_params(method: str, config: Any) -> dict[str, Any]:
             "so that the bounds are solved over the whole mini-batch and all data-parallel ranks."
         )
     return params
+
+
+def _bounds_of_this_micro_batch(params: dict[str, Any], log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
+                                response_mask: Tensor, weights: Optional[Tensor]) -> dict[str, float] | None:
+    """Set params["bounds"] from the worker's step bounds (scope step) or from this micro-batch's
+    own ratios, summed over the data-parallel group with one all-reduce (scope micro_batch);
+    returns their bapo/search/* metrics (None without a BAPOTrainingWorker: bapo_loss then
+    searches this micro-batch alone)."""
+    bounds = step_bounds()
+    if bounds is None:
+        return None
+    if bounds.scope == "step":
+        found, tokens = bounds.solved, bounds.tokens
+    else:
+        stats = BoundStats(params["bapo"]).add(token_ratio(log_prob.detach(), old_log_prob), advantages,
+                                               response_mask.bool(), weights=weights, validate=False,
+                                               behaviour_log_prob=old_log_prob)
+        found = stats.solve(process_group=bounds.process_group, sync=dist.is_available() and dist.is_initialized())
+        tokens = int(response_mask.sum())
+    params["bounds"] = (found.lower, found.upper)
+    return search_metrics([(found, tokens)], bounds.scope)
 
 
 def make_verl_loss(method: str):
@@ -155,9 +173,10 @@ def make_verl_loss(method: str):
         """All tensors [B, T] of one micro-batch; config: verl's ActorConfig. Returns (loss, metrics)."""
         if config is None:
             raise ValueError("config: verl's ActorConfig is required (verl passes it from ppo_loss)")
-        policy_loss_config = getattr(config, "policy_loss", None)
         params = _core_params(method, config)
         mode, normalizer = core_aggregation(loss_agg_mode, response_mask, **config.global_batch_info)
+        search = _bounds_of_this_micro_batch(params, log_prob, old_log_prob, advantages, response_mask,
+                                             rollout_is_weights) if method == "bapo" else None
         loss, core_metrics = policy_loss(
             log_prob,
             old_log_prob,
@@ -170,7 +189,7 @@ def make_verl_loss(method: str):
             **params,
         )
         k1_kl = float(_k1_kl(log_prob, old_log_prob, response_mask))
-        return loss, verl_metrics(core_metrics, k1_kl, policy_loss_config)
+        return loss, verl_metrics(core_metrics, k1_kl, search)
 
     verl_policy_loss.__name__ = verl_policy_loss.__qualname__ = f"verl_{method}_loss"
     return verl_policy_loss

@@ -8,8 +8,13 @@ depend on the ratios of all of them, so `BAPOTrainingWorker.train_batch` first r
 forward of the mini-batch through the same engine (`engine.infer_batch`, the path verl's own
 `compute_log_prob` takes) with a "loss" that only adds each micro-batch's ratios to a
 `bapo.core.BoundStats`; then one all-reduce over the data-parallel group (`BoundStats.solve`)
-gives every rank the same bounds, which the registered `bapo` loss reads from
-`config.policy_loss.solved` during the real step.
+gives every rank the same bounds, which the registered `bapo` loss reads from the context
+variable `config.step_bounds()` that `train_batch` sets around the real step.
+
+With `policy_loss.scope=micro_batch` there is no pre-pass: each micro-batch's loss solves its own
+bounds from the forward it runs, with one all-reduce of the bucket sums per micro-batch over the
+data-parallel group. That is rank-consistent only if every rank runs the same number of
+micro-batches, which verl's dynamic batch size does not guarantee: that combination is refused.
 
 Collectives: bapo adds one all-reduce per mini-batch, issued after the pre-pass, and nothing per
 micro-batch. Every rank runs the same number of mini-batches (verl gives each the same per-rank
@@ -37,7 +42,7 @@ from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 from verl.workers.utils.padding import no_padding_2_padding
 
 from bapo.core import BoundStats, SearchResult, token_ratio
-from bapo.integrations.verl.config import BAPOPolicyLossConfig
+from bapo.integrations.verl.config import BAPOPolicyLossConfig, StepBounds, optimizer_step_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +50,8 @@ logger = logging.getLogger(__name__)
 PROBE_FIELDS = ("response_mask", "old_log_probs", "advantages")
 
 
-def add_bound_stats(model_output: dict, data: TensorDict, dp_group=None, *, stats: BoundStats) -> tuple[torch.Tensor, dict]:
+def add_bound_stats(model_output: dict, data: TensorDict, dp_group=None, *, stats: BoundStats,
+                    token_counts: list[int] | None = None) -> tuple[torch.Tensor, dict]:
     """A verl loss_function for the no-grad pre-pass: add one micro-batch to `stats`, return loss 0.
 
     model_output["log_probs"]: nested [B, j] over prompt + response (verl's no-padding layout);
@@ -60,6 +66,8 @@ def add_bound_stats(model_output: dict, data: TensorDict, dp_group=None, *, stat
     ratio = token_ratio(log_prob, tokens["old_log_probs"].to(log_prob.dtype))
     stats.add(ratio, tokens["advantages"].to(log_prob.dtype), tokens["response_mask"].to(torch.bool), weights=weights,
               behaviour_log_prob=tokens["old_log_probs"].to(log_prob.dtype))
+    if token_counts is not None:
+        token_counts.append(int(tokens["response_mask"].sum()))
     return torch.zeros((), device=log_prob.device), {}
 
 
@@ -93,14 +101,23 @@ class BAPOTrainingWorker(TrainingWorker):
         policy_loss = bound_search_config(self.loss_fn)
         if policy_loss is None:
             return super().train_batch(data)
-        policy_loss.solved = self.solve_bounds(data, policy_loss)
-        try:
+        dp_group = self.engine.get_data_parallel_group()
+        if policy_loss.scope == "micro_batch":
+            if tu.get(data, key="use_dynamic_bsz", default=self.engine_config.use_dynamic_bsz):
+                raise ValueError(
+                    "policy_loss.scope=micro_batch needs the same number of micro-batches on every rank, which "
+                    "dynamic batch sizes do not give: set actor_rollout_ref.actor.use_dynamic_bsz=False "
+                    "(with ppo_micro_batch_size_per_gpu) or policy_loss.scope=step")
+            bounds = StepBounds("micro_batch", process_group=dp_group)
+        else:
+            solved, tokens = self.solve_bounds(data, policy_loss)
+            bounds = StepBounds("step", solved=solved, tokens=tokens)
+        with optimizer_step_bounds(bounds):
             return super().train_batch(data)
-        finally:
-            policy_loss.solved = None
 
-    def solve_bounds(self, data: TensorDict, policy_loss: BAPOPolicyLossConfig) -> SearchResult:
-        """No-grad forward of the mini-batch `data`, then one all-reduce: the same bounds on every rank."""
+    def solve_bounds(self, data: TensorDict, policy_loss: BAPOPolicyLossConfig) -> tuple[SearchResult, int]:
+        """No-grad forward of the mini-batch `data`, then one all-reduce: the same bounds on every
+        rank, and the tokens of this rank the search saw."""
         dp_group = self.engine.get_data_parallel_group()
         stats = BoundStats(policy_loss.bapo_config(), device=collective_device(dp_group))
         probe = data.copy()  # shallow: the engine writes its batch info here, not into `data`
@@ -117,8 +134,9 @@ class BAPOTrainingWorker(TrainingWorker):
         tu.assign_non_tensor(probe, calculate_entropy=False, distillation_use_topk=False)
         disable_auto_offload = tu.get(data, key="disable_auto_offload", default=False)
         with self.engine.train_mode(disable_auto_offload=disable_auto_offload):
-            self.engine.infer_batch(probe, loss_function=partial(add_bound_stats, stats=stats))
-        return stats.solve(process_group=dp_group)
+            token_counts: list[int] = []
+            self.engine.infer_batch(probe, loss_function=partial(add_bound_stats, stats=stats, token_counts=token_counts))
+        return stats.solve(process_group=dp_group), sum(token_counts)
 
 
 def install() -> None:
