@@ -106,7 +106,7 @@ def test_micro_batch_scope_solves_each_micro_batch_alone(stale_setup):
         found_all.append(found)
         tokens.append(mb.tokens)
         loss, _ = policy_loss(lp, mb.old_log_prob, mb.advantages, mb.response_mask, "bapo",
-                              normalizer=float(batch.tokens), bounds=(found.lower, found.upper))
+                              normalizer=float(batch.tokens), bounds=(found.lower, found.upper), dual_clip=cfg.loss.dual_clip)
         loss.backward()
     expected = -torch.cat([p.grad.flatten() for p in model.parameters()])
     torch.testing.assert_close(delta, expected, atol=1e-5, rtol=1e-4)

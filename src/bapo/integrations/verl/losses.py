@@ -80,7 +80,10 @@ def verl_metrics(core_metrics: dict[str, float], k1_kl: float, search: dict[str,
     everything else under actor/bapo/... (lower, upper, positive_share, clip_frac/upper,
     clip_frac/lower, clip_frac/dual, quadrants, approx_kl, ...; bapo/no_signal as actor/bapo/no_signal).
     search: bapo.core.search_metrics of the bounds in effect, logged as actor/bapo/search/*.
-    Non-finite values (TOPR's unbounded upper) are left out.
+    The key set must not vary between micro-batches (verl aggregates each key over micro-batches
+    and data-parallel ranks and refuses unequal counts), so a missing value (no signal: NaN share;
+    pos/neg inf when no negative contribution) is logged as NaN; only a method's structurally
+    unbounded ratio bound (TOPR's upper, inf in every micro-batch) is left out.
     """
     negative = core_metrics["quadrant/high_neg/count"] + core_metrics["quadrant/low_neg/count"]
     metrics = {
@@ -89,11 +92,11 @@ def verl_metrics(core_metrics: dict[str, float], k1_kl: float, search: dict[str,
         "actor/pg_clipfrac_lower": core_metrics["clip_frac/dual"] * negative / max(core_metrics["tokens"], 1.0),
     }
     for name, value in core_metrics.items():
-        if name not in DROPPED_METRICS and math.isfinite(value):
-            metrics[METRIC_PREFIX + name.removeprefix("bapo/")] = value
+        if name in DROPPED_METRICS or (name in ("lower", "upper") and math.isinf(value)):
+            continue
+        metrics[METRIC_PREFIX + name.removeprefix("bapo/")] = value if math.isfinite(value) else math.nan
     for name, value in (search or {}).items():
-        if math.isfinite(value):
-            metrics["actor/" + name] = value
+        metrics["actor/" + name] = value if math.isfinite(value) else math.nan
     return metrics
 
 
