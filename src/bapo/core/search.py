@@ -30,6 +30,18 @@ CONTRIBUTIONS = ("gradient", "clamped")
 WEIGHTINGS = ("none", "behaviour_prob")
 STEPPINGS = ("grid", "add_clamped")
 TARGET_MODES = ("fixed", "entropy")
+# arXiv 2510.18927: Eq. 8 literally, Algorithm 1's order, the paper's rho0 and ranges.
+PAPER_SETTINGS = {
+    "target": 0.4, "target_kind": "share", "contribution": "clamped", "weighting": "behaviour_prob",
+    "lower_start": 0.6, "lower_max": 0.9, "lower_step": 0.02, "upper_start": 1.2, "upper_max": 3.0, "upper_step": 0.05,
+    "order": "upper-first", "stepping": "grid", "pos_neg_eps": 0.0,
+}
+# The public verl recipe: recipe/bapo/policy_loss.py (loop, pos/(neg + eps)) and config/bapo_trainer.yaml.
+RECIPE_SETTINGS = {
+    "target": 1.0, "target_kind": "pos_neg", "contribution": "clamped", "weighting": "none",
+    "lower_start": 0.6, "lower_max": 0.8, "lower_step": 0.05, "upper_start": 1.2, "upper_max": 2.0, "upper_step": 0.05,
+    "order": "lower-first", "stepping": "add_clamped", "pos_neg_eps": 1e-8,
+}
 
 
 @dataclass(frozen=True)
@@ -124,24 +136,19 @@ class BAPOConfig:
                                  f"target_entropy <= 0 (hold the entropy of the first updates)")
 
     @classmethod
-    def paper(cls, **overrides) -> "BAPOConfig":
+    def paper(cls, **overrides) -> BAPOConfig:
         """arXiv 2510.18927 taken literally: Eq. 8's share (clamped clipped-surrogate magnitudes,
         each token weighted by pi_behaviour(y_t)), rho0 0.4, lower [0.6, 0.9] step 0.02, upper
         [1.2, 3.0] step 0.05, Algorithm 1's upper-first order on the grid start + k*step."""
-        return cls(**{**dict(target=0.4, target_kind="share", contribution="clamped", weighting="behaviour_prob",
-                             lower_start=0.6, lower_max=0.9, lower_step=0.02, upper_start=1.2, upper_max=3.0,
-                             upper_step=0.05, order="upper-first", stepping="grid", pos_neg_eps=0.0), **overrides})
+        return cls(**{**PAPER_SETTINGS, **overrides})
 
     @classmethod
-    def recipe(cls, **overrides) -> "BAPOConfig":
+    def recipe(cls, **overrides) -> BAPOConfig:
         """The public verl recipe (recipe/bapo: policy_loss.py and config/bapo_trainer.yaml):
         pos/(neg + 1e-8) >= 1.0 of clamped contributions without probability weight, lower
         [0.6, 0.8] then upper [1.2, 2.0], steps 0.05, each step min(current + step, max).
         Its loss also always applies dual-clip 3.0; that is the loss's setting, not the search's."""
-        return cls(**{**dict(target=1.0, target_kind="pos_neg", contribution="clamped", weighting="none",
-                             lower_start=0.6, lower_max=0.8, lower_step=0.05, upper_start=1.2, upper_max=2.0,
-                             upper_step=0.05, order="lower-first", stepping="add_clamped", pos_neg_eps=1e-8),
-                          **overrides})
+        return cls(**{**RECIPE_SETTINGS, **overrides})
 
     @property
     def lower_grid(self) -> list[float]:
@@ -391,7 +398,7 @@ class BoundStats:
         return bucket
 
     def add(self, ratio: Tensor, advantages: Tensor, mask: Tensor, *, weights: Tensor | None = None,
-            behaviour_log_prob: Tensor | None = None, validate: bool = True) -> "BoundStats":
+            behaviour_log_prob: Tensor | None = None, validate: bool = True) -> BoundStats:
         """Accumulate one micro-batch. ratio, mask: [B, T]; advantages: [B, T] or [B].
 
         weights: optional [B, T] per-token loss multipliers >= 0 (rollout importance weights, TRL's
