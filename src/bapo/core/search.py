@@ -277,9 +277,9 @@ def positive_share(ratio: Tensor, advantages: Tensor, mask: Tensor, lower: float
     masked tokens count nowhere. NaN when nothing contributes (0/0).
     """
     _check_search_inputs(ratio, advantages, mask, weights, behaviour_log_prob)
-    positive, negative = token_contributions(ratio, advantages, mask, lower, upper, config, weights=weights,
-                                             behaviour_log_prob=behaviour_log_prob)
-    positive, negative = float(positive.sum()), float(negative.sum())
+    positive_tokens, negative_tokens = token_contributions(ratio, advantages, mask, lower, upper, config,
+                                                           weights=weights, behaviour_log_prob=behaviour_log_prob)
+    positive, negative = float(positive_tokens.sum()), float(negative_tokens.sum())
     total = positive + negative
     return math.nan if total == 0.0 else positive / total
 
@@ -452,6 +452,8 @@ def candidate_sums(positive_sums: Tensor, negative_sums: Tensor, config: BAPOCon
     # Buckets i > k: r >= lower_k.
     negative = torch.flip(torch.cumsum(torch.flip(negative_sums, [0]), 0), [0])[1:]
     if config.contribution == "clamped":
+        if magnitude_sums is None:
+            raise ValueError("magnitude_sums: required for contribution='clamped' (BoundStats.magnitude_sums)")
         positive_magnitude, negative_magnitude = magnitude_sums
         upper = torch.tensor(config.upper_grid, dtype=torch.float64, device=positive.device)
         lower = torch.tensor(config.lower_grid, dtype=torch.float64, device=negative.device)
