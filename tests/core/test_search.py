@@ -8,9 +8,20 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bapo.core import BAPOConfig, BoundStats, candidate_grid, positive_share, search_bounds
+from bapo.core import (
+    BAPOConfig,
+    BoundStats,
+    candidate_grid,
+    positive_share,
+    search_bounds,
+)
 from bapo.core.search import token_contributions
-from tests.core.reference import reference_search, reference_share, reference_sums, _tokens
+from tests.core.reference import (
+    _tokens,
+    reference_search,
+    reference_share,
+    reference_sums,
+)
 
 GRADIENT = [
     BAPOConfig(target=0.5, lower_start=0.6, lower_max=0.9, lower_step=0.05, upper_start=1.2, upper_max=3.0,

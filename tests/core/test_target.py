@@ -8,7 +8,7 @@ import torch
 from bapo.core import BAPOConfig, policy_loss
 from bapo.core.target import EntropyTargetController, token_mean_over_ranks
 
-ENTROPY = dict(target=0.5, target_mode="entropy", target_min=0.2, target_max=0.8)
+ENTROPY = {"target": 0.5, "target_mode": "entropy", "target_min": 0.2, "target_max": 0.8}
 
 
 def test_the_law_step_by_step():

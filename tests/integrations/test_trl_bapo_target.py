@@ -6,7 +6,7 @@ import pytest
 
 pytest.importorskip("trl")
 
-from tests.integrations.test_trl_trainer import make_trainer, tiny_model_dir  # noqa: E402,F401
+from tests.integrations.test_trl_trainer import make_trainer, tiny_model_dir  # noqa: F401
 
 
 def test_entropy_target_moves_after_the_hold_and_is_logged(tiny_model_dir, tmp_path):  # noqa: F811
@@ -18,3 +18,15 @@ def test_entropy_target_moves_after_the_hold_and_is_logged(tiny_model_dir, tmp_p
     assert len(targets) == 4 and targets[:2] == [0.6, 0.6]  # step 1: no entropy yet; step 2: set point taken
     assert all(0.1 <= t <= 0.9 and math.isfinite(t) for t in targets) and targets[2:] != [0.6, 0.6]
     assert trainer._bapo_target.set_point > 0
+
+
+def test_controller_state_is_in_the_checkpoint(tiny_model_dir, tmp_path):  # noqa: F811
+    options = {"num_iterations": 2, "bapo_target": 0.6, "bapo_target_mode": "entropy", "bapo_target_hold_updates": 1,
+                   "bapo_target_min": 0.1, "bapo_target_max": 0.9}
+    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=3, save_strategy="steps", save_steps=3, **options)
+    trainer.train()
+    saved = trainer._bapo_target.state_dict()
+    assert saved["set_point"] is not None
+    resumed = make_trainer(tiny_model_dir, tmp_path, max_steps=3, **options)
+    resumed._load_from_checkpoint(str(tmp_path / "out" / "checkpoint-3"))
+    assert resumed._bapo_target.state_dict() == saved and resumed._step_entropy == trainer._step_entropy

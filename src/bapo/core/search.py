@@ -30,6 +30,18 @@ CONTRIBUTIONS = ("gradient", "clamped")
 WEIGHTINGS = ("none", "behaviour_prob")
 STEPPINGS = ("grid", "add_clamped")
 TARGET_MODES = ("fixed", "entropy")
+# arXiv 2510.18927: Eq. 8 literally, Algorithm 1's order, the paper's rho0 and ranges.
+PAPER_SETTINGS = {
+    "target": 0.4, "target_kind": "share", "contribution": "clamped", "weighting": "behaviour_prob",
+    "lower_start": 0.6, "lower_max": 0.9, "lower_step": 0.02, "upper_start": 1.2, "upper_max": 3.0, "upper_step": 0.05,
+    "order": "upper-first", "stepping": "grid", "pos_neg_eps": 0.0,
+}
+# The public verl recipe: recipe/bapo/policy_loss.py (loop, pos/(neg + eps)) and config/bapo_trainer.yaml.
+RECIPE_SETTINGS = {
+    "target": 1.0, "target_kind": "pos_neg", "contribution": "clamped", "weighting": "none",
+    "lower_start": 0.6, "lower_max": 0.8, "lower_step": 0.05, "upper_start": 1.2, "upper_max": 2.0, "upper_step": 0.05,
+    "order": "lower-first", "stepping": "add_clamped", "pos_neg_eps": 1e-8,
+}
 
 
 @dataclass(frozen=True)
@@ -124,24 +136,19 @@ class BAPOConfig:
                                  f"target_entropy <= 0 (hold the entropy of the first updates)")
 
     @classmethod
-    def paper(cls, **overrides) -> "BAPOConfig":
+    def paper(cls, **overrides) -> BAPOConfig:
         """arXiv 2510.18927 taken literally: Eq. 8's share (clamped clipped-surrogate magnitudes,
         each token weighted by pi_behaviour(y_t)), rho0 0.4, lower [0.6, 0.9] step 0.02, upper
         [1.2, 3.0] step 0.05, Algorithm 1's upper-first order on the grid start + k*step."""
-        return cls(**{**dict(target=0.4, target_kind="share", contribution="clamped", weighting="behaviour_prob",
-                             lower_start=0.6, lower_max=0.9, lower_step=0.02, upper_start=1.2, upper_max=3.0,
-                             upper_step=0.05, order="upper-first", stepping="grid", pos_neg_eps=0.0), **overrides})
+        return cls(**{**PAPER_SETTINGS, **overrides})
 
     @classmethod
-    def recipe(cls, **overrides) -> "BAPOConfig":
+    def recipe(cls, **overrides) -> BAPOConfig:
         """The public verl recipe (recipe/bapo: policy_loss.py and config/bapo_trainer.yaml):
         pos/(neg + 1e-8) >= 1.0 of clamped contributions without probability weight, lower
         [0.6, 0.8] then upper [1.2, 2.0], steps 0.05, each step min(current + step, max).
         Its loss also always applies dual-clip 3.0; that is the loss's setting, not the search's."""
-        return cls(**{**dict(target=1.0, target_kind="pos_neg", contribution="clamped", weighting="none",
-                             lower_start=0.6, lower_max=0.8, lower_step=0.05, upper_start=1.2, upper_max=2.0,
-                             upper_step=0.05, order="lower-first", stepping="add_clamped", pos_neg_eps=1e-8),
-                          **overrides})
+        return cls(**{**RECIPE_SETTINGS, **overrides})
 
     @property
     def lower_grid(self) -> list[float]:
@@ -270,9 +277,9 @@ def positive_share(ratio: Tensor, advantages: Tensor, mask: Tensor, lower: float
     masked tokens count nowhere. NaN when nothing contributes (0/0).
     """
     _check_search_inputs(ratio, advantages, mask, weights, behaviour_log_prob)
-    positive, negative = token_contributions(ratio, advantages, mask, lower, upper, config, weights=weights,
-                                             behaviour_log_prob=behaviour_log_prob)
-    positive, negative = float(positive.sum()), float(negative.sum())
+    positive_tokens, negative_tokens = token_contributions(ratio, advantages, mask, lower, upper, config,
+                                                           weights=weights, behaviour_log_prob=behaviour_log_prob)
+    positive, negative = float(positive_tokens.sum()), float(negative_tokens.sum())
     total = positive + negative
     return math.nan if total == 0.0 else positive / total
 
@@ -391,7 +398,7 @@ class BoundStats:
         return bucket
 
     def add(self, ratio: Tensor, advantages: Tensor, mask: Tensor, *, weights: Tensor | None = None,
-            behaviour_log_prob: Tensor | None = None, validate: bool = True) -> "BoundStats":
+            behaviour_log_prob: Tensor | None = None, validate: bool = True) -> BoundStats:
         """Accumulate one micro-batch. ratio, mask: [B, T]; advantages: [B, T] or [B].
 
         weights: optional [B, T] per-token loss multipliers >= 0 (rollout importance weights, TRL's
@@ -445,6 +452,8 @@ def candidate_sums(positive_sums: Tensor, negative_sums: Tensor, config: BAPOCon
     # Buckets i > k: r >= lower_k.
     negative = torch.flip(torch.cumsum(torch.flip(negative_sums, [0]), 0), [0])[1:]
     if config.contribution == "clamped":
+        if magnitude_sums is None:
+            raise ValueError("magnitude_sums: required for contribution='clamped' (BoundStats.magnitude_sums)")
         positive_magnitude, negative_magnitude = magnitude_sums
         upper = torch.tensor(config.upper_grid, dtype=torch.float64, device=positive.device)
         lower = torch.tensor(config.lower_grid, dtype=torch.float64, device=negative.device)

@@ -24,6 +24,7 @@ serves micro-batch s from `_buffered_inputs[s % steps_per_generation]`, and accu
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -108,6 +109,27 @@ class BAPOGRPOTrainer(GRPOTrainer):
             loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
         self._log_bapo_metrics(mode, metrics)
         return loss
+
+    # ---- the adaptive target's state in TRL checkpoints -------------------------------------------------
+
+    def _target_state_file(self, folder: str) -> str:
+        # per rank: the controller is the same everywhere, the not-yet-fed entropy sums are local
+        return os.path.join(folder, f"bapo_target_rank{self.accelerator.process_index}.pt")
+
+    def _save_checkpoint(self, model, trial) -> None:
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        if os.path.isdir(folder):
+            torch.save({"controller": self._bapo_target.state_dict(), "step_entropy": self._step_entropy},
+                       self._target_state_file(folder))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        path = self._target_state_file(resume_from_checkpoint)
+        if os.path.exists(path):
+            state = torch.load(path, weights_only=False)
+            self._bapo_target.load_state_dict(state["controller"])
+            self._step_entropy = state["step_entropy"]
 
     # ---- the bounds of one optimizer step ----------------------------------------------------------------
 
