@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import pytest
 
@@ -307,3 +308,21 @@ def test_evaluate_searches_on_the_eval_batch(tiny_model_dir, tmp_path):
     assert math.isfinite(metrics["eval_loss"])
     assert metrics["eval_bapo/search/tokens"] > 0
     assert "eval_bapo/upper" in metrics
+
+
+EXTRA_TRL = [path for path in os.environ.get("BAPO_EXTRA_TRL_PATHS", "").split(os.pathsep) if path]
+
+
+@pytest.mark.parametrize("trl_path", EXTRA_TRL or [pytest.param(None, marks=pytest.mark.skip(
+    reason="no other TRL of the pinned range installed; set BAPO_EXTRA_TRL_PATHS to `pip install --target` dirs"))])
+def test_optimizer_step_boundaries_on_other_trl_versions(trl_path):
+    """The boundary test above against another TRL of the pinned range, installed with
+    `pip install --no-deps --target DIR trl==X` (the shared venv keeps its own TRL)."""
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": trl_path, "BAPO_EXTRA_TRL_PATHS": "", "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
+                           "-k", "boundaries_come_from_trl_state or whole_optimizer_step or micro_batch_scope"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:]

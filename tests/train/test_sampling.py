@@ -7,7 +7,13 @@ import pytest
 import torch
 
 from bapo.train.rollout import batched_log_probs, pad
-from bapo.train.sampling import SamplingParams, hf_sample, lean_sample, lean_supported, resolve_sampler
+from bapo.train.sampling import (
+    SamplingParams,
+    hf_sample,
+    lean_sample,
+    lean_supported,
+    resolve_sampler,
+)
 
 from .conftest import arithmetic_examples, make_config
 

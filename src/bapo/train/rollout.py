@@ -149,21 +149,21 @@ class Rollout:
 
     def __init__(self, cfg: TrainConfig, tokenizer, prompts: list[list[int]], examples: list[dict],
                  verifier, sampler: PromptSampler, eos_ids: list[int]):
-        self.cfg, self.r = cfg, cfg.rollout
+        self.cfg, self.settings = cfg, cfg.rollout
         self.tokenizer, self.prompts, self.examples = tokenizer, prompts, examples
         self.verifier, self.sampler = verifier, sampler
         self.eos_ids = torch.tensor(sorted(set(eos_ids)))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(self.eos_ids[0])
-        self.segment = self.r.segment_tokens or self.r.max_new_tokens
+        self.segment = self.settings.segment_tokens or self.settings.max_new_tokens
         # groups in flight + finished ones: enough for every step to finish a batch in one pass
         # once the pipeline is full (one cohort of prompts per segment of the response)
-        self.capacity = self.r.prompts_per_batch * math.ceil(self.r.max_new_tokens / self.segment)
+        self.capacity = self.settings.prompts_per_batch * math.ceil(self.settings.max_new_tokens / self.segment)
         self.in_flight: list[dict] = []
         self.ready: list[dict] = []
         self.stop = None
-        if self.r.stop:
+        if self.settings.stop:
             from transformers.generation.stopping_criteria import StopStringCriteria
-            self.stop = StopStringCriteria(tokenizer, self.r.stop)
+            self.stop = StopStringCriteria(tokenizer, self.settings.stop)
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -179,7 +179,7 @@ class Rollout:
         then return them as a Batch (plus rollout metrics). At least one pass always runs, so
         unfinished responses advance every step."""
         start, new_tokens, passes, failures = time.perf_counter(), 0, 0, 0
-        want = self.r.prompts_per_batch
+        want = self.settings.prompts_per_batch
         while passes == 0 or len(self.ready) < want:
             if len(self.in_flight) + len(self.ready) + want <= self.capacity:
                 self.in_flight += [self._new_group(i) for i in self.sampler.take(want)]
@@ -198,7 +198,7 @@ class Rollout:
 
     def _new_group(self, example: int) -> dict:
         seq = lambda: {"response": [], "logp": [], "version": [], "done": False, "truncated": False}
-        return {"example": example, "seqs": [seq() for _ in range(self.r.group_size)], "rewards": None}
+        return {"example": example, "seqs": [seq() for _ in range(self.settings.group_size)], "rewards": None}
 
     @torch.no_grad()
     def _generate_pass(self, model, version: int) -> int:
@@ -209,17 +209,17 @@ class Rollout:
             return 0
         context = [self.prompts[g["example"]] + s["response"] for g, s in zip(owners, live)]
         ctx_ids, ctx_mask = pad(context, self.pad_id, left=True)
-        remaining = torch.tensor([self.r.max_new_tokens - len(s["response"]) for s in live])
+        remaining = torch.tensor([self.settings.max_new_tokens - len(s["response"]) for s in live])
         budget = min(self.segment, int(remaining.max()))
-        params = SamplingParams(self.r.temperature, self.r.top_k, self.r.top_p)
+        params = SamplingParams(self.settings.temperature, self.settings.top_k, self.settings.top_p)
         was_training = model.training  # (train mode only for gradient checkpointing, which breaks the KV cache)
         model.eval()
-        if resolve_sampler(self.r.sampler, model) == "lean":
+        if resolve_sampler(self.settings.sampler, model) == "lean":
             sampled = lean_sample(model, ctx_ids, ctx_mask, budget, params, self.eos_ids.tolist(), self.pad_id,
                                   row_budget=remaining.clamp_max(budget), stop=self.stop)
         else:
             sampled = hf_sample(model, ctx_ids, ctx_mask, budget, params, self.eos_ids.tolist(), self.pad_id,
-                                tokenizer=self.tokenizer, stop_strings=self.r.stop)
+                                tokenizer=self.tokenizer, stop_strings=self.settings.stop)
         model.train(was_training)
         width = ctx_ids.shape[1]
         new = sampled.tokens  # [n, <= budget]
@@ -230,15 +230,15 @@ class Rollout:
         # in half precision the cached decode and the full forward round differently: recompute
         # (same weights, same temperature, as verl does).
         if log_prob is None or next(model.parameters()).dtype != torch.float32:
-            log_prob = batched_log_probs(model, ctx_ids, ctx_mask, new, new_mask, self.r.temperature,
-                                         self.r.logprob_batch_size)
+            log_prob = batched_log_probs(model, ctx_ids, ctx_mask, new, new_mask, self.settings.temperature,
+                                         self.settings.logprob_batch_size)
         lengths = length.tolist()
         for i, s in enumerate(live):
             n = lengths[i]
             s["response"] += new[i, :n].tolist()
             s["logp"] += log_prob[i, :n].tolist()
             s["version"] += [version] * n
-            if bool(ended[i]) or len(s["response"]) >= self.r.max_new_tokens:
+            if bool(ended[i]) or len(s["response"]) >= self.settings.max_new_tokens:
                 s["done"], s["truncated"] = True, not bool(ended[i])
         return int(length.sum())
 
@@ -267,13 +267,13 @@ class Rollout:
         rows = [self.examples[g["example"]] for g in finished for _ in g["seqs"]]
         rewards, failures = score(self.verifier, texts, rows, self.cfg.reward.timeout_s)
         for k, g in enumerate(finished):
-            g["rewards"] = rewards[k * self.r.group_size:(k + 1) * self.r.group_size].tolist()
+            g["rewards"] = rewards[k * self.settings.group_size:(k + 1) * self.settings.group_size].tolist()
         self.ready += finished
         return failures
 
     def _to_batch(self, groups: list[dict]) -> tuple[Batch, int, int]:
         """Finished groups -> Batch with group advantages; drops zero-variance groups when asked."""
-        G = self.r.group_size
+        G = self.settings.group_size
         rewards = torch.tensor([r for g in groups for r in g["rewards"]], dtype=torch.float32)
         advantages, zero_var = group_advantages(rewards, G, scale_by_std=self.cfg.loss.scale_by_std)
         zero_groups = zero_var.reshape(-1, G)[:, 0]

@@ -16,8 +16,9 @@ the behaviour log-prob the loss needs), read from the same logits it sampled fro
 from __future__ import annotations
 
 import inspect
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Literal
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -76,8 +77,12 @@ def resolve_sampler(name: SamplerName, model) -> Literal["lean", "hf"]:
 
 def _warpers(params: SamplingParams):
     """HF's own logits warpers, in the order and under the conditions `generate` builds them."""
-    from transformers.generation.logits_process import (LogitsProcessorList, TemperatureLogitsWarper,
-                                                        TopKLogitsWarper, TopPLogitsWarper)
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
 
     warpers = LogitsProcessorList()
     if params.temperature != 1.0:

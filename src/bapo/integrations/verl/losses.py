@@ -141,7 +141,7 @@ def _core_params(method: str, config: Any) -> dict[str, Any]:
 
 
 def _bounds_of_this_micro_batch(params: dict[str, Any], log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
-                                response_mask: Tensor, weights: Optional[Tensor]) -> dict[str, float] | None:
+                                response_mask: Tensor, weights: Tensor | None) -> dict[str, float] | None:
     """Set params["bounds"] from the worker's step bounds (scope step) or from this micro-batch's
     own ratios, summed over the data-parallel group with one all-reduce (scope micro_batch);
     returns their bapo/search/* metrics (None without a BAPOTrainingWorker: bapo_loss then
