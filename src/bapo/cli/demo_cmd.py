@@ -1,4 +1,4 @@
-"""`bapo demo`, `bapo plot`, `bapo compare`, `bapo eval` (heavy imports inside the bodies)."""
+"""`bapo demo`, `bapo plot`, `bapo compare` (heavy imports inside the bodies)."""
 
 from __future__ import annotations
 
@@ -71,45 +71,7 @@ def compare(
     Console().print(table)
 
 
-def evaluate(
-    model: str = typer.Option(..., "--model", help="model dir or Hugging Face id"),
-    data: Path = typer.Option(..., "--data", help="JSONL of {prompt, answer}"),
-    k: int = typer.Option(8, "--k", help="samples per prompt"),
-    verifier: str = typer.Option("auto", "--verifier",
-                                 help="auto | demo | math | exact | pkg.module:attr"),
-    max_new_tokens: int = typer.Option(48, "--max-new-tokens"),
-    temperature: float = typer.Option(1.0, "--temperature", help="0 = greedy"),
-    batch_size: int = typer.Option(256, "--batch-size", help="sequences per generate call"),
-    chat: bool = typer.Option(False, "--chat", help="wrap prompts with the chat template"),
-    limit: Optional[int] = typer.Option(None, "--limit", help="first N rows only"),
-    device: str = typer.Option("auto", "--device"),
-):
-    """avg@k and pass@k of a model on a JSONL file (batched sampling)."""
-    import json
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from bapo.demo.evaluate import evaluate as run_eval, load_verifier
-    from bapo.demo.task import read_jsonl
-
-    hf_logging.disable_progress_bar()  # stdout carries only the JSON line
-    rows = read_jsonl(data)[:limit]
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    tok = AutoTokenizer.from_pretrained(model)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    lm = AutoModelForCausalLM.from_pretrained(model).to(device)
-    scores = run_eval(lm, tok, rows, k=k, verifier=load_verifier(verifier, rows),
-                      max_new_tokens=max_new_tokens, temperature=temperature,
-                      batch_size=batch_size, chat=chat)
-    typer.echo(json.dumps(scores))
-
-
 def register(app: typer.Typer) -> None:
     app.command("demo")(demo)
     app.command("plot")(plot)
     app.command("compare")(compare)
-    app.command("eval")(evaluate)
