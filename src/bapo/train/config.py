@@ -334,8 +334,9 @@ class _Origin:
 
 def _error_line(msg: str, where: str, origin: _Origin, value=None) -> str:
     """One message: field, problem, the value given, where it was set."""
-    if where in ("model", "model.path") and msg == "Field required":
-        return ("model.path is not set" + (f" in {origin.source}" if origin.source else "")
+    if where in ("model", "model.path") and (msg == "Field required" or value is None):
+        at = origin.where("model.path") if value is None else (f" in {origin.source}" if origin.source else "")
+        return ("model.path is not set" + at
                 + ": give a local model folder or a Hugging Face id (model.path=DIR on the command line, "
                   "or `model: {path: DIR}` in the config file)")
     if where == "config":  # a whole-config check: its message starts with the field it is about
