@@ -65,7 +65,7 @@ def test_every_rank_uses_identical_bounds_every_step(runs):
 def test_two_processes_equal_one_process_on_the_same_global_batch(runs):
     single, double = runs
     one, two = single[0]["fixed"], double[0]["fixed"]
-    assert (one[0]["lower"], one[0]["upper"]) != (0.6, 1.2)  # the search moved: the comparison means something
+    assert any((s["lower"], s["upper"]) != (0.6, 1.2) for s in one)  # the search moved: the comparison means something
     for a, b, c in zip(one, two, double[1]["fixed"]):
         assert (a["lower"], a["upper"]) == (b["lower"], b["upper"])
         assert a["positive_share"] == pytest.approx(b["positive_share"], rel=1e-6)

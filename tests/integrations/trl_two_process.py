@@ -11,7 +11,7 @@ Writes OUT_DIR/rank{R}.json with, per optimizer step:
 - "fixed": two optimizer steps (micro-batches 1 and 2 of a generation, so TRL's search really
   compares ratios: at micro-batch 0 it takes them as 1) on one fixed global batch (8 sequences, off-policy old log-probs),
   each process taking its rows; the loss through `_compute_loss`, gradients averaged by DDP, SGD.
-  Bounds, step loss (summed over ranks) and a parameter fingerprint: equal for 1 and 2 processes.
+  Bounds, step loss (mean over ranks) and a parameter fingerprint: equal for 1 and 2 processes.
 - "train": `trainer.train()` for 2 optimizer steps (TRL's own generation, off-policy: 2 micro-batches
   per generation, 1 per step): the bounds each rank used at every step.
 """
@@ -88,8 +88,9 @@ def fixed_batch_steps(model_dir: str, out: Path) -> list[dict]:
         optimizer.step()
         optimizer.zero_grad()
         total = loss.detach().clone()
-        if world > 1:
+        if world > 1:  # each rank's loss is scaled by the world size and DDP averages: the mean is the step loss
             torch.distributed.all_reduce(total)
+            total /= world
         search = trainer._step_search
         params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
         steps.append({"lower": search.lower, "upper": search.upper, "positive_share": search.positive_share,

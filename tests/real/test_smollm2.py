@@ -26,8 +26,9 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 CONFIG = ROOT / "examples" / "configs" / "smollm2_cpu.yaml"
 DATA = ROOT / "examples" / "data" / "math_small.jsonl"
-# small sizes: 2 prompts x 4 responses of <= 12 tokens per rollout step
-SMALL = ["rollout.prompts_per_batch=2", "rollout.group_size=4", "rollout.max_new_tokens=12",
+# small sizes: 2 prompts x 8 responses of <= 12 tokens per rollout step (8: SmolLM2 is right ~10% of
+# the time here, so a group of 8 has reward variance far more often than one of 4)
+SMALL = ["rollout.prompts_per_batch=2", "rollout.group_size=8", "rollout.max_new_tokens=12",
          "optim.micro_batch_size=8", "run.checkpoint_every=1", "run.tensorboard=off"]
 
 
@@ -75,7 +76,7 @@ def test_train_resume_eval_on_the_real_model(smollm2_dir, tmp_path):
     assert [r["step"] for r in rows] == [1, 2]
     expected = {"reward/mean", "accuracy", "entropy", "lower", "upper", "positive_share", "grad_norm",
                 "batch/version_min", "batch/version_max", "staleness/mean", "tokens_per_s",
-                "rollout/reward/mean", "groups/zero_variance"}
+                "groups/zero_variance", "rollout/passes"}
     trained = [r for r in rows if not r.get("empty_batch")]
     assert trained, "no rollout group had reward variance in 3 rollout steps: the prompts or the verifier broke"
     for r in trained:
@@ -102,7 +103,7 @@ def test_train_resume_eval_on_the_real_model(smollm2_dir, tmp_path):
     assert scores["model"].endswith("step_000003/model")
     assert 0.0 <= scores["avg@2"] <= scores["pass@2"] <= 1.0 and scores["n"] == 3
     assert scores["sampling/chat"] is True and scores["sampling/max_new_tokens"] == 12
-    assert scores["sampling/system_prompt"].startswith("You are a calculator")
+    assert scores["sampling/system_prompt"].startswith("Start your reply with 'The answer is'")
     assert 0 < scores["response_length/mean_tokens"] <= 12
 
 
@@ -120,7 +121,7 @@ def test_bapo_grpo_trainer_two_off_policy_steps_on_the_real_model(smollm2_dir, t
 
     from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer
 
-    system = "You are a calculator. Reply with the number only."
+    system = "Start your reply with 'The answer is' and the number."
     rows = [json.loads(line) for line in DATA.read_text().splitlines()]
     dataset = Dataset.from_list([{"prompt": [{"role": "system", "content": system},
                                              {"role": "user", "content": r["prompt"]}], "answer": r["answer"]}

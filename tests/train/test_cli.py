@@ -1,5 +1,6 @@
 import json
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -63,9 +64,13 @@ def one_line_error(result) -> str:
     return lines[0]
 
 
+def good_rows() -> str:
+    return "".join(json.dumps(row) + "\n" for row in arithmetic_examples(8))
+
+
 def good_data(tmp_path):
     path = tmp_path / "train.jsonl"
-    path.write_text("".join(json.dumps(row) + "\n" for row in arithmetic_examples(8)))
+    path.write_text(good_rows())
     return path
 
 
@@ -77,43 +82,35 @@ def test_missing_model_path_is_one_line(tmp_path):
 def test_nonexistent_model_path_without_a_config_file_is_one_line(tmp_path):
     """`bapo train model.path=X ...`: the key=value arguments are overrides, not a config file."""
     missing = tmp_path / "no" / "such-model"
-    result = CliRunner().invoke(app, ["train", f"model.path={missing}", f"data.path={good_data(tmp_path)}",
-                                      f"run.output_dir={tmp_path / 'run'}"])
-    line = one_line_error(result)
+    line = train_on_data(str(missing), tmp_path, good_rows())[1]
     assert f"model.path='{missing}': no such folder" in line and "Hugging Face id" in line
 
 
 def test_model_folder_without_config_json_is_one_line(tmp_path):
     (tmp_path / "empty").mkdir()
-    result = CliRunner().invoke(app, ["train", f"model.path={tmp_path / 'empty'}", f"data.path={good_data(tmp_path)}",
+    assert "has no config.json" in train_on_data(str(tmp_path / "empty"), tmp_path, good_rows())[1]
+
+
+def train_on_data(model: str, tmp_path, text: str) -> tuple[str, str]:
+    """`bapo train model.path=M data.path=F` on a data file holding `text` -> (F, its one error line)."""
+    data = tmp_path / "data.jsonl"
+    data.write_text(text)
+    result = CliRunner().invoke(app, ["train", f"model.path={model}", f"data.path={data}",
                                       f"run.output_dir={tmp_path / 'run'}"])
-    assert "has no config.json" in one_line_error(result)
+    return str(data), one_line_error(result)
 
 
-def test_broken_jsonl_line_names_file_and_1_based_line(tiny_model, tmp_path):
-    data = tmp_path / "bad.jsonl"
-    data.write_text('{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": "2+2=", "answer": "4"\n')
-    result = CliRunner().invoke(app, ["train", f"model.path={tiny_model}", f"data.path={data}",
-                                      f"run.output_dir={tmp_path / 'run'}"])
-    line = one_line_error(result)
-    assert f"data.path={data} line 3: not valid JSON" in line and "one object like" in line
-
-
-def test_empty_dataset_is_one_line(tiny_model, tmp_path):
-    data = tmp_path / "empty.jsonl"
-    data.write_text("\n")
-    result = CliRunner().invoke(app, ["train", f"model.path={tiny_model}", f"data.path={data}",
-                                      f"run.output_dir={tmp_path / 'run'}"])
-    assert f"data.path={data}: the file holds no rows" in one_line_error(result)
-
-
-def test_row_without_the_prompt_key_names_its_line(tiny_model, tmp_path):
-    data = tmp_path / "rows.jsonl"
-    data.write_text('{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n')
-    result = CliRunner().invoke(app, ["train", f"model.path={tiny_model}", f"data.path={data}",
-                                      f"run.output_dir={tmp_path / 'run'}"])
-    line = one_line_error(result)
-    assert "line 2: no key 'prompt' (data.prompt_key)" in line and "['answer', 'question']" in line
+@pytest.mark.parametrize("text, expected", [
+    ('{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": "2+2=", "answer": "4"\n',
+     "{data} line 3: not valid JSON"),                                          # 1-based, blank lines count
+    ("\n", "{data}: the file holds no rows; add one object per line"),
+    ('{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n',
+     "{data} line 2: no key 'prompt' (data.prompt_key); the row has ['answer', 'question']"),
+    ('["1+1=", "2"]\n', "{data} line 1: a row must be a JSON object, got list"),
+])
+def test_bad_data_file_names_file_and_1_based_line(tiny_model, tmp_path, text, expected):
+    data, line = train_on_data(tiny_model, tmp_path, text)
+    assert expected.format(data=f"data.path={data}") in line
 
 
 def test_bad_config_value_names_file_and_line(tmp_path):

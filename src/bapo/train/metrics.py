@@ -127,8 +127,9 @@ class NoSignalWarning:
             why = ("every response was cut at rollout.max_new_tokens before it ended: raise "
                    "rollout.max_new_tokens, or ask for shorter answers in the prompt (data.system_prompt)")
         elif zero >= self.groups_per_batch:
-            reward = row.get("rollout/reward/mean", float("nan"))
-            why = (f"every group has the same reward for all its responses (mean reward {reward:.2f}), so "
+            reward = row.get("rollout/reward/mean")
+            mean = f" (mean reward {reward:.2f})" if isinstance(reward, (int, float)) else ""
+            why = (f"every group has the same reward for all its responses{mean}, so "
                    "every advantage is 0: check that the prompt asks for the format the verifier reads "
                    "(e.g. \\boxed{} for reward.verifier=math), that data.chat_template matches the model, "
                    "and that the task is neither too easy nor too hard")
