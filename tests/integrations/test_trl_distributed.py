@@ -28,7 +28,7 @@ def free_port() -> int:
 
 def run(command: list[str], out: Path) -> dict[int, dict]:
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
-    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    done = subprocess.run(command, capture_output=True, text=True, env=env, check=False, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     return {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in out.glob("rank*.json")}
 

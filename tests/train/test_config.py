@@ -1,5 +1,6 @@
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bapo.train import ConfigError, Trainer, load_config
 from tests.train.conftest import arithmetic_examples, make_config

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -11,14 +10,14 @@ import typer
 def demo(
     quick: bool = typer.Option(False, "--quick", help="a ~2 minute glance: grpo and bapo, 20 updates"),
     full: bool = typer.Option(False, "--full", help="adds topr, dcpo, partial rollout, 3 seeds"),
-    out: Optional[Path] = typer.Option(None, "--out", help="output dir (default runs/demo-<timestamp>)"),
-    jobs: Optional[int] = typer.Option(None, "--jobs", help="runs in parallel processes "
+    out: Path | None = typer.Option(None, "--out", help="output dir (default runs/demo-<timestamp>)"),
+    jobs: int | None = typer.Option(None, "--jobs", help="runs in parallel processes "
                                        "(default: one per CPU core)"),
     threads: int = typer.Option(1, "--threads", help="torch threads per process"),
-    steps: Optional[int] = typer.Option(None, "--steps", help="updates per run (profile default)"),
-    sft_steps: Optional[int] = typer.Option(None, "--sft-steps", help="warm-start SFT steps"),
-    lr: Optional[float] = typer.Option(None, "--lr", help="RL learning rate (profile default)"),
-    staleness: Optional[int] = typer.Option(None, "--staleness",
+    steps: int | None = typer.Option(None, "--steps", help="updates per run (profile default)"),
+    sft_steps: int | None = typer.Option(None, "--sft-steps", help="warm-start SFT steps"),
+    lr: float | None = typer.Option(None, "--lr", help="RL learning rate (profile default)"),
+    staleness: int | None = typer.Option(None, "--staleness",
                                             help="the high staleness compared with 0"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
@@ -35,10 +34,10 @@ def demo(
 
 
 def plot(
-    run_dirs: List[Path] = typer.Argument(..., help="run directories, or folders of runs"),
-    out: Optional[Path] = typer.Option(None, "--out", help="default: <first RUN_DIR>/plots"),
-    target: Optional[float] = typer.Option(None, "--target", help="draw bapo's target share"),
-    smooth: Optional[int] = typer.Option(None, "--smooth", help="moving-average window (updates)"),
+    run_dirs: list[Path] = typer.Argument(..., help="run directories, or folders of runs"),
+    out: Path | None = typer.Option(None, "--out", help="default: <first RUN_DIR>/plots"),
+    target: float | None = typer.Option(None, "--target", help="draw bapo's target share"),
+    smooth: int | None = typer.Option(None, "--smooth", help="moving-average window (updates)"),
 ):
     """Redraw the PNG plots from the runs' metrics.jsonl."""
     from bapo.demo.plots import plot_runs
@@ -50,7 +49,7 @@ def plot(
 
 
 def compare(
-    run_dirs: List[Path] = typer.Argument(..., help="run directories, or folders of runs"),
+    run_dirs: list[Path] = typer.Argument(..., help="run directories, or folders of runs"),
     markdown: bool = typer.Option(False, "--markdown", help="print a markdown table"),
 ):
     """Print the final table (held-out avg@k / pass@k, tail means) of several runs."""

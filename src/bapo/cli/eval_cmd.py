@@ -4,7 +4,6 @@ with the run's own prompt format and sampling settings unless told otherwise."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -33,20 +32,20 @@ def resolve_model(model: str) -> tuple[str, Path | None]:
 def evaluate_command(
     model: str = typer.Option(..., "--model", help="a run directory (its latest checkpoint), a model folder or a hub id"),
     data: Path = typer.Option(..., "--data", help="JSONL of {prompt, answer} (keys: the config's data.prompt_key/answer_key)"),
-    config: Optional[Path] = typer.Option(None, "--config", help="a training config (default RUN_DIR/config.yaml): "
+    config: Path | None = typer.Option(None, "--config", help="a training config (default RUN_DIR/config.yaml): "
                                           "prompt format, sampling and verifier as in training"),
     k: int = typer.Option(8, "--k", help="samples per prompt"),
-    verifier: Optional[str] = typer.Option(None, "--verifier", help="auto | demo | math | exact | pkg.module:attr "
+    verifier: str | None = typer.Option(None, "--verifier", help="auto | demo | math | exact | pkg.module:attr "
                                            "(default: the config's reward.verifier, else auto)"),
-    max_new_tokens: Optional[int] = typer.Option(None, "--max-new-tokens", help="default: the config's, else 48"),
-    temperature: Optional[float] = typer.Option(None, "--temperature", help="0 = greedy; default: the config's, else 1"),
-    top_p: Optional[float] = typer.Option(None, "--top-p", help="default: the config's, else 1"),
-    top_k: Optional[int] = typer.Option(None, "--top-k", help="default: the config's, else 0 (off)"),
-    chat: Optional[bool] = typer.Option(None, "--chat/--no-chat", help="chat template (default: the config's)"),
-    system_prompt: Optional[str] = typer.Option(None, "--system-prompt", help="default: the config's"),
+    max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", help="default: the config's, else 48"),
+    temperature: float | None = typer.Option(None, "--temperature", help="0 = greedy; default: the config's, else 1"),
+    top_p: float | None = typer.Option(None, "--top-p", help="default: the config's, else 1"),
+    top_k: int | None = typer.Option(None, "--top-k", help="default: the config's, else 0 (off)"),
+    chat: bool | None = typer.Option(None, "--chat/--no-chat", help="chat template (default: the config's)"),
+    system_prompt: str | None = typer.Option(None, "--system-prompt", help="default: the config's"),
     seed: int = typer.Option(0, "--seed", help="sampling seed"),
     batch_size: int = typer.Option(256, "--batch-size", help="sequences per generate call"),
-    limit: Optional[int] = typer.Option(None, "--limit", help="first N rows only"),
+    limit: int | None = typer.Option(None, "--limit", help="first N rows only"),
     device: str = typer.Option("auto", "--device"),
 ):
     """avg@k and pass@k of a model on a JSONL file (batched sampling); prints one JSON line."""
@@ -81,7 +80,8 @@ def evaluate_command(
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.utils import logging as hf_logging
 
-    from bapo.demo.evaluate import evaluate as run_eval, load_verifier
+    from bapo.demo.evaluate import evaluate as run_eval
+    from bapo.demo.evaluate import load_verifier
 
     hf_logging.disable_progress_bar()  # stdout carries only the JSON line
     if device == "auto":

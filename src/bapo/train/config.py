@@ -13,11 +13,10 @@ import re
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from types import UnionType
-from typing import Any, Literal, Optional, Union, get_args, get_origin
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
-
 
 from bapo.core import BAPOConfig
 
@@ -39,12 +38,12 @@ class ModelSection(Section):
 
 
 class DataSection(Section):
-    path: Optional[str] = Field(None, description=".jsonl / .json / .parquet of rows {prompt, answer}; "
+    path: str | None = Field(None, description=".jsonl / .json / .parquet of rows {prompt, answer}; "
                                                   "None when examples are passed to train()")
     prompt_key: str = Field("prompt", description="row key holding the prompt text")
     answer_key: str = Field("answer", description="row key holding the reference answer")
     chat_template: bool = Field(False, description="wrap the prompt as one user turn with the tokenizer's chat template")
-    system_prompt: Optional[str] = Field(None, description="system turn (chat) or text prepended to every prompt")
+    system_prompt: str | None = Field(None, description="system turn (chat) or text prepended to every prompt")
     max_prompt_tokens: int = Field(256, gt=0, description="longer prompts are dropped (and counted)")
     shuffle: bool = Field(True, description="reshuffle the prompts every epoch (seeded)")
 
@@ -62,7 +61,7 @@ class RolloutSection(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1 = off")
     top_k: int = Field(0, ge=0, description="top-k sampling; 0 = off")
     stop: list[str] = Field([], description="strings that end a response")
-    segment_tokens: Optional[int] = Field(None, gt=0, description="partial rollout: at most L new tokens per "
+    segment_tokens: int | None = Field(None, gt=0, description="partial rollout: at most L new tokens per "
                                                                    "response per step; None = off")
     logprob_batch_size: int = Field(64, gt=0, description="rows per no-grad forward when recomputing log-probs")
 
@@ -130,7 +129,7 @@ class OptimSection(Section):
     eps: float = Field(1e-8, gt=0, description="AdamW eps")
     schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="lr schedule after warm-up")
     warmup_updates: int = Field(0, ge=0, description="linear lr warm-up, in optimizer updates")
-    max_grad_norm: Optional[float] = Field(1.0, gt=0, description="gradient clipping; None = off (norm still logged)")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="gradient clipping; None = off (norm still logged)")
     micro_batch_size: int = Field(32, gt=0, description="sequences per forward+backward")
 
 
@@ -163,8 +162,9 @@ class TrainConfig(Section):
     run: RunSection = RunSection()
 
     @model_validator(mode="after")
-    def _check(self) -> "TrainConfig":
-        from bapo.core import LOSS_AGG_MODES as AGG_MODES, POLICY_LOSSES
+    def _check(self) -> TrainConfig:
+        from bapo.core import LOSS_AGG_MODES as AGG_MODES
+        from bapo.core import POLICY_LOSSES
 
         if self.loss.method not in POLICY_LOSSES:
             raise ValueError(f"loss.method={self.loss.method!r}: choose one of {', '.join(POLICY_LOSSES)}"

@@ -36,7 +36,7 @@ def load_examples(cfg: DataSection) -> list[dict]:
         try:
             kind = "parquet" if path.suffix.lower() == ".parquet" else "json"
             rows = [dict(row) for row in datasets.load_dataset(kind, data_files=str(path), split="train")]
-        except Exception as err:  # datasets wraps parse errors in several types
+        except Exception as err:  # noqa: BLE001  (datasets wraps parse errors in several types)
             raise ConfigError(f"{where}: cannot be read as {path.suffix} ({type(err).__name__}: "
                               f"{str(err).splitlines()[0] if str(err) else ''}); a .json file must hold a list of "
                               "objects (or use .jsonl, one object per line)") from None

@@ -10,8 +10,8 @@ import os
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 # fields that differ between two runs of the same config (resume tests ignore them)
 TIMING_PREFIXES = ("time/", "tokens_per_s")
