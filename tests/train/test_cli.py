@@ -1,5 +1,6 @@
 import json
 
+import pytest
 import yaml
 from typer.testing import CliRunner
 
@@ -52,3 +53,131 @@ def test_a_partial_last_line_from_a_kill_is_skipped_on_read_and_resume(tmp_path)
     log.write({"step": 3, "loss": float("inf")})
     log.close()
     assert read_metrics(tmp_path) == [{"step": 1, "loss": "nan"}, {"step": 2, "loss": 0.25}, {"step": 3, "loss": "inf"}]
+
+
+# -- errors: one line naming the field, the file and line, and the fix; exit code 2 -------------
+def one_line_error(result) -> str:
+    assert result.exit_code == 2, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "Traceback" not in result.output, result.output
+    return lines[0]
+
+
+def good_rows() -> str:
+    return "".join(json.dumps(row) + "\n" for row in arithmetic_examples(8))
+
+
+def good_data(tmp_path):
+    path = tmp_path / "train.jsonl"
+    path.write_text(good_rows())
+    return path
+
+
+def test_missing_model_path_is_one_line(tmp_path):
+    line = one_line_error(CliRunner().invoke(app, ["train", f"data.path={good_data(tmp_path)}"]))
+    assert "model.path is not set" in line and "model.path=DIR" in line
+
+
+def test_nonexistent_model_path_without_a_config_file_is_one_line(tmp_path):
+    """`bapo train model.path=X ...`: the key=value arguments are overrides, not a config file."""
+    missing = tmp_path / "no" / "such-model"
+    line = train_on_data(str(missing), tmp_path, good_rows())[1]
+    assert f"model.path='{missing}': no such folder" in line and "Hugging Face id" in line
+
+
+def test_model_folder_without_config_json_is_one_line(tmp_path):
+    (tmp_path / "empty").mkdir()
+    assert "has no config.json" in train_on_data(str(tmp_path / "empty"), tmp_path, good_rows())[1]
+
+
+def train_on_data(model: str, tmp_path, text: str) -> tuple[str, str]:
+    """`bapo train model.path=M data.path=F` on a data file holding `text` -> (F, its one error line)."""
+    data = tmp_path / "data.jsonl"
+    data.write_text(text)
+    result = CliRunner().invoke(app, ["train", f"model.path={model}", f"data.path={data}",
+                                      f"run.output_dir={tmp_path / 'run'}"])
+    return str(data), one_line_error(result)
+
+
+@pytest.mark.parametrize("text, expected", [
+    ('{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": "2+2=", "answer": "4"\n',
+     "{data} line 3: not valid JSON"),                                          # 1-based, blank lines count
+    ("\n", "{data}: the file holds no rows; add one object per line"),
+    ('{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n',
+     "{data} line 2: no key 'prompt' (data.prompt_key); the row has ['answer', 'question']"),
+    ('["1+1=", "2"]\n', "{data} line 1: a row must be a JSON object, got list"),
+])
+def test_bad_data_file_names_file_and_1_based_line(tiny_model, tmp_path, text, expected):
+    data, line = train_on_data(tiny_model, tmp_path, text)
+    assert expected.format(data=f"data.path={data}") in line
+
+
+def test_bad_config_value_names_file_and_line(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("model:\n  path: m\nrollout:\n  temperature: -1\n")
+    line = one_line_error(CliRunner().invoke(app, ["train", str(config)]))
+    assert "rollout.temperature" in line and f"{config} line 4" in line
+
+
+def test_stray_argument_is_one_line(tmp_path):
+    config = tmp_path / "c.yaml"
+    config.write_text("model:\n  path: m\n")
+    line = one_line_error(CliRunner().invoke(app, ["train", str(config), "loss.method"]))
+    assert "'loss.method' is not key=value" in line
+
+
+def test_debug_flag_and_env_show_the_traceback(tmp_path, monkeypatch):
+    from bapo.train import ConfigError
+
+    monkeypatch.setenv("BAPO_DEBUG", "0")  # --debug sets it for the process: restored after
+    args = ["train", f"data.path={good_data(tmp_path)}"]
+    result = CliRunner().invoke(app, ["--debug"] + args)
+    assert isinstance(result.exception, ConfigError) and "model.path is not set" in str(result.exception)
+    monkeypatch.setenv("BAPO_DEBUG", "0")
+    assert CliRunner().invoke(app, args).exit_code == 2
+    monkeypatch.setenv("BAPO_DEBUG", "1")
+    assert isinstance(CliRunner().invoke(app, args).exception, ConfigError)
+
+
+# -- CLI habits ---------------------------------------------------------------------------------
+def test_python_m_bapo_and_help_describe_the_tool():
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
+    out = subprocess.run([sys.executable, "-m", "bapo", "--help"], capture_output=True, text=True, env=env, check=False, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "Stable off-policy RL for language models" in out.stdout and "--print-config" in out.stdout
+
+
+def test_print_config_resolves_file_and_overrides(tmp_path):
+    result = CliRunner().invoke(app, ["train", "--print-config", "examples/configs/bapo_math.yaml",
+                                      "run.tensorboard=off", "loss.bapo.target=0.5"])
+    assert result.exit_code == 0, result.output
+    assert "  tensorboard: 'off'" in result.output and "    target: 0.5" in result.output
+    assert "(default 0.4)" in result.output and "positive share to reach" in result.output
+    bare = CliRunner().invoke(app, ["train", "--print-config"])
+    assert bare.exit_code == 0 and "  path: null" in bare.output and "(required)" in bare.output
+
+
+def test_eval_of_a_run_dir_uses_its_latest_checkpoint_and_settings(tiny_model, tmp_path):
+    config = write_setup(tiny_model, tmp_path)
+    runner = CliRunner()
+    assert runner.invoke(app, ["train", str(config), "run.progress=false", "rollout.temperature=0.7",
+                               "rollout.top_k=5", "data.system_prompt=q: "]).exit_code == 0
+    result = runner.invoke(app, ["eval", "--model", str(tmp_path / "run"), "--data", str(tmp_path / "train.jsonl"),
+                                 "--k", "2", "--limit", "3", "--seed", "1"])
+    assert result.exit_code == 0, result.output
+    scores = json.loads(result.output.strip().splitlines()[-1])
+    assert scores["model"].endswith("checkpoints/step_000002/model") or scores["model"].endswith("/model")
+    assert scores["sampling/temperature"] == 0.7 and scores["sampling/top_k"] == 5
+    assert scores["sampling/system_prompt"] == "q: " and scores["sampling/max_new_tokens"] == 6
+    assert 0 < scores["response_length/mean_tokens"] <= 6 and scores["seed"] == 1
+    again = runner.invoke(app, ["eval", "--model", str(tmp_path / "run"), "--data", str(tmp_path / "train.jsonl"),
+                                "--k", "2", "--limit", "3", "--seed", "1", "--temperature", "0"])
+    assert json.loads(again.output.strip().splitlines()[-1])["sampling/temperature"] == 0.0
+    missing = runner.invoke(app, ["eval", "--model", str(tmp_path / "nope" / "x"), "--data", str(tmp_path / "train.jsonl")])
+    assert "--model " in one_line_error(missing)

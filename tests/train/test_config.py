@@ -1,4 +1,6 @@
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from bapo.train import ConfigError, Trainer, load_config
 from tests.train.conftest import arithmetic_examples, make_config
@@ -57,6 +59,85 @@ def test_bad_setup_fails_before_model_loading(tmp_path):
     cfg = make_config(str(tmp_path / "no-such-model"), tmp_path / "run", **{"data.answer_key": "solution"})
     with pytest.raises(ConfigError, match="data.answer_key='solution'"):
         Trainer(cfg, examples=arithmetic_examples())
-    cfg = make_config(str(tmp_path / "no-such-model"), tmp_path / "run", **{"rollout.backend": "vllm"})
-    with pytest.raises(ConfigError, match="rollout.backend=vllm"):
+    cfg = make_config(str(tmp_path / "no-such-model"), tmp_path / "run")
+    with pytest.raises(ConfigError, match="model.path=.*no such folder"):
         Trainer(cfg, examples=arithmetic_examples())
+
+
+def test_vllm_backend_is_refused_with_the_routes_that_have_it():
+    with pytest.raises(ConfigError, match=r"rollout.backend=vllm .*use_vllm=True.*verl"):
+        load_config("examples/configs/bapo_math.yaml", ["rollout.backend=vllm"])
+
+
+@pytest.mark.parametrize("override, field, expected", [
+    ("run.tensorboard=off", ("run", "tensorboard"), "off"),     # YAML 1.1 would give False
+    ("run.tensorboard=on", ("run", "tensorboard"), "on"),
+    ("data.system_prompt=Answer: 42", ("data", "system_prompt"), "Answer: 42"),  # YAML: a mapping
+    ("data.system_prompt=null", ("data", "system_prompt"), None),
+    ("model.device=0", ("model", "device"), "0"),
+    ("reward.verifier=yes", ("reward", "verifier"), "yes"),
+    ("run.progress=off", ("run", "progress"), False),           # a bool field still takes off/on
+    ("optim.lr=3.0e-6", ("optim", "lr"), 3e-6),
+    ("optim.max_grad_norm=null", ("optim", "max_grad_norm"), None),
+])
+def test_an_override_stays_a_string_where_the_field_takes_one(override, field, expected):
+    cfg = load_config("examples/configs/bapo_math.yaml", [override])
+    assert getattr(getattr(cfg, field[0]), field[1]) == expected
+
+
+@given(st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc")), min_size=1, max_size=40)
+       .filter(lambda t: t.strip() == t and t not in ("null", "Null", "NULL", "~")))
+@settings(max_examples=60, deadline=None)
+def test_any_text_override_of_a_string_field_arrives_unchanged(text):
+    from bapo.train import config_from_dict
+
+    cfg = config_from_dict({"model": {"path": "m"}}, [f"data.system_prompt={text}"])
+    # YAML quotes are the one way to write a string that needs them; anything else is taken verbatim
+    if not (len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""):
+        assert cfg.data.system_prompt == text
+
+
+def test_yaml_file_off_is_a_string_and_errors_name_file_and_line(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("model:\n  path: m\nrun:\n  tensorboard: off\nrollout:\n  group_size: 4\n  temperature: -1\n")
+    with pytest.raises(ConfigError) as err:
+        load_config(path)
+    message = str(err.value)
+    assert "rollout.temperature" in message and f"{path} line 7" in message and "\n" not in message
+    path.write_text("model:\n  path: m\nrun:\n  tensorboard: off\n")
+    assert load_config(path).run.tensorboard == "off"
+    path.write_text("model:\n  path: m\nrollout:\n  grup_size: 2\n")
+    with pytest.raises(ConfigError, match=f"did you mean 'rollout.group_size'.*{path} line 4"):
+        load_config(path)
+    path.write_text("model:\n  path: m\n rollout: [\n")
+    with pytest.raises(ConfigError, match=f"{path} line [23]: not valid YAML"):
+        load_config(path)
+
+
+def test_missing_model_path_says_how_to_set_it(tmp_path):
+    path = tmp_path / "c.yaml"
+    path.write_text("data:\n  path: x.jsonl\n")
+    with pytest.raises(ConfigError, match=f"model.path is not set in {path}: give a local model folder"):
+        load_config(path)
+
+
+def test_print_config_lists_every_key_with_default_and_description():
+    from pydantic import BaseModel
+
+    from bapo.train.config import TrainConfig, describe_config
+
+    text = describe_config("examples/configs/bapo_math.yaml", ["run.tensorboard=off"])
+
+    def keys(model, indent=""):
+        for name, info in model.model_fields.items():
+            yield indent + name + ":"
+            if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
+                yield from keys(info.annotation, indent + "  ")
+    lines = text.splitlines()
+    for key in keys(TrainConfig):
+        assert any(line.startswith(key) for line in lines), key
+    leaves = [line for line in lines if line.split("#")[0].strip().split(":", 1)[1].strip()]
+    assert all("# " in line and ("(default " in line or "(required)" in line) for line in leaves)
+    assert "  tensorboard: 'off'" in text and "(default auto)" in text and "  method: bapo" in text
+    bare = describe_config(None, [])  # no file, no model.path: still prints, path shown as null
+    assert "  path: null" in bare

