@@ -14,7 +14,7 @@ def test_entropy_target_moves_after_the_hold_and_is_logged(tiny_model_dir, tmp_p
                            bapo_target_mode="entropy", bapo_target_hold_updates=1, bapo_target_gain=5.0,
                            bapo_target_min=0.1, bapo_target_max=0.9)
     trainer.train()
-    targets = [entry["bapo/search/target"] for entry in trainer.state.log_history if "loss" in entry]
+    targets = [entry["bapo/target"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(targets) == 4 and targets[:2] == [0.6, 0.6]  # step 1: no entropy yet; step 2: set point taken
     assert all(0.1 <= t <= 0.9 and math.isfinite(t) for t in targets) and targets[2:] != [0.6, 0.6]
     assert trainer._bapo_target.set_point > 0
