@@ -13,7 +13,14 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bapo.lab.claims import judge_claims
-from bapo.lab.policy import GuessTask, exact_stats, sample, state_entropy, token_entropy, token_log_probs
+from bapo.lab.policy import (
+    GuessTask,
+    exact_stats,
+    sample,
+    state_entropy,
+    token_entropy,
+    token_log_probs,
+)
 from bapo.lab.run import Cell, LabConfig, run_cell
 from bapo.train.buffer import minibatch_order
 from bapo.train.config import ConfigError

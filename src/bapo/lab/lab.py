@@ -10,7 +10,7 @@ import json
 import multiprocessing
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -26,7 +26,7 @@ class LabPlan:
     every method in `methods`; delays: async delays k for grpo and bapo; claim2_staleness: E values
     of the c_high / c_low variants."""
 
-    config: LabConfig = LabConfig()
+    config: LabConfig = field(default_factory=LabConfig)
     methods: tuple[str, ...] = ("grpo", "clip-higher", "dual-clip", "bapo")
     staleness: tuple[int, ...] = (0, 2, 4, 8)
     delays: tuple[int, ...] = (2, 8)

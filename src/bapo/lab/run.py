@@ -22,9 +22,23 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from bapo.core import (BAPOConfig, BoundStats, clip_diagnostics, group_advantages, policy_loss, positive_share,
-                       token_ratio)
-from bapo.lab.policy import GuessTask, Rollouts, exact_stats, sample, token_entropy, token_log_probs
+from bapo.core import (
+    BAPOConfig,
+    BoundStats,
+    clip_diagnostics,
+    group_advantages,
+    policy_loss,
+    positive_share,
+    token_ratio,
+)
+from bapo.lab.policy import (
+    GuessTask,
+    Rollouts,
+    exact_stats,
+    sample,
+    token_entropy,
+    token_log_probs,
+)
 from bapo.train.buffer import BatchBuffer, minibatch_order
 from bapo.train.config import TrainConfig, config_from_dict
 
@@ -65,7 +79,7 @@ class LabConfig:
     clip fractions) are recorded at every update. Both cost one host sync per seed and update.
     """
 
-    task: GuessTask = GuessTask()
+    task: GuessTask = field(default_factory=GuessTask)
     lr: float = 100.0
     group_size: int = 12
     steps: int = 24
@@ -130,9 +144,9 @@ def _update(logits: Tensor, answers: Tensor, batch: Rollouts, rows: Tensor, cell
             share: bool, check: bool) -> dict[str, Tensor]:
     """One optimizer update of every seed on its mini-batch rows [S, b]; returns per-seed metrics [S]."""
     method, params = METHODS[cell.method]
-    S, b = rows.shape
+    S = rows.shape[0]
     pick = lambda x: torch.gather(x, 1, rows[:, :, None].expand(-1, -1, x.shape[-1])) if x.dim() == 3 \
-        else torch.gather(x, 1, rows)  # noqa: E731
+        else torch.gather(x, 1, rows)
     prompt, tokens, mask = pick(batch.prompt), pick(batch.tokens), pick(batch.mask)
     old_log_prob, advantages = pick(batch.old_log_prob), pick(batch.advantages)
     D = tokens.shape[-1]
