@@ -53,8 +53,12 @@ def plot_lab(runs: list[CellRun], out_dir: Path, target_share: float | None = No
     panels = _panels(runs)
     written = []
     for name, (title, key) in FIGURES.items():
-        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-        for ax, (panel_title, members, x_axis) in zip(axes[0], panels):
+        columns = min(3, len(panels))
+        rows = -(-len(panels) // columns)
+        fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.4 * rows), squeeze=False)
+        for ax in axes.flat[len(panels):]:
+            ax.set_visible(False)
+        for ax, (panel_title, members, x_axis) in zip(axes.flat, panels):
             for i, run in enumerate(members):
                 if key not in run.updates:
                     continue
