@@ -134,12 +134,20 @@ def test_on_policy_first_update_never_clips():
     assert run.updates["clip_frac"][:, ::3].abs().max() == 0.0  # ratio is exactly 1 on fresh data
 
 
+def test_no_signal_updates_have_no_share():
+    """Every response solved: all advantages are 0, nothing moves, and the share is missing (NaN), not 1."""
+    solved = LabConfig(**{**TINY.__dict__, "task": GuessTask(prompts=3, vocab=6, budget=4, answer_prob=(0.98, 0.99))})
+    run = run_cell(Cell("grpo", staleness=2), solved)
+    assert run.updates["positive_share"].isnan().all() and run.updates["entropy_change_estimate"].isnan().all()
+    assert (run.updates["grad_norm"] == 0).all() and (run.updates["entropy/batch_change"] == 0).all()
+
+
 def test_runs_are_deterministic_per_seed():
     both = run_cell(Cell("bapo", staleness=1), LabConfig(**{**TINY.__dict__, "seeds": 2, "first_seed": 0,
                                                             "group_size": 4}))
     alone = run_cell(Cell("bapo", staleness=1), LabConfig(**{**TINY.__dict__, "seeds": 1, "first_seed": 1}))
     for key, series in alone.updates.items():
-        assert torch.allclose(both.updates[key][1], series[0]), key
+        assert torch.allclose(both.updates[key][1], series[0], equal_nan=True), key
 
 
 def test_bad_cells_fail_with_the_field():

@@ -96,7 +96,7 @@ def _cell_table(runs: list[CellRun]) -> str:
 
     for run in runs:
         u = run.updates
-        share = fmt(u["positive_share"].mean(1).tolist()) if "positive_share" in u else "-"
+        share = fmt(u["positive_share"].nanmean(1).tolist()) if "positive_share" in u else "-"
         lines.append(f"| {run.cell.name} | {u['grad_norm'].shape[1]} | {fmt(u['exact/entropy'][:, -1].tolist())} | "
                      f"{fmt(u['exact/reward'][:, -1].tolist())} | {share} | {fmt(u['grad_norm'].mean(1).tolist())} |")
     return "\n".join(lines)

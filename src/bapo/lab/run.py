@@ -175,6 +175,9 @@ def _update(logits: Tensor, answers: Tensor, batch: Rollouts, rows: Tensor, cell
            "lower": lower, "upper": upper, "reward/batch": pick(batch.rewards).mean(1),
            **{f"exact/{k}": v for k, v in exact_stats(logits.detach(), answers).items()}}
     out.update(searched)
+    # A mini-batch whose advantages are all zero (every group solved or every group failed) has no
+    # share to balance and no entropy change: its share-like metrics are missing (NaN), not 1.0.
+    no_signal = ~((advantages[:, :, None] != 0) & mask).flatten(1).any(1)
     if check:  # the full per-seed diagnostics of bapo.core (one call per seed)
         keys = ("positive_share", "entropy_change_estimate", "clip_frac/upper", "clip_frac/lower", "clip_frac")
         per_seed = [clip_diagnostics(log_prob[s].detach(), old_log_prob[s], advantages[s], mask[s],
@@ -183,6 +186,9 @@ def _update(logits: Tensor, answers: Tensor, batch: Rollouts, rows: Tensor, cell
     elif share and "positive_share" not in out:
         out["positive_share"] = torch.tensor([positive_share(ratio[s], advantages[s], mask[s], float(lower[s]),
                                                              float(upper[s])) for s in range(S)], dtype=torch.float64)
+    for key in ("positive_share", "bapo/reached", "entropy_change_estimate"):
+        if key in out:
+            out[key] = out[key].masked_fill(no_signal, float("nan"))
     return out
 
 
