@@ -176,33 +176,49 @@ def judge_claims(runs: list[CellRun], steps: int, staleness: tuple[int, ...], de
             "first rollout batch, on-policy GRPO", 0.5 - first,
             f"share {_fmt(first)}; over the whole run {_fmt(base.updates['positive_share'].nanmean(1))}")
 
-    # 4. BAPO holds the share at its target and keeps entropy, beating GRPO at every staleness
+    # 4. BAPO holds the share at its target and keeps entropy, beating GRPO at every staleness;
+    #    the adaptive target (bapo-entropy, where present) on the same rows, plus its tracking
     settings = [(e, 0) for e in staleness] + [(0, k) for k in delays]
-    for e, k in settings:
-        grpo, bapo = R.get("grpo", e, k), R.get("bapo", e, k)
-        if grpo is None or bapo is None:
-            continue
-        where = f"E={e}" + (f" delay={k}" if k else "")
-        if "positive_share" in grpo.updates and "positive_share" in bapo.updates:
-            sg, sb = grpo.updates["positive_share"], bapo.updates["positive_share"]
-            closer = (sg - TARGET).abs().nanmean(1) - (sb - TARGET).abs().nanmean(1)
-            reached = bapo.updates["bapo/reached"].nanmean(1)
-            add(f"4-share-{where.replace(' ', '-')}", f"BAPO holds the positive share nearer its target {TARGET} than GRPO",
-                where, closer, f"share BAPO {_fmt(sb.nanmean(1))} vs GRPO {_fmt(sg.nanmean(1))}; "
-                f"target reached in {_fmt(reached)} of updates with signal")
-        a, b = R.end(bapo, "entropy"), R.end(grpo, "entropy")
-        add(f"4-entropy-{where.replace(' ', '-')}", "BAPO keeps more entropy than GRPO", where + ", equal samples",
-            a - b, f"BAPO {_fmt(a)} vs GRPO {_fmt(b)}")
-        if e or k:  # at E=0 without delay the two cells are identical
-            a, b = R.at_reward(bapo), R.at_reward(grpo)
-            add(f"4-entropy-at-reward-{where.replace(' ', '-')}", "BAPO keeps more entropy than GRPO",
-                f"{where}, matched reward {MATCHED_REWARD}", a - b, f"BAPO {_fmt(a)} vs GRPO {_fmt(b)}")
-        # Mean over the run, not the end: off-policy cells reach the reward ceiling (~0.999) before
-        # the end, where an end value can no longer tell two methods apart.
-        a, b = R.per_step(bapo, "reward")[:, 1:].mean(1), R.per_step(grpo, "reward")[:, 1:].mean(1)
-        add(f"4-reward-{where.replace(' ', '-')}", "BAPO learns faster than GRPO (mean reward over the run)",
-            where + ", equal samples", a - b, f"BAPO {_fmt(a)} vs GRPO {_fmt(b)}; at the end BAPO "
-            f"{_fmt(R.end(bapo, 'reward'))} vs GRPO {_fmt(R.end(grpo, 'reward'))}")
+    for variant, tag in (("bapo", ""), ("bapo-entropy", "-adaptive")):
+        for e, k in settings:
+            grpo, bapo = R.get("grpo", e, k), R.get(variant, e, k)
+            if grpo is None or bapo is None:
+                continue
+            where = f"E={e}" + (f" delay={k}" if k else "")
+            key = where.replace(" ", "-") + tag
+            name = "BAPO" + (" (adaptive target)" if tag else "")
+            if "positive_share" in grpo.updates and "positive_share" in bapo.updates and not tag:
+                sg, sb = grpo.updates["positive_share"], bapo.updates["positive_share"]
+                closer = (sg - TARGET).abs().nanmean(1) - (sb - TARGET).abs().nanmean(1)
+                reached = bapo.updates["bapo/reached"].nanmean(1)
+                add(f"4-share-{key}", f"{name} holds the positive share nearer its target {TARGET} than GRPO",
+                    where, closer, f"share BAPO {_fmt(sb.nanmean(1))} vs GRPO {_fmt(sg.nanmean(1))}; "
+                    f"target reached in {_fmt(reached)} of updates with signal")
+            a, b = R.end(bapo, "entropy"), R.end(grpo, "entropy")
+            add(f"4-entropy-{key}", f"{name} keeps more entropy than GRPO", where + ", equal samples",
+                a - b, f"{name} {_fmt(a)} vs GRPO {_fmt(b)}")
+            if e or k or tag:  # at E=0 without delay, fixed-target BAPO and GRPO are the same run
+                a, b = R.at_reward(bapo), R.at_reward(grpo)
+                add(f"4-entropy-at-reward-{key}", f"{name} keeps more entropy than GRPO",
+                    f"{where}, matched reward {MATCHED_REWARD}", a - b, f"{name} {_fmt(a)} vs GRPO {_fmt(b)}")
+            # Mean over the run, not the end: off-policy cells reach the reward ceiling (~0.999)
+            # before the end, where an end value can no longer tell two methods apart.
+            a, b = R.per_step(bapo, "reward")[:, 1:].mean(1), R.per_step(grpo, "reward")[:, 1:].mean(1)
+            add(f"4-reward-{key}", f"{name} learns faster than GRPO (mean reward over the run)",
+                where + ", equal samples", a - b, f"{name} {_fmt(a)} vs GRPO {_fmt(b)}; at the end "
+                f"{_fmt(R.end(bapo, 'reward'))} vs GRPO {_fmt(R.end(grpo, 'reward'))}")
+            fixed = R.get("bapo", e, k)
+            if tag and fixed is not None and "bapo/set_point" in bapo.updates:
+                # Tracking: |batch entropy - set point| over the second half of the updates, the
+                # adaptive run against fixed-target BAPO measured from the same set point.
+                set_point = bapo.updates["bapo/set_point"][:, -1:]
+                half = bapo.updates["entropy/batch"].shape[1] // 2
+                off_adaptive = (bapo.updates["entropy/batch"][:, half:] - set_point).abs().mean(1)
+                off_fixed = (fixed.updates["entropy/batch"][:, half:] - set_point).abs().mean(1)
+                add(f"4-tracks-{key}", "with the adaptive target, entropy tracks its set point (closer than "
+                    "fixed-target BAPO)", where + ", second half of the updates", off_fixed - off_adaptive,
+                    f"|H - H*| adaptive {_fmt(off_adaptive)} vs fixed {_fmt(off_fixed)}; H* {_fmt(set_point[:, 0])}; "
+                    f"rho0 at the end {_fmt(bapo.updates['bapo/target'][:, -1])}")
 
     # The diagnostic: policy_loss's entropy_change_estimate vs the exact change of that update
     for run in runs:

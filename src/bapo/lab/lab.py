@@ -17,17 +17,18 @@ import torch
 
 from bapo.analysis.claims import Claim, claims_json
 from bapo.lab.claims import judge_claims
-from bapo.lab.run import Cell, CellRun, LabConfig, run_cell
+from bapo.lab.run import METHODS, Cell, CellRun, LabConfig, run_cell
 
 
 @dataclass(frozen=True)
 class LabPlan:
     """Which cells run. staleness: the paper's E values (E + 1 updates per rollout batch) for
-    every method in `methods`; delays: async delays k for grpo and bapo; claim2_staleness: E values
+    every method in `methods`; delays: async delays k for grpo and the bapo variants; claim2_staleness: E values
     of the c_high / c_low variants."""
 
     config: LabConfig = field(default_factory=LabConfig)
-    methods: tuple[str, ...] = ("grpo", "clip-higher", "dual-clip", "bapo")
+    methods: tuple[str, ...] = ("grpo", "clip-higher", "dual-clip", "bapo") + (
+        ("bapo-entropy",) if "bapo-entropy" in METHODS else ())
     staleness: tuple[int, ...] = (0, 2, 4, 8)
     delays: tuple[int, ...] = (2, 8)
     claim2_staleness: tuple[int, ...] = (4,)
@@ -35,7 +36,7 @@ class LabPlan:
     def cells(self) -> list[Cell]:
         cells = [Cell(m, e) for e in self.staleness for m in self.methods]
         cells += [Cell(m, e) for e in self.claim2_staleness for m in ("grpo-c_high=2.0", "grpo-c_low=0.6")]
-        cells += [Cell(m, 0, k) for k in self.delays for m in ("grpo", "bapo") if m in self.methods]
+        cells += [Cell(m, 0, k) for k in self.delays for m in ("grpo", "bapo", "bapo-entropy") if m in self.methods]
         return cells
 
 
