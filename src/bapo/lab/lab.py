@@ -73,7 +73,8 @@ def run_cells(plan: LabPlan, jobs: int | None = None) -> list[CellRun]:
 
 
 def write_metrics(run: CellRun, path: Path) -> None:
-    """metrics.jsonl-style rows: one per seed and optimizer update (step = updates done)."""
+    """metrics.jsonl-style rows: one per seed and optimizer update (step = updates done; E and
+    async_delay name the cell; staleness/mean is the update's lag in policy versions)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     keys = sorted(run.updates)
     values = torch.stack([run.updates[k] for k in keys], -1).tolist()  # [S, U, K]
@@ -81,8 +82,8 @@ def write_metrics(run: CellRun, path: Path) -> None:
     with path.open("w") as f:
         for seed, per_seed in zip(run.seeds, values):
             for u, row in enumerate(per_seed):
-                f.write(json.dumps({"cell": run.cell.name, "method": run.cell.method, "staleness": run.cell.staleness,
-                                    "delay": run.cell.delay, "seed": seed, "step": u + 1,
+                f.write(json.dumps({"cell": run.cell.name, "method": run.cell.method, "E": run.cell.staleness,
+                                    "async_delay": run.cell.delay, "seed": seed, "step": u + 1,
                                     "rollout_step": u // updates_per_batch, "batch_version": run.versions[u],
                                     **dict(zip(keys, row))}) + "\n")
 

@@ -239,7 +239,8 @@ def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
                     controller.update(entropy)
                 metrics["bapo/set_point"] = torch.tensor([math.nan if c.set_point is None else c.set_point
                                                           for c in controllers], dtype=torch.float64)
-            metrics["staleness"] = torch.full((len(seeds),), float(version - batch.version), dtype=torch.float64)
+            # the trainer's name: optimizer updates between the behaviour policy and this update
+            metrics["staleness/mean"] = torch.full((len(seeds),), float(version - batch.version), dtype=torch.float64)
             for key, value in metrics.items():
                 series.setdefault(key, []).append(value.double())
             run.versions.append(batch.version)
