@@ -86,6 +86,18 @@ def test_exact_stats_match_enumeration_of_every_response():
     assert stats["entropy"].item() == pytest.approx(sum(entropy_sums) / sum(lengths), abs=1e-12)
 
 
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 10_000), scale=st.floats(0.0, 30.0), budget=st.integers(1, 6))
+def test_exact_stats_stay_in_range_for_any_logits(seed, scale, budget):
+    """Reward in [0, 1], expected length in [1, D], entropy in [0, log V], also for extreme logits."""
+    logits = scale * torch.randn(2, 3, budget, 7, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    answers = torch.randint(7, (2, 3), generator=torch.Generator().manual_seed(seed + 1))
+    stats = exact_stats(logits, answers)
+    assert ((stats["reward"] >= 0) & (stats["reward"] <= 1 + 1e-12)).all()
+    assert ((stats["length"] >= 1 - 1e-12) & (stats["length"] <= budget + 1e-12)).all()
+    assert ((stats["entropy"] >= 0) & (stats["entropy"] <= math.log(7) + 1e-12)).all()
+
+
 @settings(max_examples=25, deadline=None)
 @given(seed=st.integers(0, 10_000), group=st.integers(1, 5))
 def test_sampled_responses_stop_at_the_first_correct_guess(seed, group):
