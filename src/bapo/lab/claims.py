@@ -83,7 +83,8 @@ class _Runs:
         reward, entropy = run.updates["exact/reward"], run.updates["exact/entropy"]
         reached = reward >= level
         first = reached.to(torch.int64).argmax(1, keepdim=True)
-        return torch.where(reached.any(1), entropy.gather(1, first).squeeze(1), torch.full_like(entropy[:, 0], math.nan))
+        missing = torch.full_like(entropy[:, 0], math.nan)
+        return torch.where(reached.any(1), entropy.gather(1, first).squeeze(1), missing)
 
     def per_step(self, run: CellRun, key: str) -> Tensor:
         """exact/<key> at the start and after each rollout step's last update: [S, steps + 1]."""
@@ -94,8 +95,8 @@ class _Runs:
 
 def judge_claims(runs: list[CellRun], steps: int, staleness: tuple[int, ...], delays: tuple[int, ...],
                  claim2_staleness: tuple[int, ...]) -> list[Claim]:
-    """Every claim whose cells are present and that at least 2 seeds measure, in the order of the paper's claims 1-4, then the check
-    of the entropy-change diagnostic."""
+    """Every claim whose cells are present and that at least 2 seeds measure, in the order of the
+    paper's claims 1-4, then the check of the entropy-change diagnostic."""
     R = _Runs(runs, steps)
     claims: list[Claim] = []
 

@@ -153,8 +153,11 @@ def _update(logits: Tensor, answers: Tensor, batch: Rollouts, rows: Tensor, cell
     """One optimizer update of every seed on its mini-batch rows [S, b]; returns per-seed metrics [S]."""
     method, params = METHODS[cell.method]
     S = rows.shape[0]
-    pick = lambda x: torch.gather(x, 1, rows[:, :, None].expand(-1, -1, x.shape[-1])) if x.dim() == 3 \
-        else torch.gather(x, 1, rows)
+
+    def pick(x: Tensor) -> Tensor:  # each seed's mini-batch rows of a [S, B] or [S, B, D] tensor
+        index = rows[:, :, None].expand(-1, -1, x.shape[-1]) if x.dim() == 3 else rows
+        return torch.gather(x, 1, index)
+
     prompt, tokens, mask = pick(batch.prompt), pick(batch.tokens), pick(batch.mask)
     old_log_prob, advantages = pick(batch.old_log_prob), pick(batch.advantages)
     D = tokens.shape[-1]
