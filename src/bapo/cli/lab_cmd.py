@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
 
 import typer
 
 
 def lab(
     quick: bool = typer.Option(False, "--quick", help="6 seeds, 12 rollout batches, grpo and bapo at E 0 and 4"),
-    seeds: Optional[int] = typer.Option(None, "--seeds", help="seeds per cell (default 20)"),
-    out: Optional[Path] = typer.Option(None, "--out", help="output dir (default runs/lab-<timestamp>)"),
-    jobs: Optional[int] = typer.Option(None, "--jobs", help="processes (default: one per CPU core)"),
+    seeds: int | None = typer.Option(None, "--seeds", help="seeds per cell (default 20)"),
+    out: Path | None = typer.Option(None, "--out", help="output dir (default runs/lab-<timestamp>)"),
+    jobs: int | None = typer.Option(None, "--jobs", help="processes (default: one per CPU core)"),
     as_json: bool = typer.Option(False, "--json", help="print the claims table as JSON"),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="draw the PNG plots of the report"),
 ):

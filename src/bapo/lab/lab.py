@@ -10,24 +10,25 @@ import json
 import multiprocessing
 import os
 import time
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
 
 from bapo.analysis.claims import Claim, claims_json
 from bapo.lab.claims import judge_claims
-from bapo.lab.run import Cell, CellRun, LabConfig, run_cell
+from bapo.lab.run import METHODS, Cell, CellRun, LabConfig, run_cell
 
 
 @dataclass(frozen=True)
 class LabPlan:
     """Which cells run. staleness: the paper's E values (E + 1 updates per rollout batch) for
-    every method in `methods`; delays: async delays k for grpo and bapo; claim2_staleness: E values
+    every method in `methods`; delays: async delays k for grpo and the bapo variants; claim2_staleness: E values
     of the c_high / c_low variants."""
 
-    config: LabConfig = LabConfig()
-    methods: tuple[str, ...] = ("grpo", "clip-higher", "dual-clip", "bapo")
+    config: LabConfig = field(default_factory=LabConfig)
+    methods: tuple[str, ...] = ("grpo", "clip-higher", "dual-clip", "bapo") + (
+        ("bapo-entropy",) if "bapo-entropy" in METHODS else ())
     staleness: tuple[int, ...] = (0, 2, 4, 8)
     delays: tuple[int, ...] = (2, 8)
     claim2_staleness: tuple[int, ...] = (4,)
@@ -35,7 +36,7 @@ class LabPlan:
     def cells(self) -> list[Cell]:
         cells = [Cell(m, e) for e in self.staleness for m in self.methods]
         cells += [Cell(m, e) for e in self.claim2_staleness for m in ("grpo-c_high=2.0", "grpo-c_low=0.6")]
-        cells += [Cell(m, 0, k) for k in self.delays for m in ("grpo", "bapo") if m in self.methods]
+        cells += [Cell(m, 0, k) for k in self.delays for m in ("grpo", "bapo", "bapo-entropy") if m in self.methods]
         return cells
 
 
@@ -72,7 +73,8 @@ def run_cells(plan: LabPlan, jobs: int | None = None) -> list[CellRun]:
 
 
 def write_metrics(run: CellRun, path: Path) -> None:
-    """metrics.jsonl-style rows: one per seed and optimizer update (step = updates done)."""
+    """metrics.jsonl-style rows: one per seed and optimizer update (step = updates done; E and
+    async_delay name the cell; staleness/mean is the update's lag in policy versions)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     keys = sorted(run.updates)
     values = torch.stack([run.updates[k] for k in keys], -1).tolist()  # [S, U, K]
@@ -80,8 +82,8 @@ def write_metrics(run: CellRun, path: Path) -> None:
     with path.open("w") as f:
         for seed, per_seed in zip(run.seeds, values):
             for u, row in enumerate(per_seed):
-                f.write(json.dumps({"cell": run.cell.name, "method": run.cell.method, "staleness": run.cell.staleness,
-                                    "delay": run.cell.delay, "seed": seed, "step": u + 1,
+                f.write(json.dumps({"cell": run.cell.name, "method": run.cell.method, "E": run.cell.staleness,
+                                    "async_delay": run.cell.delay, "seed": seed, "step": u + 1,
                                     "rollout_step": u // updates_per_batch, "batch_version": run.versions[u],
                                     **dict(zip(keys, row))}) + "\n")
 

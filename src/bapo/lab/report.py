@@ -53,8 +53,12 @@ def plot_lab(runs: list[CellRun], out_dir: Path, target_share: float | None = No
     panels = _panels(runs)
     written = []
     for name, (title, key) in FIGURES.items():
-        fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.4), squeeze=False)
-        for ax, (panel_title, members, x_axis) in zip(axes[0], panels):
+        columns = min(3, len(panels))
+        rows = -(-len(panels) // columns)
+        fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.4 * rows), squeeze=False)
+        for ax in axes.flat[len(panels):]:
+            ax.set_visible(False)
+        for ax, (panel_title, members, x_axis) in zip(axes.flat, panels):
             for i, run in enumerate(members):
                 if key not in run.updates:
                     continue
@@ -92,7 +96,7 @@ def _cell_table(runs: list[CellRun]) -> str:
 
     for run in runs:
         u = run.updates
-        share = fmt(u["positive_share"].mean(1).tolist()) if "positive_share" in u else "-"
+        share = fmt(u["positive_share"].nanmean(1).tolist()) if "positive_share" in u else "-"
         lines.append(f"| {run.cell.name} | {u['grad_norm'].shape[1]} | {fmt(u['exact/entropy'][:, -1].tolist())} | "
                      f"{fmt(u['exact/reward'][:, -1].tolist())} | {share} | {fmt(u['grad_norm'].mean(1).tolist())} |")
     return "\n".join(lines)
@@ -104,22 +108,23 @@ def write_report(out: Path, runs: list[CellRun], claims: list[Claim], plan, info
     task = cfg.task
     images = plot_lab(runs, out / "plots", target_share=0.4) if plots else []
     start = runs[0].start
-    text = [
-        "# bapo lab: the paper's claims under an exact tabular softmax policy", "",
-        f"Regime: {task.prompts} prompts x {cfg.group_size} responses per rollout batch, vocabulary {task.vocab}, "
-        f"budget {task.budget} guesses (a response stops at the first correct guess), start answer probability "
-        f"{task.answer_prob[0]}-{task.answer_prob[1]} per state, SGD lr {cfg.lr} on the logits, {cfg.steps} rollout "
-        f"batches per cell, {cfg.seeds} seeds (paired: same task instance and draws per seed). Start policy: "
-        f"reward {mean_interval(start['reward'].tolist())[0]:.3f}, entropy "
-        f"{mean_interval(start['entropy'].tolist())[0]:.3f} nats/token.", "",
-        "Staleness E (the paper's Algorithm 1): E+1 optimizer updates per rollout batch, the batch split into "
-        "E+1 mini-batches, bounds re-searched before each. Async delay k: each batch trained once, k rollout "
-        "steps after it was generated.", "",
-        f"Wall time: {info['train_s']} s for {len(runs)} cells on {info['jobs']} process(es).", "",
-        "## Claims", "", claims_markdown(claims), "",
-        "Effect > 0 means the paper's direction; verdict from the 95% t interval over seeds "
-        "(held: all above 0, not held: all below 0, mixed: contains 0).", "",
-    ]
+    reward0, entropy0 = (mean_interval(start[k].tolist())[0] for k in ("reward", "entropy"))
+    regime = (f"Regime: {task.prompts} prompts x {cfg.group_size} responses per rollout batch, vocabulary "
+              f"{task.vocab}, budget {task.budget} guesses (a response stops at the first correct guess), start "
+              f"answer probability {task.answer_prob[0]}-{task.answer_prob[1]} per state, SGD lr {cfg.lr} on the "
+              f"logits, {cfg.steps} rollout batches per cell, {cfg.seeds} seeds (paired: the same task instance "
+              f"and draws per seed in every cell). Start policy: reward {reward0:.3f}, entropy {entropy0:.3f} "
+              "nats/token.")
+    axes = ("Staleness E (the paper's Algorithm 1): E+1 optimizer updates per rollout batch, the batch split "
+            "into E+1 mini-batches, bounds re-searched before each. Async delay k: each batch trained once, k "
+            "rollout steps after it was generated.")
+    verdicts = ("Effect > 0 means the paper's direction; verdict from the 95% t interval over seeds (held: all "
+                "above 0, not held: all below 0, mixed: contains 0). D-* rows check the diagnostic: the "
+                "correlation over updates between policy_loss's entropy_change_estimate and the exact entropy "
+                "change of that update on its mini-batch's tokens.")
+    text = ["# bapo lab: the paper's claims under an exact tabular softmax policy", "", regime, "", axes, "",
+            f"Wall time: {info['train_s']} s for {len(runs)} cells on {info['jobs']} process(es).", "",
+            "## Claims", "", claims_markdown(claims), "", verdicts, ""]
     if images:
         text += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in images] + [""]
     text += ["## Cells (end of run, mean [95% interval] over seeds)", "", _cell_table(runs), ""]

@@ -17,19 +17,39 @@ for a gradient step on softmax logits.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from bapo.core import (BAPOConfig, BoundStats, clip_diagnostics, group_advantages, policy_loss, positive_share,
-                       token_ratio)
-from bapo.lab.policy import GuessTask, Rollouts, exact_stats, sample, token_entropy, token_log_probs
+from bapo.core import (
+    BAPOConfig,
+    BoundStats,
+    clip_diagnostics,
+    group_advantages,
+    policy_loss,
+    positive_share,
+    token_ratio,
+)
+from bapo.lab.policy import (
+    GuessTask,
+    Rollouts,
+    exact_stats,
+    sample,
+    token_entropy,
+    token_log_probs,
+)
 from bapo.train.buffer import BatchBuffer, minibatch_order
 from bapo.train.config import TrainConfig, config_from_dict
 
+try:  # the adaptive target (BAPOConfig.target_mode="entropy"), where this checkout has it
+    from bapo.core.target import EntropyTargetController
+except ImportError:  # pragma: no cover - depends on the core version
+    EntropyTargetController = None  # type: ignore[assignment,misc]
+
 # The methods the lab compares: name -> (registered policy loss, its parameters). A new variant
-# (e.g. the adaptive target) is one more line here.
+# is one more line here.
 METHODS: dict[str, tuple[str, dict]] = {
     "grpo": ("grpo", {}),                                   # [0.8, 1.2]
     "clip-higher": ("clip-higher", {}),                     # [0.8, 1.28]
@@ -38,6 +58,8 @@ METHODS: dict[str, tuple[str, dict]] = {
     "grpo-c_high=2.0": ("grpo", {"upper": 2.0}),            # claim 2: raised c_high
     "grpo-c_low=0.6": ("grpo", {"lower": 0.6}),             # claim 2: lowered c_low
 }
+if EntropyTargetController is not None:  # rho0 steered so that entropy holds its early level
+    METHODS["bapo-entropy"] = ("bapo", {"bapo": BAPOConfig(target_mode="entropy")})
 
 
 @dataclass(frozen=True)
@@ -65,7 +87,7 @@ class LabConfig:
     clip fractions) are recorded at every update. Both cost one host sync per seed and update.
     """
 
-    task: GuessTask = GuessTask()
+    task: GuessTask = field(default_factory=GuessTask)
     lr: float = 100.0
     group_size: int = 12
     steps: int = 24
@@ -105,19 +127,19 @@ def _rollout(logits: Tensor, answers: Tensor, cfg: LabConfig, generators: list[t
                     advantages.reshape(S, -1).to(torch.float64), version)
 
 
-def _loss_groups(method: str, params: dict, ratio: Tensor, advantages: Tensor, mask: Tensor
-                 ) -> tuple[list[tuple[list[int], dict]], dict[str, Tensor]]:
+def _loss_groups(method: str, params: dict, ratio: Tensor, advantages: Tensor, mask: Tensor,
+                 configs: list[BAPOConfig] | None = None) -> tuple[list[tuple[list[int], dict]], dict[str, Tensor]]:
     """Seeds grouped by the loss parameters they use: [(seed indices, params)], and per-seed
     search results ({} for fixed bounds). A fixed-bound method is one group; BAPO searches its
-    bounds per seed (as the trainer does per update) and seeds that found the same bounds share
-    a group."""
+    bounds per seed (as the trainer does per update; `configs`: one BAPOConfig per seed, e.g.
+    from an adaptive target) and seeds that found the same bounds share a group."""
     S = ratio.shape[0]
     if method != "bapo":
         return [(list(range(S)), params)], {}
-    config = params.get("bapo", BAPOConfig())
+    configs = configs or [params.get("bapo", BAPOConfig())] * S
     groups: dict[tuple[float, float], list[int]] = {}
     share, reached = torch.zeros(S, dtype=torch.float64), torch.zeros(S, dtype=torch.float64)
-    for s in range(S):
+    for s, config in enumerate(configs):
         found = BoundStats(config).add(ratio[s], advantages[s], mask[s], validate=False).solve(sync=False)
         groups.setdefault((found.lower, found.upper), []).append(s)
         share[s], reached[s] = found.positive_share, float(found.reached)
@@ -127,12 +149,15 @@ def _loss_groups(method: str, params: dict, ratio: Tensor, advantages: Tensor, m
 
 
 def _update(logits: Tensor, answers: Tensor, batch: Rollouts, rows: Tensor, cell: Cell, cfg: LabConfig,
-            share: bool, check: bool) -> dict[str, Tensor]:
+            share: bool, check: bool, configs: list[BAPOConfig] | None = None) -> dict[str, Tensor]:
     """One optimizer update of every seed on its mini-batch rows [S, b]; returns per-seed metrics [S]."""
     method, params = METHODS[cell.method]
-    S, b = rows.shape
-    pick = lambda x: torch.gather(x, 1, rows[:, :, None].expand(-1, -1, x.shape[-1])) if x.dim() == 3 \
-        else torch.gather(x, 1, rows)  # noqa: E731
+    S = rows.shape[0]
+
+    def pick(x: Tensor) -> Tensor:  # each seed's mini-batch rows of a [S, B] or [S, B, D] tensor
+        index = rows[:, :, None].expand(-1, -1, x.shape[-1]) if x.dim() == 3 else rows
+        return torch.gather(x, 1, index)
+
     prompt, tokens, mask = pick(batch.prompt), pick(batch.tokens), pick(batch.mask)
     old_log_prob, advantages = pick(batch.old_log_prob), pick(batch.advantages)
     D = tokens.shape[-1]
@@ -142,7 +167,7 @@ def _update(logits: Tensor, answers: Tensor, batch: Rollouts, rows: Tensor, cell
     ratio = token_ratio(log_prob.detach(), old_log_prob)
     lower, upper = torch.zeros(S, dtype=torch.float64), torch.zeros(S, dtype=torch.float64)
     total = torch.zeros((), dtype=logits.dtype)
-    groups, searched = _loss_groups(method, params, ratio, advantages, mask)
+    groups, searched = _loss_groups(method, params, ratio, advantages, mask, configs)
     for members, group_params in groups:
         # a token sum (normalizer 1), made each seed's token mean below
         loss, metrics = policy_loss(log_prob[members].reshape(-1, D), old_log_prob[members].reshape(-1, D),
@@ -161,6 +186,9 @@ def _update(logits: Tensor, answers: Tensor, batch: Rollouts, rows: Tensor, cell
            "lower": lower, "upper": upper, "reward/batch": pick(batch.rewards).mean(1),
            **{f"exact/{k}": v for k, v in exact_stats(logits.detach(), answers).items()}}
     out.update(searched)
+    # A mini-batch whose advantages are all zero (every group solved or every group failed) has no
+    # share to balance and no entropy change: its share-like metrics are missing (NaN), not 1.0.
+    no_signal = ~((advantages[:, :, None] != 0) & mask).flatten(1).any(1)
     if check:  # the full per-seed diagnostics of bapo.core (one call per seed)
         keys = ("positive_share", "entropy_change_estimate", "clip_frac/upper", "clip_frac/lower", "clip_frac")
         per_seed = [clip_diagnostics(log_prob[s].detach(), old_log_prob[s], advantages[s], mask[s],
@@ -169,6 +197,9 @@ def _update(logits: Tensor, answers: Tensor, batch: Rollouts, rows: Tensor, cell
     elif share and "positive_share" not in out:
         out["positive_share"] = torch.tensor([positive_share(ratio[s], advantages[s], mask[s], float(lower[s]),
                                                              float(upper[s])) for s in range(S)], dtype=torch.float64)
+    for key in ("positive_share", "bapo/reached", "entropy_change_estimate"):
+        if key in out:
+            out[key] = out[key].masked_fill(no_signal, float("nan"))
     return out
 
 
@@ -192,15 +223,27 @@ def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
     while len(buffer.batches) < buffer.warmup:  # FIFO warm-up: batches of the start policy
         buffer.push(_rollout(logits, answers, cfg, generators, version))
     rows_per_batch = cfg.task.prompts * cfg.group_size
+    method, params = METHODS[cell.method]
+    # The adaptive target: one controller per seed, fed the entropy of each update (as a trainer would).
+    adaptive = method == "bapo" and getattr(params.get("bapo"), "target_mode", "fixed") == "entropy"
+    controllers = [EntropyTargetController(params["bapo"]) for _ in seeds] if adaptive else []
     for step in range(cfg.steps):
         buffer.push(_rollout(logits, answers, cfg, generators, version))
         batch: Rollouts = buffer.pop(step)
         schedules = [minibatch_order(rows_per_batch, cell.staleness + 1, 1, s, step) for s in seeds]
         for update in range(cell.staleness + 1):
             rows = torch.stack([schedule[update][1] for schedule in schedules])
+            configs = [c.search_config() for c in controllers] or None
             metrics = _update(logits, answers, batch, rows, cell, cfg, cell.method in cfg.share_methods,
-                              cell.name in cfg.check_cells)
-            metrics["staleness"] = torch.full((len(seeds),), float(version - batch.version), dtype=torch.float64)
+                              cell.name in cfg.check_cells, configs)
+            if controllers:
+                metrics["bapo/target"] = torch.tensor([c.target for c in controllers], dtype=torch.float64)
+                for controller, entropy in zip(controllers, metrics["entropy/batch"].tolist()):
+                    controller.update(entropy)
+                metrics["bapo/set_point"] = torch.tensor([math.nan if c.set_point is None else c.set_point
+                                                          for c in controllers], dtype=torch.float64)
+            # the trainer's name: optimizer updates between the behaviour policy and this update
+            metrics["staleness/mean"] = torch.full((len(seeds),), float(version - batch.version), dtype=torch.float64)
             for key, value in metrics.items():
                 series.setdefault(key, []).append(value.double())
             run.versions.append(batch.version)
