@@ -3,6 +3,8 @@
 import json
 from dataclasses import replace
 
+import pytest
+
 from bapo.demo.demo import DemoPlan, run_demo
 from bapo.demo.model import ModelConfig
 from bapo.demo.plots import FIGURES
@@ -22,6 +24,7 @@ PLAN = DemoPlan(methods=("grpo", "bapo"), staleness=(0, 1), partial_rollout=True
                 eval_every=1, eval_prompts=4, eval_k_during=2, final_k=2, warmstart=TINY)
 
 
+@pytest.mark.slow
 def test_demo_produces_every_file(tmp_path):
     out = run_demo(PLAN, tmp_path / "demo", show_progress=False)
     assert (out / "data" / "train.jsonl").exists() and (out / "data" / "heldout.jsonl").exists()
