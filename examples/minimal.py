@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo.core import POLICY_LOSSES, BAPOConfig, group_advantages, policy_loss
 from bapo.demo.task import TaskConfig, make_split, verify
-from bapo.demo.warmstart import WarmStartConfig, warm_start  # the tiny model: change this one line when it moves
+from bapo.demo.warmstart import WarmStartConfig, warm_start  # the demo's tiny model, warm-started and cached
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -41,10 +41,6 @@ FRAMEWORK_HOME = {"verl": "integrations.verl", "ray": "integrations.verl", "trl"
 # Heavy modules a bare `import bapo.core` must not load.
 NOT_LOADED_BY_CORE = ("transformers", "trl", "verl", "datasets", "rich", "typer", "pydantic", "yaml", "matplotlib")
 
-# Known violations being removed by ongoing work (issue 14, item 3): each entry must still
-# exist (the test says when one can be deleted), and no new one may appear.
-KNOWN_VIOLATIONS: set[tuple[str, str]] = set()
-
 
 @dataclass(frozen=True)
 class Import:
@@ -114,30 +110,18 @@ def test_every_source_file_belongs_to_a_known_layer():
 
 
 def test_bapo_imports_point_down_the_layering():
-    violations, seen_known = [], set()
+    violations = []
     for path in source_files():
         own = layer_of(module_name(path))
-        if own == "":
-            allowed = set()
-        else:
-            allowed = ALLOWED_LAYERS[own] | {own}
+        allowed = ALLOWED_LAYERS[own] | {own} if own else set()
         for imp in imports_of(path):
-            if imp.module.split(".")[0] != "bapo":
-                continue
-            target = layer_of(imp.module)
+            target = layer_of(imp.module) if imp.module.split(".")[0] == "bapo" else ""
             if target == "" or target in allowed:
-                continue
-            key = (str(path.relative_to(PACKAGE)), imp.module)
-            if key in KNOWN_VIOLATIONS:
-                seen_known.add(key)
                 continue
             may = ", ".join(f"bapo.{layer}" for layer in sorted(allowed)) or "nothing from bapo"
             violations.append(f"{where(imp)} imports bapo.{target}, but bapo.{own or '(root)'} may import {may}")
-    assert not violations, "imports against the layering (core <- train <- analysis <- demo/lab):\n" + "\n".join(
-        violations
-    )
-    stale = KNOWN_VIOLATIONS - seen_known
-    assert not stale, f"known violations fixed: delete {sorted(stale)} from KNOWN_VIOLATIONS in tests/test_layering.py"
+    layering = "core <- train <- analysis <- demo/lab; integrations: core, train"
+    assert not violations, f"imports against the layering ({layering}):\n" + "\n".join(violations)
 
 
 def test_core_imports_only_torch_numpy_and_the_standard_library():

@@ -1,7 +1,7 @@
 """The adaptive BAPO target in the trainer: logged every update, and resumed exactly."""
 
 from bapo.train import read_metrics, train
-from tests.train.conftest import arithmetic_examples, digit_share, make_config
+from tests.helpers import arithmetic_examples, digit_share, make_config
 from tests.train.test_resume import check_resume_is_exact
 
 ENTROPY_TARGET = {"offpolicy.staleness": 1, "loss.method": "bapo", "optim.micro_batch_size": 6,

@@ -15,7 +15,7 @@ from bapo.train.checkpoint import (
     load_state,
     verify_checkpoint,
 )
-from tests.train.conftest import arithmetic_examples, digit_share, make_config
+from tests.helpers import arithmetic_examples, digit_share, make_config
 
 DATA = {"examples": arithmetic_examples(), "verifier": digit_share}
 

@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 
 from bapo.cli.main import app
 from bapo.train import read_metrics
-from tests.train.conftest import arithmetic_examples
+from tests.helpers import arithmetic_examples
 
 
 def write_setup(tiny_model, tmp_path):

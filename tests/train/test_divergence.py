@@ -6,7 +6,7 @@ import pytest
 
 from bapo.train import Trainer, TrainingStopped, read_metrics, train
 from bapo.train.checkpoint import latest_checkpoint
-from tests.train.conftest import arithmetic_examples, digit_share, make_config
+from tests.helpers import arithmetic_examples, digit_share, make_config
 
 DATA = {"examples": arithmetic_examples(), "verifier": digit_share}
 

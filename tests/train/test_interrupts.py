@@ -9,7 +9,7 @@ import pytest
 from bapo.train import read_metrics, train
 from bapo.train.checkpoint import checkpoints, latest_checkpoint
 from bapo.train.trainer import TrainingAborted, TrainingInterrupted
-from tests.train.conftest import arithmetic_examples, digit_share, make_config
+from tests.helpers import arithmetic_examples, digit_share, make_config
 from tests.train.test_resume import strip_timing
 
 DATA = {"examples": arithmetic_examples(), "verifier": digit_share}

@@ -7,7 +7,7 @@ import torch
 
 from bapo.train import Trainer, read_metrics, train
 from bapo.train.rollout import token_log_probs
-from tests.train.conftest import arithmetic_examples, digit_share, make_config
+from tests.helpers import arithmetic_examples, digit_share, make_config
 
 
 def run(tiny_model, tmp_path, **overrides):
@@ -34,14 +34,19 @@ def test_staleness_is_exact(tiny_model, tmp_path, k):
 
 
 def test_updates_per_batch_split_one_batch(tiny_model, tmp_path):
-    rows = run(tiny_model, tmp_path, **{"offpolicy.mini_batches": 2, "offpolicy.epochs": 2, "run.steps": 2})
+    overrides = {"offpolicy.mini_batches": 2, "offpolicy.epochs": 2, "run.steps": 2}
+    rows = run(tiny_model, tmp_path, **overrides)
     assert [r["step"] for r in rows] == list(range(1, 9))
+    assert make_config(tiny_model, tmp_path / "unused", **overrides).total_updates == len(rows)  # LR schedule length
     assert [r["rollout_step"] for r in rows] == [0] * 4 + [1] * 4
     assert [r["epoch"] for r in rows] == [0, 0, 1, 1] * 2
     # four updates on one batch of version 4s: token staleness 0, 1, 2, 3 within each batch
     assert [r["staleness/mean"] for r in rows] == [0, 1, 2, 3] * 2
     assert [r["batch/version_min"] for r in rows[4:]] == [4] * 4
-    assert all(r["tokens/update"] > 0 and r["time/update_s"] > 0 for r in rows)
+    # the mini-batches of an epoch partition the batch: every generated token is trained once per epoch
+    for first in range(0, len(rows), 2):
+        pair = rows[first : first + 2]
+        assert pair[0]["tokens/update"] + pair[1]["tokens/update"] == pair[0]["tokens/rollout"] > 0
 
 
 def test_replay_mixes_several_ages(tiny_model, tmp_path):

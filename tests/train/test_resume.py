@@ -9,7 +9,7 @@ import torch
 from bapo.train import Trainer, TrainingStopped, read_metrics, train
 from bapo.train.checkpoint import latest_checkpoint
 from bapo.train.metrics import is_timing
-from tests.train.conftest import arithmetic_examples, digit_share, make_config
+from tests.helpers import arithmetic_examples, digit_share, make_config
 
 
 def strip_timing(rows):

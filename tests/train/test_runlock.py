@@ -11,7 +11,7 @@ import pytest
 
 from bapo.train import ConfigError, Trainer, train
 from bapo.train.rundir import RunLock
-from tests.train.conftest import arithmetic_examples, digit_share, make_config
+from tests.helpers import arithmetic_examples, digit_share, make_config
 
 DATA = {"examples": arithmetic_examples(), "verifier": digit_share}
 

@@ -9,7 +9,7 @@ from bapo.core import BAPOConfig, policy_loss, search_bounds, token_ratio
 from bapo.train import Trainer
 from bapo.train.rollout import token_log_probs
 from bapo.train.update import behaviour_is_current, optimizer_update
-from tests.train.conftest import arithmetic_examples, digit_share, make_config
+from tests.helpers import arithmetic_examples, digit_share, make_config
 
 
 @pytest.fixture(scope="module")

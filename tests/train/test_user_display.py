@@ -8,7 +8,7 @@ import pytest
 
 from bapo.train import read_metrics, train
 from bapo.train.metrics import NoSignalWarning, PlainProgress
-from tests.train.conftest import arithmetic_examples, digit_share, make_config
+from tests.helpers import arithmetic_examples, digit_share, make_config
 
 
 def row(step, zero=0, truncated=0.5, reward=0.3):
