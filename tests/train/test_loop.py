@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from bapo.train import Trainer, read_metrics, train
-from bapo.train.rollout import token_log_probs
+from bapo.train.rollout import Batch, token_log_probs
 from tests.helpers import arithmetic_examples, digit_share, make_config
 
 
@@ -143,3 +143,21 @@ def test_gradient_checkpointing_keeps_train_mode_for_updates(tiny_model, tmp_pat
     rows = trainer.update_step(batch)
     trainer.close()
     assert rows[0]["grad_norm"] > 0 and rows[0]["skipped"] == 0
+
+
+def test_step_rows_join_rollout_metrics_to_every_update_and_the_hook_to_the_last():
+    from bapo.train.trainer import _step_rows
+
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    fresh = Batch(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool),
+                  torch.ones(2, 3, dtype=torch.long), mask, torch.zeros(2, 3), torch.where(mask, 4, -1),
+                  torch.tensor([1.0, 0.0]), torch.tensor([1.0, -1.0]), torch.tensor([False, True]),
+                  torch.tensor([0, 0]))
+    updates = [{"step": 5, "tokens/update": 30}, {"step": 6, "tokens/update": 10}]
+    rows = _step_rows(updates, {"tokens/rollout": 50, "groups/dropped": 0}, fresh, correct_threshold=1.0,
+                      step_seconds=2.0, hook_metrics={"eval/accuracy": 0.25})
+    assert [row["tokens_per_s"] for row in rows] == [40.0, 30.0]  # (rollout + this update's tokens) / step time
+    assert all(row["time/step_s"] == 2.0 and row["groups/dropped"] == 0 for row in rows)
+    assert rows[0]["rollout/accuracy"] == 0.5 and rows[0]["rollout/response_length/max"] == 2.0
+    assert rows[0]["rollout/batch/version_min"] == 4 and rows[1]["rollout/response_length/truncated_frac"] == 0.5
+    assert "eval/accuracy" not in rows[0] and rows[1]["eval/accuracy"] == 0.25  # the hook runs once per rollout step

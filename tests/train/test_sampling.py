@@ -15,7 +15,7 @@ from bapo.train.sampling import (
     resolve_sampler,
 )
 
-from .conftest import arithmetic_examples, make_config
+from tests.helpers import arithmetic_examples, make_config
 
 PARAMS = [SamplingParams(), SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
           SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=0.5, top_k=3)]
@@ -106,7 +106,7 @@ def test_rollout_batches_match_between_samplers(tiny_model, tmp_path):
     (tokens exactly, behaviour log-probs to fp32 rounding)."""
     from bapo.train import Trainer
 
-    from .conftest import digit_share
+    from tests.helpers import digit_share
 
     batches = {}
     for sampler in ("lean", "hf"):

@@ -18,6 +18,7 @@ import torch
 
 from bapo.train.config import TrainConfig
 from bapo.train.rollout import Batch
+from bapo.train.seeding import MINIBATCH_SPLIT, REPLAY_DRAW, seeded_generator
 
 
 def minibatch_order(rows: int, mini_batches: int, epochs: int, seed: int, step: int) -> list[tuple[int, torch.Tensor]]:
@@ -28,16 +29,16 @@ def minibatch_order(rows: int, mini_batches: int, epochs: int, seed: int, step: 
     `mini_batches` parts (no shuffle when mini_batches == 1), so the split needs no saved state."""
     updates: list[tuple[int, torch.Tensor]] = []
     for epoch in range(epochs):
-        order = torch.randperm(rows, generator=torch.Generator().manual_seed(seed * 7919 + step * 101 + epoch)) \
-            if mini_batches > 1 else torch.arange(rows)
+        generator = seeded_generator(seed, step, epoch, weights=MINIBATCH_SPLIT)
+        order = torch.randperm(rows, generator=generator) if mini_batches > 1 else torch.arange(rows)
         updates += [(epoch, part.sort().values) for part in order.tensor_split(mini_batches)]
     return updates
 
 
 class BatchBuffer:
     def __init__(self, cfg: TrainConfig, pad_id: int):
-        self.mode, self.k = cfg.offpolicy.mode, cfg.offpolicy.staleness
-        self.capacity = self.k + 1 if self.mode == "fifo" else cfg.offpolicy.replay_batches
+        self.mode, self.staleness = cfg.offpolicy.mode, cfg.offpolicy.staleness
+        self.capacity = self.staleness + 1 if self.mode == "fifo" else cfg.offpolicy.replay_batches
         self.group_size, self.groups = cfg.rollout.group_size, cfg.rollout.prompts_per_batch
         self.seed, self.pad_id = cfg.run.seed, pad_id
         self.batches: deque[Batch] = deque()
@@ -45,7 +46,7 @@ class BatchBuffer:
     @property
     def warmup(self) -> int:
         """Batches to generate with the initial policy before the first update."""
-        return self.k if self.mode == "fifo" else 0
+        return self.staleness if self.mode == "fifo" else 0
 
     def push(self, batch: Batch) -> None:
         self.batches.append(batch)
@@ -56,16 +57,16 @@ class BatchBuffer:
         if self.mode == "fifo":
             assert len(self.batches) == self.capacity, "FIFO not full: warm-up missing"
             return self.batches.popleft()
-        G = self.group_size
+        group_size = self.group_size
         pool = Batch.cat(list(self.batches), self.pad_id)
-        n_groups = len(pool) // G
-        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
-        chosen = torch.randperm(n_groups, generator=gen)[: self.groups].sort().values
-        rows = (chosen[:, None] * G + torch.arange(G)).flatten()
+        n_groups = len(pool) // group_size
+        generator = seeded_generator(self.seed, step, weights=REPLAY_DRAW)
+        chosen = torch.randperm(n_groups, generator=generator)[: self.groups].sort().values
+        rows = (chosen[:, None] * group_size + torch.arange(group_size)).flatten()
         return pool.select(rows)
 
     def state_dict(self) -> list[dict]:
-        return [b.state_dict() for b in self.batches]
+        return [batch.state_dict() for batch in self.batches]
 
     def load_state_dict(self, state: list[dict]) -> None:
-        self.batches = deque(Batch(**b) for b in state)
+        self.batches = deque(Batch(**batch) for batch in state)

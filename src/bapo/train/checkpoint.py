@@ -49,23 +49,23 @@ def set_rng_state(state: dict) -> None:
 
 def _sha256(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
             digest.update(block)
     return digest.hexdigest()
 
 
 def _fsync_path(path: Path) -> None:
     """fsync a file or a directory (a directory's fsync makes its renames and new entries durable)."""
-    fd = os.open(path, os.O_RDONLY)
+    descriptor = os.open(path, os.O_RDONLY)
     try:
-        os.fsync(fd)
+        os.fsync(descriptor)
     finally:
-        os.close(fd)
+        os.close(descriptor)
 
 
 def _files(directory: Path) -> list[Path]:
-    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+    return sorted(path for path in directory.rglob("*") if path.is_file() and path.name != MANIFEST)
 
 
 def _write_manifest(directory: Path) -> None:
@@ -75,12 +75,12 @@ def _write_manifest(directory: Path) -> None:
         _fsync_path(path)
         entries[path.relative_to(directory).as_posix()] = {"size": path.stat().st_size, "sha256": _sha256(path)}
     manifest = directory / MANIFEST
-    with open(manifest, "w") as f:
-        json.dump({"format": 1, "files": entries}, f, indent=1)
-        f.flush()
-        os.fsync(f.fileno())
-    for sub in sorted({p.parent for p in _files(directory)} | {directory}):
-        _fsync_path(sub)
+    with open(manifest, "w") as file:
+        json.dump({"format": 1, "files": entries}, file, indent=1)
+        file.flush()
+        os.fsync(file.fileno())
+    for folder in sorted({path.parent for path in _files(directory)} | {directory}):
+        _fsync_path(folder)
 
 
 def verify_checkpoint(checkpoint: Path) -> str | None:
@@ -111,7 +111,7 @@ def verify_checkpoint(checkpoint: Path) -> str | None:
 def checkpoints(run_dir: Path) -> list[Path]:
     """Complete-looking checkpoint directories of a run, newest first (not yet verified)."""
     root = Path(run_dir) / "checkpoints"
-    return sorted((p for p in root.glob("step_*") if p.is_dir()), reverse=True)
+    return sorted((path for path in root.glob("step_*") if path.is_dir()), reverse=True)
 
 
 def remove_stale_tmp(run_dir: Path) -> list[Path]:
@@ -166,7 +166,7 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, kee
         shutil.rmtree(tmp, ignore_errors=True)
         if not isinstance(err, Exception):
             raise
-        good = next((p.name for p in checkpoints(run_dir) if p != final), None)
+        good = next((older.name for older in checkpoints(run_dir) if older != final), None)
         # torch.save reports a full disk as "basic_ios::clear: iostream error", without an errno
         disk_full = getattr(err, "errno", None) == errno.ENOSPC or "iostream error" in str(err)
         why = "no space left on device" if disk_full else f"{type(err).__name__}: {err}"
@@ -198,7 +198,7 @@ def _strip_optimizer(checkpoint: Path) -> None:
 
 def latest_checkpoint(run_dir: Path) -> Path | None:
     """The newest checkpoint that verifies against its manifest, else None."""
-    return next((p for p in checkpoints(run_dir) if verify_checkpoint(p) is None), None)
+    return next((checkpoint for checkpoint in checkpoints(run_dir) if verify_checkpoint(checkpoint) is None), None)
 
 
 def load_state(checkpoint: Path) -> dict:

@@ -52,7 +52,7 @@ def _quiet_math_verify() -> None:
     """math-verify warns on every call that its own timeout is off; ours is in `score`."""
     for name in ("math_verify.parser", "math_verify.grader"):
         log = logging.getLogger(name)
-        if not any(isinstance(f, _DropTimeoutNotice) for f in log.filters):
+        if not any(isinstance(installed, _DropTimeoutNotice) for installed in log.filters):
             log.addFilter(_DropTimeoutNotice())
 
 
@@ -125,49 +125,49 @@ def score(verifier: Callable[[str, dict], float], responses: list[str], examples
     """
     if not responses:
         return torch.zeros(0), 0
-    n = len(responses)
-    results: list[float | None] = [None] * n
+    count = len(responses)
+    results: list[float | None] = [None] * count
     started: dict[int, float] = {}   # call index -> start time, while running
     finished: set[int] = set()
     abandoned: set[int] = set()
-    pending = list(range(n - 1, -1, -1))  # popped from the end: calls start in order
-    cond = threading.Condition()
+    pending = list(range(count - 1, -1, -1))  # popped from the end: calls start in order
+    condition = threading.Condition()
 
     def work() -> None:
         while True:
-            with cond:
+            with condition:
                 if not pending:
                     return
-                i = pending.pop()
-                started[i] = time.monotonic()
+                call = pending.pop()
+                started[call] = time.monotonic()
             try:
-                value = _as_reward(verifier(responses[i], examples[i]))
+                value = _as_reward(verifier(responses[call], examples[call]))
             except BaseException:  # noqa: BLE001 - a verifier must never stop training, not even by SystemExit
                 value = None
-            with cond:
-                if i in abandoned:
+            with condition:
+                if call in abandoned:
                     return  # timed out meanwhile: its slot was handed to a new thread
-                results[i] = value
-                finished.add(i)
-                del started[i]
-                cond.notify_all()
+                results[call] = value
+                finished.add(call)
+                del started[call]
+                condition.notify_all()
 
     def spawn() -> None:
         threading.Thread(target=work, name="bapo-verifier", daemon=True).start()
 
-    for _ in range(min(workers, n)):
+    for _ in range(min(workers, count)):
         spawn()
-    with cond:
-        while len(finished) + len(abandoned) < n:
+    with condition:
+        while len(finished) + len(abandoned) < count:
             now = time.monotonic()
-            for i, t0 in list(started.items()):
-                if now - t0 >= timeout_s:
-                    abandoned.add(i)
-                    del started[i]
+            for call, started_at in list(started.items()):
+                if now - started_at >= timeout_s:
+                    abandoned.add(call)
+                    del started[call]
                     if pending:
                         spawn()
-            deadline = min((t0 + timeout_s for t0 in started.values()), default=now + timeout_s)
-            cond.wait(timeout=max(deadline - time.monotonic(), 0.001))
+            deadline = min((started_at + timeout_s for started_at in started.values()), default=now + timeout_s)
+            condition.wait(timeout=max(deadline - time.monotonic(), 0.001))
     rewards = [0.0 if value is None else value for value in results]
     failures = sum(value is None for value in results)
     return torch.tensor(rewards, dtype=torch.float32), failures

@@ -50,49 +50,49 @@ class Batch:
         return int(self.response_mask.sum())
 
     def select(self, rows: Tensor) -> "Batch":
-        return Batch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[rows] for f in fields(self)})
+        return Batch(**{name: None if value is None else value[rows] for name, value in self.state_dict().items()})
 
     def to(self, device) -> "Batch":
-        return Batch(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device) for f in fields(self)})
+        return Batch(**{name: None if value is None else value.to(device) for name, value in self.state_dict().items()})
 
     def state_dict(self) -> dict:
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        return {spec.name: getattr(self, spec.name) for spec in fields(self)}
 
     @staticmethod
     def cat(batches: list["Batch"], pad_id: int) -> "Batch":
         """Rows of several batches (replay); prompts re-padded on the left, responses on the right."""
-        width_p = max(b.prompt_ids.shape[1] for b in batches)
-        width_r = max(b.response_ids.shape[1] for b in batches)
+        prompt_width = max(batch.prompt_ids.shape[1] for batch in batches)
+        response_width = max(batch.response_ids.shape[1] for batch in batches)
         fill = {"prompt_ids": pad_id, "prompt_mask": False, "response_ids": pad_id, "response_mask": False,
                 "old_log_prob": 0.0, "versions": -1, "ref_log_prob": 0.0}
         out = {}
-        for f in fields(Batch):
-            parts = [getattr(b, f.name) for b in batches]
+        for spec in fields(Batch):
+            parts = [getattr(batch, spec.name) for batch in batches]
             if parts[0] is None:
-                out[f.name] = None
+                out[spec.name] = None
             elif parts[0].dim() == 1:
-                out[f.name] = torch.cat(parts)
+                out[spec.name] = torch.cat(parts)
             else:
-                left = f.name.startswith("prompt")
-                width = width_p if left else width_r
+                left = spec.name.startswith("prompt")
+                width = prompt_width if left else response_width
                 padded = []
-                for t in parts:
-                    extra = t.new_full((t.shape[0], width - t.shape[1]), fill[f.name])
-                    padded.append(torch.cat([extra, t] if left else [t, extra], dim=1))
-                out[f.name] = torch.cat(padded)
+                for part in parts:
+                    extra = part.new_full((part.shape[0], width - part.shape[1]), fill[spec.name])
+                    padded.append(torch.cat([extra, part] if left else [part, extra], dim=1))
+                out[spec.name] = torch.cat(padded)
         return Batch(**out)
 
 
 def pad(rows: list[list], value, left: bool, dtype=torch.long) -> tuple[Tensor, Tensor]:
     """Lists of unequal length -> [N, W] tensor and [N, W] bool mask."""
-    width = max((len(r) for r in rows), default=0)
+    width = max((len(row) for row in rows), default=0)
     out = torch.full((len(rows), width), value, dtype=dtype)
     mask = torch.zeros((len(rows), width), dtype=torch.bool)
-    for i, r in enumerate(rows):
-        if r:
-            span = slice(width - len(r), width) if left else slice(0, len(r))
-            out[i, span] = torch.tensor(r, dtype=dtype)
-            mask[i, span] = True
+    for index, row in enumerate(rows):
+        if row:
+            span = slice(width - len(row), width) if left else slice(0, len(row))
+            out[index, span] = torch.tensor(row, dtype=dtype)
+            mask[index, span] = True
     return out, mask
 
 
@@ -135,11 +135,11 @@ def batched_log_probs(model, prompt_ids, prompt_mask, response_ids, response_mas
     """token_log_probs without grad, `chunk` rows at a time, on the model's device -> [N, R] CPU."""
     device = next(model.parameters()).device
     parts = []
-    for s in range(0, len(response_ids), chunk):
-        rows = slice(s, s + chunk)
-        lp, _ = token_log_probs(model, prompt_ids[rows].to(device), prompt_mask[rows].to(device),
+    for first in range(0, len(response_ids), chunk):
+        rows = slice(first, first + chunk)
+        log_prob, _ = token_log_probs(model, prompt_ids[rows].to(device), prompt_mask[rows].to(device),
                                 response_ids[rows].to(device), response_mask[rows].to(device), temperature)
-        parts.append(lp.cpu())
+        parts.append(log_prob.cpu())
     return torch.cat(parts) if parts else torch.zeros(response_ids.shape)
 
 
@@ -149,21 +149,21 @@ class Rollout:
 
     def __init__(self, cfg: TrainConfig, tokenizer, prompts: list[list[int]], examples: list[dict],
                  verifier, sampler: PromptSampler, eos_ids: list[int]):
-        self.cfg, self.settings = cfg, cfg.rollout
+        self.cfg, self.rollout_cfg = cfg, cfg.rollout
         self.tokenizer, self.prompts, self.examples = tokenizer, prompts, examples
         self.verifier, self.sampler = verifier, sampler
         self.eos_ids = torch.tensor(sorted(set(eos_ids)))
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else int(self.eos_ids[0])
-        self.segment = self.settings.segment_tokens or self.settings.max_new_tokens
+        self.segment = self.rollout_cfg.segment_tokens or self.rollout_cfg.max_new_tokens
         # groups in flight + finished ones: enough for every step to finish a batch in one pass
         # once the pipeline is full (one cohort of prompts per segment of the response)
-        self.capacity = self.settings.prompts_per_batch * math.ceil(self.settings.max_new_tokens / self.segment)
+        self.capacity = self.rollout_cfg.prompts_per_batch * math.ceil(self.rollout_cfg.max_new_tokens / self.segment)
         self.in_flight: list[dict] = []
         self.ready: list[dict] = []
         self.stop = None
-        if self.settings.stop:
+        if self.rollout_cfg.stop:
             from transformers.generation.stopping_criteria import StopStringCriteria
-            self.stop = StopStringCriteria(tokenizer, self.settings.stop)
+            self.stop = StopStringCriteria(tokenizer, self.rollout_cfg.stop)
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
@@ -179,10 +179,10 @@ class Rollout:
         then return them as a Batch (plus rollout metrics). At least one pass always runs, so
         unfinished responses advance every step."""
         start, new_tokens, passes, failures = time.perf_counter(), 0, 0, 0
-        want = self.settings.prompts_per_batch
+        want = self.rollout_cfg.prompts_per_batch
         while passes == 0 or len(self.ready) < want:
             if len(self.in_flight) + len(self.ready) + want <= self.capacity:
-                self.in_flight += [self._new_group(i) for i in self.sampler.take(want)]
+                self.in_flight += [self._new_group(example) for example in self.sampler.take(want)]
             if not self.in_flight:
                 break
             new_tokens += self._generate_pass(model, version)
@@ -197,29 +197,30 @@ class Rollout:
         return batch, metrics
 
     def _new_group(self, example: int) -> dict:
-        seq = lambda: {"response": [], "logp": [], "version": [], "done": False, "truncated": False}
-        return {"example": example, "seqs": [seq() for _ in range(self.settings.group_size)], "rewards": None}
+        seqs = [{"response": [], "logp": [], "version": [], "done": False, "truncated": False}
+                for _ in range(self.rollout_cfg.group_size)]
+        return {"example": example, "seqs": seqs, "rewards": None}
 
     @torch.no_grad()
     def _generate_pass(self, model, version: int) -> int:
         """Up to `segment` new tokens for every unfinished response; returns tokens added."""
-        live = [s for g in self.in_flight for s in g["seqs"] if not s["done"]]
-        owners = [g for g in self.in_flight for s in g["seqs"] if not s["done"]]
+        live = [seq for group in self.in_flight for seq in group["seqs"] if not seq["done"]]
+        owners = [group for group in self.in_flight for seq in group["seqs"] if not seq["done"]]
         if not live:
             return 0
-        context = [self.prompts[g["example"]] + s["response"] for g, s in zip(owners, live)]
+        context = [self.prompts[group["example"]] + seq["response"] for group, seq in zip(owners, live)]
         ctx_ids, ctx_mask = pad(context, self.pad_id, left=True)
-        remaining = torch.tensor([self.settings.max_new_tokens - len(s["response"]) for s in live])
+        remaining = torch.tensor([self.rollout_cfg.max_new_tokens - len(seq["response"]) for seq in live])
         budget = min(self.segment, int(remaining.max()))
-        params = SamplingParams(self.settings.temperature, self.settings.top_k, self.settings.top_p)
+        params = SamplingParams(self.rollout_cfg.temperature, self.rollout_cfg.top_k, self.rollout_cfg.top_p)
         was_training = model.training  # (train mode only for gradient checkpointing, which breaks the KV cache)
         model.eval()
-        if resolve_sampler(self.settings.sampler, model) == "lean":
+        if resolve_sampler(self.rollout_cfg.sampler, model) == "lean":
             sampled = lean_sample(model, ctx_ids, ctx_mask, budget, params, self.eos_ids.tolist(), self.pad_id,
                                   row_budget=remaining.clamp_max(budget), stop=self.stop)
         else:
             sampled = hf_sample(model, ctx_ids, ctx_mask, budget, params, self.eos_ids.tolist(), self.pad_id,
-                                tokenizer=self.tokenizer, stop_strings=self.settings.stop)
+                                tokenizer=self.tokenizer, stop_strings=self.rollout_cfg.stop)
         model.train(was_training)
         width = ctx_ids.shape[1]
         new = sampled.tokens  # [n, <= budget]
@@ -230,16 +231,16 @@ class Rollout:
         # in half precision the cached decode and the full forward round differently: recompute
         # (same weights, same temperature, as verl does).
         if log_prob is None or next(model.parameters()).dtype != torch.float32:
-            log_prob = batched_log_probs(model, ctx_ids, ctx_mask, new, new_mask, self.settings.temperature,
-                                         self.settings.logprob_batch_size)
+            log_prob = batched_log_probs(model, ctx_ids, ctx_mask, new, new_mask, self.rollout_cfg.temperature,
+                                         self.rollout_cfg.logprob_batch_size)
         lengths = length.tolist()
-        for i, s in enumerate(live):
-            n = lengths[i]
-            s["response"] += new[i, :n].tolist()
-            s["logp"] += log_prob[i, :n].tolist()
-            s["version"] += [version] * n
-            if bool(ended[i]) or len(s["response"]) >= self.settings.max_new_tokens:
-                s["done"], s["truncated"] = True, not bool(ended[i])
+        for row, seq in enumerate(live):
+            kept = lengths[row]
+            seq["response"] += new[row, :kept].tolist()
+            seq["logp"] += log_prob[row, :kept].tolist()
+            seq["version"] += [version] * kept
+            if bool(ended[row]) or len(seq["response"]) >= self.rollout_cfg.max_new_tokens:
+                seq["done"], seq["truncated"] = True, not bool(ended[row])
         return int(length.sum())
 
     def _segment_ends(self, out: Tensor, width: int, remaining: Tensor) -> tuple[Tensor, Tensor]:
@@ -258,37 +259,38 @@ class Rollout:
 
     def _collect_finished(self) -> int:
         """Score groups whose responses are all done, move them to `ready`; returns failures."""
-        finished = [g for g in self.in_flight if all(s["done"] for s in g["seqs"])]
+        finished = [group for group in self.in_flight if all(seq["done"] for seq in group["seqs"])]
         if not finished:
             return 0
-        self.in_flight = [g for g in self.in_flight if not all(s["done"] for s in g["seqs"])]
-        seqs = [s for g in finished for s in g["seqs"]]
-        texts = self.tokenizer.batch_decode([s["response"] for s in seqs], skip_special_tokens=True)
-        rows = [self.examples[g["example"]] for g in finished for _ in g["seqs"]]
+        self.in_flight = [group for group in self.in_flight if not all(seq["done"] for seq in group["seqs"])]
+        seqs = [seq for group in finished for seq in group["seqs"]]
+        texts = self.tokenizer.batch_decode([seq["response"] for seq in seqs], skip_special_tokens=True)
+        rows = [self.examples[group["example"]] for group in finished for _ in group["seqs"]]
         rewards, failures = score(self.verifier, texts, rows, self.cfg.reward.timeout_s)
-        for k, g in enumerate(finished):
-            g["rewards"] = rewards[k * self.settings.group_size:(k + 1) * self.settings.group_size].tolist()
+        for group, group_rewards in zip(finished, rewards.split(self.rollout_cfg.group_size)):
+            group["rewards"] = group_rewards.tolist()
         self.ready += finished
         return failures
 
     def _to_batch(self, groups: list[dict]) -> tuple[Batch, int, int]:
         """Finished groups -> Batch with group advantages; drops zero-variance groups when asked."""
-        G = self.settings.group_size
-        rewards = torch.tensor([r for g in groups for r in g["rewards"]], dtype=torch.float32)
-        advantages, zero_var = group_advantages(rewards, G, scale_by_std=self.cfg.loss.scale_by_std)
-        zero_groups = zero_var.reshape(-1, G)[:, 0]
+        group_size = self.rollout_cfg.group_size
+        rewards = torch.tensor([reward for group in groups for reward in group["rewards"]], dtype=torch.float32)
+        advantages, zero_var = group_advantages(rewards, group_size, scale_by_std=self.cfg.loss.scale_by_std)
+        zero_groups = zero_var.reshape(-1, group_size)[:, 0]
         keep = torch.ones(len(groups), dtype=torch.bool)
         if self.cfg.loss.zero_variance == "drop":
             keep = ~zero_groups
-        seqs = [s for g, k in zip(groups, keep.tolist()) if k for s in g["seqs"]]
-        examples = [g["example"] for g, k in zip(groups, keep.tolist()) if k for _ in g["seqs"]]
-        rows = keep.repeat_interleave(G)
-        prompt_ids, prompt_mask = pad([self.prompts[e] for e in examples], self.pad_id, left=True)
-        response_ids, response_mask = pad([s["response"] for s in seqs], self.pad_id, left=False)
-        old_log_prob, _ = pad([s["logp"] for s in seqs], 0.0, left=False, dtype=torch.float32)
-        versions, _ = pad([s["version"] for s in seqs], -1, left=False)
+        kept = [group for group, keep_group in zip(groups, keep.tolist()) if keep_group]
+        seqs = [seq for group in kept for seq in group["seqs"]]
+        examples = [group["example"] for group in kept for _ in group["seqs"]]
+        rows = keep.repeat_interleave(group_size)
+        prompt_ids, prompt_mask = pad([self.prompts[example] for example in examples], self.pad_id, left=True)
+        response_ids, response_mask = pad([seq["response"] for seq in seqs], self.pad_id, left=False)
+        old_log_prob, _ = pad([seq["logp"] for seq in seqs], 0.0, left=False, dtype=torch.float32)
+        versions, _ = pad([seq["version"] for seq in seqs], -1, left=False)
         batch = Batch(prompt_ids, prompt_mask, response_ids, response_mask, old_log_prob, versions,
                       rewards[rows], advantages[rows].float(),
-                      torch.tensor([s["truncated"] for s in seqs], dtype=torch.bool),
+                      torch.tensor([seq["truncated"] for seq in seqs], dtype=torch.bool),
                       torch.tensor(examples, dtype=torch.long))
         return batch, int((~keep).sum()), int(zero_groups.sum())

@@ -34,22 +34,22 @@ class RunLock:
 
         run_dir.mkdir(parents=True, exist_ok=True)
         self.path = run_dir / LOCK_FILE
-        self.fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self.lock_fd: int | None = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(self.lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            holder = os.pread(self.fd, 64, 0).decode(errors="replace").strip() or "unknown"
-            os.close(self.fd)
-            self.fd = None
+            holder = os.pread(self.lock_fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(self.lock_fd)
+            self.lock_fd = None
             raise ConfigError(f"run directory {str(run_dir)!r} is in use by another bapo process (pid {holder}); "
                               "wait for it to finish or use another run.output_dir") from None
-        os.ftruncate(self.fd, 0)
-        os.pwrite(self.fd, f"{os.getpid()}\n".encode(), 0)
+        os.ftruncate(self.lock_fd, 0)
+        os.pwrite(self.lock_fd, f"{os.getpid()}\n".encode(), 0)
 
     def release(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)  # closing the descriptor drops the flock
-            self.fd = None
+        if self.lock_fd is not None:
+            os.close(self.lock_fd)  # closing the descriptor drops the flock
+            self.lock_fd = None
 
     def __del__(self) -> None:
         self.release()

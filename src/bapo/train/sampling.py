@@ -166,12 +166,12 @@ def hf_sample(model, context_ids: Tensor, context_mask: Tensor, max_new_tokens: 
     # Neutral values set explicitly: generate() fills unset fields from the model's own
     # generation_config (a repetition penalty, min_p, ...), which would sample from another
     # distribution than the one the behaviour log-probs describe.
-    gen = GenerationConfig(
+    generation_config = GenerationConfig(
         do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
         max_new_tokens=max_new_tokens, min_new_tokens=0, pad_token_id=pad_id,
         eos_token_id=list(eos_ids), stop_strings=stop_strings or None, use_cache=True,
         repetition_penalty=1.0, no_repeat_ngram_size=0, min_p=0.0, typical_p=1.0,
         epsilon_cutoff=0.0, eta_cutoff=0.0)
-    out = model.generate(input_ids=context_ids.to(device), attention_mask=context_mask.to(device).long(),
-                         generation_config=gen, tokenizer=tokenizer if stop_strings else None)
-    return Sampled(out[:, context_ids.shape[1]:].cpu(), None)
+    sequences = model.generate(input_ids=context_ids.to(device), attention_mask=context_mask.to(device).long(),
+                               generation_config=generation_config, tokenizer=tokenizer if stop_strings else None)
+    return Sampled(sequences[:, context_ids.shape[1]:].cpu(), None)

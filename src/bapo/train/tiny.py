@@ -42,15 +42,14 @@ def build_tokenizer():
     from transformers import PreTrainedTokenizerFast
 
     chars = sorted(set(ALPHABET))
-    vocab = {tok: i for i, tok in enumerate([PAD, BOS, EOS, UNK] + chars)}
+    vocab = {token: token_id for token_id, token in enumerate([PAD, BOS, EOS, UNK] + chars)}
     core = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK))
     core.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")  # every char, \n too
     core.decoder = decoders.Fuse()
     core.post_processor = processors.TemplateProcessing(
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, vocab[BOS])])
-    tok = PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS,
-                                  eos_token=EOS, unk_token=UNK, padding_side="left")
-    return tok
+    return PreTrainedTokenizerFast(tokenizer_object=core, pad_token=PAD, bos_token=BOS,
+                                   eos_token=EOS, unk_token=UNK, padding_side="left")
 
 
 def build_model(cfg: ModelConfig, tokenizer):

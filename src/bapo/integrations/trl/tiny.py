@@ -28,8 +28,8 @@ def addition_prompts(count: int, seed: int = 0, max_operand: int = 50) -> list[d
     rng = random.Random(seed)
     rows = []
     for _ in range(count):
-        a, b = rng.randrange(max_operand), rng.randrange(max_operand)
-        rows.append({"prompt": f"{a}+{b}=", "answer": str(a + b)})
+        left, right = rng.randrange(max_operand), rng.randrange(max_operand)
+        rows.append({"prompt": f"{left}+{right}=", "answer": str(left + right)})
     return rows
 
 

@@ -289,19 +289,20 @@ class BAPOGRPOTrainer(GRPOTrainer):
         return self.current_gradient_accumulation_steps if mode == "train" else 1
 
     def _aggregation(self, inputs: dict[str, Any], mask: Tensor, mode: str) -> tuple[str, float]:
-        """(loss_agg_mode, normalizer) of TRL's loss_type, with TRL's gradient-accumulation scaling folded in."""
+        """(loss_agg_mode, normalizer) of TRL's loss_type: the mode from LOSS_TYPE_TO_AGG_MODE (via the
+        config), the normalizer as TRL computes it, with its gradient-accumulation scaling folded in."""
         accumulation = self._accumulation(mode)
         if self.loss_type == "dapo":  # tokens per optimizer step and process, as TRL computes them
-            tokens = float(inputs["num_items_in_batch"].clamp(min=1.0)) / self.accelerator.num_processes
+            normalizer = float(inputs["num_items_in_batch"].clamp(min=1.0)) / self.accelerator.num_processes
             if mode == "train":
-                tokens = tokens * accumulation / self.args.steps_per_generation
-            return "token-mean", tokens
-        if self.loss_type == "bnpo":
-            return "token-mean", float(mask.sum().clamp(min=1.0)) * accumulation
-        if self.loss_type == "grpo":
-            return "seq-mean-token-mean", float(mask.size(0) * accumulation)
-        # dr_grpo: sum over tokens / (sequences x max_completion_length)
-        return "seq-mean-token-sum-norm", float(mask.size(0) * self.max_completion_length * accumulation)
+                normalizer = normalizer * accumulation / self.args.steps_per_generation
+        elif self.loss_type == "bnpo":  # tokens of the local micro-batch
+            normalizer = float(mask.sum().clamp(min=1.0)) * accumulation
+        elif self.loss_type == "grpo":  # sequences
+            normalizer = float(mask.size(0) * accumulation)
+        else:  # dr_grpo: sequences x max_completion_length
+            normalizer = float(mask.size(0) * self.max_completion_length * accumulation)
+        return self.args.bapo_loss_agg_mode, normalizer
 
     def _log_bapo_metrics(self, mode: str, metrics: dict[str, float]) -> None:
         """Append `bapo/<name>` (averaged over ranks) to TRL's metrics; TRL averages them per logging step.

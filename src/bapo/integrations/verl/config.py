@@ -123,7 +123,7 @@ class BAPOPolicyLossConfig(PolicyLossConfig):
 
     def bapo_config(self) -> BAPOConfig:
         """The search space and target as bapo.core's BAPOConfig."""
-        return BAPOConfig(**{f.name: getattr(self, f.name) for f in fields(BAPOConfig)})
+        return BAPOConfig(**{spec.name: getattr(self, spec.name) for spec in fields(BAPOConfig)})
 
     @property
     def searches_bounds(self) -> bool:
