@@ -33,6 +33,7 @@ ALLOWED_LAYERS: dict[str, set[str]] = {
     "integrations.verl": {"core", "train", "integrations"},
     "integrations.trl": {"core", "train", "integrations"},
     "cli": {"core", "train", "analysis", "demo", "lab", "integrations", "integrations.verl", "integrations.trl"},
+    "__main__": {"cli"},  # `python -m bapo`
 }
 # Third-party packages bapo.core may import; everything else it imports must be the standard library.
 CORE_THIRD_PARTY = {"torch", "numpy"}
