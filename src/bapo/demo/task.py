@@ -41,7 +41,7 @@ class TaskConfig:
     # the response budget: about 3 attempts ("7+5=12" + newline is 7 tokens); a response
     # that has not hit the target by then is cut off, so every failure is this long
     max_new_tokens: int = 20
-    n_train: int = 1500
+    n_train: int = 2000
     n_heldout: int = 128
     train_seed: int = 0
     heldout_seed: int = 12345
