@@ -1,5 +1,7 @@
 from pathlib import Path
 
+import pytest
+
 from typer.testing import CliRunner
 
 from bapo.cli.main import app
@@ -67,22 +69,26 @@ def _verdicts(runs):
     return {c.id: c.verdict for c in run_claims(runs, target=0.4)}
 
 
-def test_claims_follow_the_numbers_both_ways():
-    noise = (0.0, 0.01, -0.01)
-    bapo_wins = [r for s, n in enumerate(noise) for r in (
-        _fake_run("grpo", 0, 0.50 + n, 0.5 + n, s, share=0.35), _fake_run("grpo", 4, 0.20 + n, 0.3 + n, s, share=0.3),
-        _fake_run("bapo", 4, 0.45 + n, 0.5 + n, s, share=0.4))]
-    v = _verdicts(bapo_wins)
-    assert v["0-rl-improves"] == "held" and v["3-negative-dominate"] == "held"
-    assert v["1-entropy-E4-samples"] == "held"
-    assert v["4-entropy-E=4"] == v["4-heldout-E=4"] == v["4-share-E=4"] == "held"
-    grpo_wins = [r for s, n in enumerate(noise) for r in (
-        _fake_run("grpo", 0, 0.30 + n, 0.2 + n, s, share=0.6), _fake_run("grpo", 4, 0.60 + n, 0.6 + n, s, share=0.4),
-        _fake_run("bapo", 4, 0.30 + n, 0.2 + n, s, share=0.6))]
-    v = _verdicts(grpo_wins)
-    assert v["0-rl-improves"] == "not held" and v["3-negative-dominate"] == "not held"
-    assert v["1-entropy-E4-samples"] == "not held"
-    assert v["4-entropy-E=4"] == v["4-heldout-E=4"] == v["4-share-E=4"] == "not held"
+def _three_seeds(cells):
+    """cells: (method, E, entropy, accuracy, share) -> runs for seeds 0-2 with a little noise."""
+    return [_fake_run(m, e, h + n, acc + n, seed, share=share)
+            for seed, n in enumerate((0.0, 0.01, -0.01)) for m, e, h, acc, share in cells]
+
+
+@pytest.mark.parametrize("bapo_wins", [True, False])
+def test_claims_follow_the_numbers_both_ways(bapo_wins):
+    if bapo_wins:
+        cells = [("grpo", 0, 0.50, 0.5, 0.35), ("grpo", 4, 0.20, 0.3, 0.3), ("bapo", 4, 0.45, 0.5, 0.4)]
+    else:
+        cells = [("grpo", 0, 0.30, 0.2, 0.6), ("grpo", 4, 0.60, 0.6, 0.4), ("bapo", 4, 0.30, 0.2, 0.6)]
+    v = _verdicts(_three_seeds(cells))
+    expected = "held" if bapo_wins else "not held"
+    for claim in ("0-rl-improves", "3-negative-dominate", "1-entropy-E4-samples", "4-entropy-E=4",
+                  "4-heldout-E=4", "4-share-E=4"):
+        assert v[claim] == expected, claim
+
+
+def test_claims_within_noise_are_mixed():
     same = [_fake_run(m, e, 0.5, 0.5, s) for s in range(3) for m, e in (("grpo", 0), ("grpo", 2), ("bapo", 2))]
     v = _verdicts(same)
     assert v["4-entropy-E=2"] == "mixed" and v["1-gradnorm-unstable-E2-samples"] == "mixed"
