@@ -87,6 +87,10 @@ def run_claims(runs: list[Run], target: float) -> list[Claim]:
         claims.append(Claim.from_effects(
             f"1-entropy-E{e}-samples", "GRPO entropy falls faster as staleness E grows",
             f"{where}, equal samples, E=0 vs E={e}", d, f"entropy fall E={e} {_fmt(a)} vs E=0 {_fmt(b)}"))
+        a, b, d = _paired(base, stale, final_accuracy)
+        claims.append(Claim.from_effects(
+            f"1-heldout-E{e}-samples", "GRPO held-out accuracy is lower as staleness E grows",
+            f"{where}, equal samples, E=0 vs E={e}", d, f"avg@k E=0 {_fmt(a)} vs E={e} {_fmt(b)}"))
         a, b, d = _paired(stale, base, grad_spike)
         claims.append(Claim.from_effects(
             f"1-gradnorm-unstable-E{e}-samples", "GRPO grad norm less steady as E grows (max / median)",
