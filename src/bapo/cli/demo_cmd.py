@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import List, Optional
 
 import typer
 
@@ -11,13 +10,13 @@ import typer
 def demo(
     quick: bool = typer.Option(False, "--quick", help="a glance: quick lab, grpo and bapo at E=0 and 4, 20 rollout steps"),
     full: bool = typer.Option(False, "--full", help="adds topr, dcpo, E=7, async delay 4, partial rollout, 5 seeds"),
-    out: Optional[Path] = typer.Option(None, "--out", help="output dir (default runs/demo-<timestamp>)"),
-    jobs: Optional[int] = typer.Option(None, "--jobs", help="runs in parallel processes "
+    out: Path | None = typer.Option(None, "--out", help="output dir (default runs/demo-<timestamp>)"),
+    jobs: int | None = typer.Option(None, "--jobs", help="runs in parallel processes "
                                        "(default: one per CPU core)"),
     threads: int = typer.Option(1, "--threads", help="torch threads per process"),
-    steps: Optional[int] = typer.Option(None, "--steps", help="rollout steps per run (profile default)"),
-    sft_steps: Optional[int] = typer.Option(None, "--sft-steps", help="warm-start SFT steps"),
-    lr: Optional[float] = typer.Option(None, "--lr", help="RL learning rate (profile default)"),
+    steps: int | None = typer.Option(None, "--steps", help="rollout steps per run (profile default)"),
+    sft_steps: int | None = typer.Option(None, "--sft-steps", help="warm-start SFT steps"),
+    lr: float | None = typer.Option(None, "--lr", help="RL learning rate (profile default)"),
     lab: bool = typer.Option(True, "--lab/--no-lab", help="run the mechanism lab (bapo lab) first"),
     as_json: bool = typer.Option(False, "--json", help="print the claims table as JSON (lab's, then the LLM runs')"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
@@ -38,10 +37,10 @@ def demo(
 
 
 def plot(
-    run_dirs: List[Path] = typer.Argument(..., help="run directories, or folders of runs"),
-    out: Optional[Path] = typer.Option(None, "--out", help="default: <first RUN_DIR>/plots"),
-    target: Optional[float] = typer.Option(None, "--target", help="draw bapo's target share"),
-    smooth: Optional[int] = typer.Option(None, "--smooth", help="moving-average window (updates)"),
+    run_dirs: list[Path] = typer.Argument(..., help="run directories, or folders of runs"),
+    out: Path | None = typer.Option(None, "--out", help="default: <first RUN_DIR>/plots"),
+    target: float | None = typer.Option(None, "--target", help="draw bapo's target share"),
+    smooth: int | None = typer.Option(None, "--smooth", help="moving-average window (updates)"),
 ):
     """Redraw the PNG plots from the runs' metrics.jsonl."""
     from bapo.analysis.plots import plot_runs
@@ -53,9 +52,9 @@ def plot(
 
 
 def compare(
-    run_dirs: List[Path] = typer.Argument(..., help="run directories, or folders of runs"),
+    run_dirs: list[Path] = typer.Argument(..., help="run directories, or folders of runs"),
     markdown: bool = typer.Option(False, "--markdown", help="print a markdown table"),
-    claims: Optional[float] = typer.Option(None, "--claims", metavar="TARGET",
+    claims: float | None = typer.Option(None, "--claims", metavar="TARGET",
                                            help="also judge the paper's claims (bapo target share TARGET)"),
 ):
     """Print the per-run table (held-out avg@k / pass@k, entropy, shares, clipping; mean [95%
@@ -92,7 +91,7 @@ def evaluate(
     temperature: float = typer.Option(1.0, "--temperature", help="0 = greedy"),
     batch_size: int = typer.Option(256, "--batch-size", help="sequences per generate call"),
     chat: bool = typer.Option(False, "--chat", help="wrap prompts with the chat template"),
-    limit: Optional[int] = typer.Option(None, "--limit", help="first N rows only"),
+    limit: int | None = typer.Option(None, "--limit", help="first N rows only"),
     device: str = typer.Option("auto", "--device"),
 ):
     """avg@k and pass@k of a model on a JSONL file (batched sampling)."""
