@@ -1,11 +1,14 @@
 from pathlib import Path
 
+import pytest
+
 from typer.testing import CliRunner
 
 from bapo.cli.main import app
 from bapo.analysis.plots import FIGURES
-from bapo.analysis.report import findings, markdown_table, summary
-from bapo.analysis.runs import Run, find_runs, group_runs
+from bapo.analysis.report import markdown_table, summary
+from bapo.analysis.run_claims import run_claims
+from bapo.analysis.runs import Run, find_runs, group_runs, setting_name
 
 RECORDED = Path(__file__).parent / "fixtures" / "recorded"  # a few updates of real demo runs (metrics.jsonl as written)
 
@@ -13,8 +16,8 @@ RECORDED = Path(__file__).parent / "fixtures" / "recorded"  # a few updates of r
 def test_recorded_runs_load_with_identity():
     runs = find_runs([RECORDED])
     groups = group_runs(runs)
-    assert set(groups) == {"staleness 0", "staleness 4"}
-    assert set(groups["staleness 4"]) == {"grpo", "bapo"}
+    assert list(groups) == ["E=0", "E=0, async delay 4"]
+    assert set(groups["E=0, async delay 4"]) == {"grpo", "bapo"}
     assert all(r.rows and r.final.get("k") == 8 for r in runs)
 
 
@@ -38,34 +41,65 @@ def test_bapo_plot_accepts_a_single_run_dir(tmp_path):
 def test_bapo_compare_prints_each_run():
     result = CliRunner().invoke(app, ["compare", str(RECORDED), "--markdown"])
     assert result.exit_code == 0, result.output
-    lines = [l for l in result.output.splitlines() if l.startswith("| staleness")]
+    lines = [l for l in result.output.splitlines() if l.startswith("| E=0")]
     assert len(lines) == len(find_runs([RECORDED]))
     assert "avg@8" in result.output and "pass@8" in result.output
+    assert "| start policy | sft | - | 0.274 | 0.883 |" in result.output
 
 
-def _fake_run(method, staleness, entropy, accuracy, seed=0):
-    rows = [{"step": i + 1, "entropy": entropy, "reward/mean": 0.5, "positive_share": 0.4,
-             "lower": 0.8, "upper": 1.2} for i in range(10)]
-    return Run(Path(f"{method}-{staleness}-{seed}"), method, f"staleness {staleness}", seed, rows,
-               {"k": 8, "avg@8": accuracy, "pass@8": accuracy})
+def test_setting_is_read_from_a_plain_bapo_train_config(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "entropy": 0.5}\n')
+    (run_dir / "config.yaml").write_text("loss: {method: bapo}\noffpolicy: {mini_batches: 3, staleness: 2}\nrun: {seed: 4}\n")
+    (run,) = find_runs([run_dir])
+    assert (run.method, run.setting, run.seed) == ("bapo", "E=2, async delay 2", 4)
+    assert setting_name(0, 0, True) == "E=0, partial rollout"
 
 
-def test_findings_follow_the_numbers_both_ways():
-    bapo_wins = [_fake_run("grpo", 0, 0.50, 0.4), _fake_run("bapo", 0, 0.55, 0.4),
-                 _fake_run("grpo", 4, 0.20, 0.3), _fake_run("bapo", 4, 0.45, 0.5)]
-    text = " ".join(findings(summary(bapo_wins), None, 0.4))
-    assert "bapo's final entropy (0.450) is higher than grpo's (0.200)" in text
-    assert "grpo -0.300" in text and "smallest loss or largest gain: bapo" in text
-    assert "highest avg@8 bapo (0.500)" in text
-    grpo_wins = [_fake_run("grpo", 0, 0.50, 0.4), _fake_run("bapo", 0, 0.55, 0.4),
-                 _fake_run("grpo", 4, 0.60, 0.6), _fake_run("bapo", 4, 0.30, 0.2)]
-    text = " ".join(findings(summary(grpo_wins), None, 0.4))
-    assert "is lower than grpo's" in text and "highest avg@8 grpo (0.600)" in text
+def _fake_run(method, e, entropy, accuracy, seed=0, share=0.4, start_entropy=0.6):
+    rows = [{"step": i + 1, "rollout_step": i, "entropy": start_entropy if i == 0 else entropy, "reward/mean": 0.5,
+             "positive_share": share, "grad_norm": 1.0 + (i == 5), "lower": 0.8, "upper": 1.2} for i in range(10)]
+    rows[0].update({"heldout/start/avg@8": 0.3, "heldout/start/pass@8": 0.6})
+    rows[-1].update({"heldout/avg@8": accuracy, "heldout/pass@8": accuracy})
+    return Run(Path(f"{method}-{e}-{seed}"), method, f"E={e}", seed, rows)
 
 
-def test_seeds_aggregate_to_mean_and_std():
+def _verdicts(runs):
+    return {c.id: c.verdict for c in run_claims(runs, target=0.4)}
+
+
+def _three_seeds(cells):
+    """cells: (method, E, entropy, accuracy, share) -> runs for seeds 0-2 with a little noise."""
+    return [_fake_run(m, e, h + n, acc + n, seed, share=share)
+            for seed, n in enumerate((0.0, 0.01, -0.01)) for m, e, h, acc, share in cells]
+
+
+@pytest.mark.parametrize("bapo_wins", [True, False])
+def test_claims_follow_the_numbers_both_ways(bapo_wins):
+    if bapo_wins:
+        cells = [("grpo", 0, 0.50, 0.5, 0.35), ("grpo", 4, 0.20, 0.3, 0.3), ("bapo", 4, 0.45, 0.5, 0.4)]
+    else:
+        cells = [("grpo", 0, 0.30, 0.2, 0.6), ("grpo", 4, 0.60, 0.6, 0.4), ("bapo", 4, 0.30, 0.2, 0.6)]
+    v = _verdicts(_three_seeds(cells))
+    expected = "held" if bapo_wins else "not held"
+    for claim in ("0-rl-improves", "3-negative-dominate", "1-entropy-E4-samples", "4-entropy-E=4",
+                  "4-heldout-E=4", "4-share-E=4"):
+        assert v[claim] == expected, claim
+
+
+def test_claims_within_noise_are_mixed():
+    same = [_fake_run(m, e, 0.5, 0.5, s) for s in range(3) for m, e in (("grpo", 0), ("grpo", 2), ("bapo", 2))]
+    v = _verdicts(same)
+    assert v["4-entropy-E=2"] == "mixed" and v["1-gradnorm-unstable-E2-samples"] == "mixed"
+
+
+def test_seeds_aggregate_to_mean_and_95_interval():
     runs = [_fake_run("bapo", 4, 0.4, acc, seed=s) for s, acc in enumerate((0.2, 0.4, 0.6))]
     (row,) = summary(runs)
     assert row["seeds"] == 3
-    assert abs(row["avg@8"][0] - 0.4) < 1e-9 and abs(row["avg@8"][1] - 0.2) < 1e-9
-    assert "0.400 +- 0.200" in markdown_table([row])
+    mean, low, high = row["avg@8"]
+    # t_{0.975, 2} = 4.303, std 0.2, 3 seeds: half-width 4.303 * 0.2 / sqrt(3) = 0.497
+    assert abs(mean - 0.4) < 1e-9 and abs(high - mean - 0.4969) < 1e-3 and abs(mean - low - 0.4969) < 1e-3
+    assert "0.400 [-0.097, 0.897]" in markdown_table([row])
+    assert abs(row["grad max/median"][0] - 2.0) < 1e-9

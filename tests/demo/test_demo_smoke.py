@@ -1,51 +1,65 @@
-"""Two updates of the whole demo pipeline on a tiny warm start: every output file appears."""
+"""Two rollout steps of the whole demo pipeline on a tiny warm start: every output file appears,
+and a run is deterministic per seed."""
 
 import json
 from dataclasses import replace
 
-import pytest
-
-from bapo.demo.demo import DemoPlan, run_demo
-from bapo.train.tiny import ModelConfig
 from bapo.analysis.plots import FIGURES
+from bapo.demo.demo import PROFILES, DemoPlan, RunSpec, run_demo, train_config
 from bapo.demo.task import TaskConfig
 from bapo.demo.warmstart import SFTConfig, WarmStartConfig, cache_root, warm_start
-
+from bapo.train.tiny import ModelConfig
 
 
 def read_json(path):
     return json.loads(path.read_text())
 
-TINY = WarmStartConfig(task=TaskConfig(n_train=64, n_heldout=8),
+
+TINY = WarmStartConfig(task=TaskConfig(n_train=64, n_heldout=8, max_new_tokens=8),
                        model=ModelConfig(hidden_size=32, layers=1, heads=2, intermediate_size=64),
                        sft=SFTConfig(steps=3, batch_size=8))
-PLAN = DemoPlan(methods=("grpo", "bapo"), staleness=(0, 1), partial_rollout=True, steps=2,
-                prompts_per_batch=2, group_size=2, max_new_tokens=8, segment_tokens=3,
-                eval_every=1, eval_prompts=4, eval_k_during=2, final_k=2, warmstart=TINY)
+PLAN = DemoPlan(methods=("grpo", "bapo"), staleness_e=(0, 1), async_delays=(1,), partial_rollout=True,
+                seeds=(0,), steps=2, prompts_per_batch=2, group_size=2, segment_tokens=3, eval_every=1,
+                eval_prompts=4, eval_k_during=2, final_k=2, lab="off", warmstart=TINY)
 
 
 @pytest.mark.slow
 def test_demo_produces_every_file(tmp_path):
-    out = run_demo(PLAN, tmp_path / "demo", show_progress=False)
+    out = run_demo(PLAN, tmp_path / "demo", jobs=1, show_progress=False)
     assert (out / "data" / "train.jsonl").exists() and (out / "data" / "heldout.jsonl").exists()
-    names = ["grpo-staleness0-seed0", "bapo-staleness0-seed0", "grpo-staleness1-seed0",
-             "bapo-staleness1-seed0", "grpo-partialrollout-seed0", "bapo-partialrollout-seed0"]
+    names = ["grpo-E0-seed0",  # at E=0 grpo stands for bapo too: one run
+             "grpo-E1-seed0", "bapo-E1-seed0", "grpo-E0-asyncdelay1-seed0", "bapo-E0-asyncdelay1-seed0",
+             "grpo-E0-partialrollout-seed0", "bapo-E0-partialrollout-seed0"]
+    assert sorted(p.name for p in out.iterdir() if (p / "metrics.jsonl").exists()) == sorted(names)
     for name in names:
-        rows = [l for l in (out / name / "metrics.jsonl").read_text().splitlines() if l]
-        assert len(rows) == 2, name
-        assert '"heldout/accuracy"' in rows[0] and '"heldout/accuracy"' in rows[1]
-        final = read_json(out / name / "final_eval.json")
-        assert final["k"] == 2 and final["n"] == 8  # every held-out prompt, k samples each
-        assert 0 <= final["avg@2"] <= final["pass@2"] <= 1
-        assert read_json(out / name / "demo_run.json")["method"] in ("grpo", "bapo")
+        rows = [json.loads(l) for l in (out / name / "metrics.jsonl").read_text().splitlines() if l]
+        updates_per_step = 2 if "E1" in name else 1
+        assert len(rows) == 2 * updates_per_step, name
+        assert "heldout/start/avg@2" in rows[updates_per_step - 1]
+        assert {"heldout/avg@2", "heldout/pass@2"} <= set(rows[-1])
     for fig in FIGURES:
         assert (out / "plots" / f"{fig}.png").stat().st_size > 0, fig
     report = (out / "report.md").read_text()
-    assert report.count("| staleness ") == 4 and report.count("| partial rollout |") == 2
-    assert "| start policy | sft |" in report
+    assert report.index("## Claims") < report.index("## Plots") < report.index("## Per-run table")
+    assert "| start policy | sft |" in report and report.count("| E=1 |") == 2
     assert all(f"plots/{fig}.png" in report for fig in FIGURES)
-    assert "## What the numbers show" in report
-    assert set(read_json(out / "demo.json")["timings_s"]) >= {"warm start", "total", *names}
+    claims = read_json(out / "claims.json")
+    assert {"0-rl-improves", "3-negative-dominate", "4-entropy-E=1"} <= {c["id"] for c in claims}
+    assert all(set(c) >= {"id", "held", "effect", "interval", "seeds"} for c in claims)
+    info = read_json(out / "demo.json")
+    assert set(info["timings_s"]) >= {"warm start", "total", *names} and set(info["cpu_s"]) >= set(names)
+
+
+def test_a_run_is_deterministic_per_seed(tmp_path):
+    plan = replace(PLAN, methods=("bapo",), staleness_e=(1,), async_delays=(), partial_rollout=False)
+    first = run_demo(plan, tmp_path / "a", jobs=1, show_progress=False)
+    second = run_demo(plan, tmp_path / "b", jobs=1, show_progress=False)
+
+    def numbers(out):
+        rows = [json.loads(l) for l in (out / "bapo-E1-seed0" / "metrics.jsonl").read_text().splitlines()]
+        return [{k: v for k, v in r.items() if not k.startswith(("time/", "tokens_per_s"))} for r in rows]
+
+    assert numbers(first) == numbers(second)
 
 
 def test_warm_start_is_cached_by_settings():
@@ -53,20 +67,20 @@ def test_warm_start_is_cached_by_settings():
     assert first.parent == cache_root() and (first / "config.json").exists()
     steps = []
     assert warm_start(TINY, on_step=lambda s, loss: steps.append(s)) == first and steps == []
-    other = replace(TINY, sft=replace(TINY.sft, slip_rate=0.5))
+    other = replace(TINY, sft=replace(TINY.sft, seed=1))
     assert warm_start(other) != first
     info = read_json(first / "warmstart.json")
     assert info["settings"]["sft"]["steps"] == 3 and info["heldout"]["n"] == 8  # scored on the whole held-out split
 
 
-def test_full_profile_configs_are_valid(tmp_path):
-    """--full's runs (topr, dcpo, partial rollout, 3 seeds) all make valid trainer configs."""
-    from bapo.demo.demo import PROFILES, train_config
-
-    plan = PROFILES["full"]
-    specs = plan.runs()
-    assert len(specs) == 5 * 3 * 3 and len({s.name for s in specs}) == len(specs)
-    for spec in specs:
-        cfg = train_config(plan, spec, tmp_path, tmp_path / "train.jsonl", tmp_path / spec.name)
-        assert cfg.loss.method == spec.method and cfg.offpolicy.staleness == spec.staleness
-        assert (cfg.rollout.segment_tokens is not None) == spec.partial_rollout
+def test_profiles_make_valid_trainer_configs(tmp_path):
+    """Every run of every profile (E -> mini_batches, async delay -> staleness) is a valid config."""
+    for plan in PROFILES.values():
+        for spec in plan.runs():
+            cfg = train_config(plan, spec, tmp_path, tmp_path / "train.jsonl", tmp_path / spec.name)
+            assert cfg.loss.method == spec.method and cfg.offpolicy.staleness == spec.async_delay
+            assert cfg.updates_per_batch == spec.staleness_e + 1
+            assert (cfg.rollout.segment_tokens is not None) == spec.partial_rollout
+    specs = PROFILES["default"].runs()
+    assert len(specs) == 3 * (1 + 4 * 2) and RunSpec("grpo", 0, seed=2) in specs
+    assert RunSpec("bapo", 0, seed=0) not in specs  # identical to grpo on-policy

@@ -1,56 +1,74 @@
 import random
 
 import pytest
+from hypothesis import given, settings, strategies as st
 
-from bapo.demo.task import (TaskConfig, demonstrations, format_prompt, make_split, parse_answer,
-                            sample_problem, solve, verify, worked_solution)
+from bapo.demo.task import (TaskConfig, candidates, demonstrations, evaluate_attempt, format_prompt, make_split,
+                            parse_prompt, sample_problem, verify, worked_solution)
 
-ROW = {"prompt": "12+7-5=", "answer": "14"}
-
-
-def test_worked_solution_is_correct_and_verifies():
-    text, value = worked_solution([12, 7, 5], ["+", "-"])
-    assert text == "12+7=19\n19-5=14\nanswer:14"
-    assert value == solve([12, 7, 5], ["+", "-"]) == 14
-    assert verify(text, ROW) == 1.0
+ROW = {"prompt": "7,12,5>17:", "answer": "12+5"}
 
 
-@pytest.mark.parametrize("response", [
-    "12+7=19\n19-5=13\nanswer:13",      # a slipped step, propagated
-    "answer:15",                        # wrong, no work shown
-    "12+7=19\n19-5=14\nanswer:-14",
-])
-def test_wrong_answers_get_zero(response):
-    assert parse_answer(response) is not None
-    assert verify(response, ROW) == 0.0
+def test_prompt_round_trips():
+    assert format_prompt([7, 12, 5], 17) == ROW["prompt"]
+    assert parse_prompt(ROW["prompt"]) == ([7, 12, 5], 17)
+    with pytest.raises(ValueError, match="not a task prompt"):
+        parse_prompt("7+12=")
 
 
 @pytest.mark.parametrize("response", [
-    "", "14", "12+7=19\n19-5=14", "answer:", "answer:14\nanswer:14", "answer:14x",
-    "12+7=19 blah\nanswer:14", "12+7=19\n19-5=14\nanswer:14\n12", "answer: fourteen",
+    "12+5=17", "12-7=5\n7+12=19\n12+5=17", "5+12=17", " 7+5=12\n12+5=17 \n",
 ])
-def test_malformed_outputs_get_zero(response):
-    assert parse_answer(response) is None
+def test_hits_verify(response):
+    assert verify(response, ROW) == 1.0
+
+
+@pytest.mark.parametrize("response", [
+    "",
+    "12-7=5\n7+12=19",            # ran out of budget without a hit
+    "12-7=5\n7+12=1",             # cut off mid-line by the budget
+    "12+5=18",                    # wrong arithmetic
+    "10+7=17",                    # 10 is not a prompt number
+    "12+12=24\n12+5=17",          # 12 used twice (only one 12 in the prompt)
+    "5-12=-7\n12+5=17",           # "-" must be larger minus smaller
+    "12+5=17\n7+5=12",            # kept going after the hit
+    "17", "12+5=17x", "answer:17",
+])
+def test_misses_get_zero(response):
     assert verify(response, ROW) == 0.0
 
 
-def test_answer_alone_is_well_formed():
-    assert verify("answer:14", ROW) == 1.0 and verify(" answer:14 \n", ROW) == 1.0
+def test_a_repeated_number_may_be_used_once_per_copy():
+    assert verify("4+4=8", {"prompt": "4,4,1>8:"}) == 1.0
 
 
-def test_negative_intermediates_parse():
-    text, value = worked_solution([3, 9, 2], ["-", "+"])
-    assert value == -4 and verify(text, {"answer": "-4"}) == 1.0
+def test_problems_have_exactly_one_hitting_attempt():
+    rng, cfg = random.Random(0), TaskConfig()
+    for _ in range(200):
+        numbers, target = sample_problem(rng, cfg)
+        assert len(numbers) == cfg.n_numbers and all(1 <= n <= cfg.max_number for n in numbers)
+        assert [evaluate_attempt(c) for c in candidates(numbers)].count(target) == 1
 
 
-def test_difficulty_sets_terms_and_range():
-    rng = random.Random(0)
-    for d in (1, 2, 4):
-        cfg = TaskConfig(difficulty=d)
-        terms, ops = sample_problem(rng, cfg)
-        assert len(terms) == d + 1 and len(ops) == d
-        assert all(1 <= t <= cfg.max_operand for t in terms)
-        assert format_prompt(terms, ops).count("=") == 1
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000))
+def test_demonstrations_verify_and_stop_at_the_hit(seed):
+    numbers, target = sample_problem(random.Random(seed), TaskConfig())
+    row = {"prompt": format_prompt(numbers, target)}
+    text = worked_solution(numbers, target, random.Random(seed))
+    lines = text.split("\n")
+    assert verify(text, row) == 1.0
+    assert [int(line.split("=")[1]) == target for line in lines].count(True) == 1  # only the last line hits
+    assert 1 <= len(lines) <= len(candidates(numbers))
+
+
+def test_demonstrations_order_attempts_at_random():
+    rows, _ = make_split(TaskConfig(n_train=400, n_heldout=8))
+    texts = demonstrations(rows, seed=0)
+    attempts = [len(t[len(r["prompt"]):].split("\n")) for t, r in zip(texts, rows)]
+    # a random order of 6 candidates puts the hit at position 1..6 uniformly: mean 3.5
+    assert 3.2 < sum(attempts) / len(attempts) < 3.8
+    assert demonstrations(rows, seed=0) == texts and demonstrations(rows, seed=1) != texts
 
 
 def test_heldout_split_is_fixed_and_disjoint():
@@ -60,20 +78,9 @@ def test_heldout_split_is_fixed_and_disjoint():
     assert len({r["prompt"] for r in a_held}) == 64
     assert not {r["prompt"] for r in a_train} & {r["prompt"] for r in a_held}
     assert a_train != b_train
-    assert all(verify(r["solution"], r) == 1.0 for r in a_train + a_held)
-
-
-def test_demonstrations_slip_at_about_the_rate():
-    rows, _ = make_split(TaskConfig(n_train=1000, n_heldout=8))
-    clean = demonstrations(rows, 0.0, seed=0)
-    slipped = demonstrations(rows, 0.25, seed=0)
-    wrong = sum(verify(t[len(r["prompt"]):], r) == 0.0 for t, r in zip(slipped, rows))
-    assert all(verify(t[len(r["prompt"]):], r) == 1.0 for t, r in zip(clean, rows))
-    # difficulty 2 has two steps: P(some slip) = 1 - 0.75^2 = 0.44 (a slip can cancel rarely)
-    assert 0.35 < wrong / len(rows) < 0.52
-    assert all(parse_answer(t[len(r["prompt"]):]) is not None for t, r in zip(slipped, rows))
+    assert all(verify(r["answer"] + "=" + str(parse_prompt(r["prompt"])[1]), r) == 1.0 for r in a_train + a_held)
 
 
 def test_too_small_task_space_fails_loudly():
     with pytest.raises(ValueError, match="too few distinct"):
-        make_split(TaskConfig(difficulty=1, n_train=1000, n_heldout=8))
+        make_split(TaskConfig(max_number=3, n_train=1000, n_heldout=8))

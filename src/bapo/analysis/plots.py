@@ -1,11 +1,12 @@
-"""PNG plots from metrics.jsonl: one figure per quantity, one panel per setting (staleness),
-one line per method (mean over seeds, shaded +- std when there are several)."""
+"""PNG plots from metrics.jsonl: one figure per quantity, one panel per setting (staleness E,
+async delay, partial rollout), one line per method (mean over seeds, shaded 95% interval when
+there are several)."""
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
+from bapo.analysis.claims import mean_interval
 from bapo.analysis.runs import Run, group_runs
 
 # file name -> (title, [(metrics key, line style)]); two keys share a panel (solid, dashed)
@@ -35,16 +36,15 @@ def _smooth(values: list[float], window: int) -> list[float]:
 
 
 def _seed_band(runs: list[Run], key: str, window: int):
-    """(steps, mean, std) over seeds at the steps every seed logged; None when no data."""
-    per_seed = [dict(zip(*r.series(key))) for r in runs]
+    """(steps, mean, low, high): mean over seeds and its 95% interval at the steps every seed
+    logged; None when no data."""
+    per_seed = [dict(zip(*r.series(key, x="rollout_step"))) for r in runs]  # last update of each step
     steps = sorted(set.intersection(*(set(s) for s in per_seed)))
     if not steps:
         return None
     curves = [_smooth([s[t] for t in steps], window) for s in per_seed]
-    mean = [sum(c[i] for c in curves) / len(curves) for i in range(len(steps))]
-    std = [math.sqrt(sum((c[i] - mean[i]) ** 2 for c in curves) / max(1, len(curves) - 1))
-           for i in range(len(steps))]
-    return steps, mean, std
+    bands = [mean_interval([c[i] for c in curves]) for i in range(len(steps))]
+    return steps, *([b[j] for b in bands] for j in range(3))
 
 
 def plot_runs(runs: list[Run], out_dir: Path, target_share: float | None = None,
@@ -58,7 +58,7 @@ def plot_runs(runs: list[Run], out_dir: Path, target_share: float | None = None,
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs)
-    longest = max(len(r.rows) for r in runs)
+    longest = max(len({row.get("rollout_step") for row in r.rows}) for r in runs)
     window = smooth or max(1, longest // 12)
     written = []
     for name, (title, keys) in FIGURES.items():
@@ -69,22 +69,20 @@ def plot_runs(runs: list[Run], out_dir: Path, target_share: float | None = None,
         for ax, (setting, by_method) in zip(axes[0], groups.items()):
             for rank, (method, method_runs) in enumerate(by_method.items()):
                 color = COLORS.get(method)
-                width = max(0.8, 2.6 - 0.6 * rank)  # identical curves (staleness 0) stay visible
+                width = max(0.8, 2.6 - 0.6 * rank)  # identical curves stay visible
                 for key, style in keys:
                     band = _seed_band(method_runs, key, 1 if key.startswith("heldout") else window)
                     if band is None:
                         continue
-                    steps, mean, std = band
+                    steps, mean, low, high = band
                     label = method if style == "-" or len(keys) == 1 else None
                     line, = ax.plot(steps, mean, style, color=color, label=label, lw=width)
                     if len(method_runs) > 1:
-                        ax.fill_between(steps, [m - s for m, s in zip(mean, std)],
-                                        [m + s for m, s in zip(mean, std)],
-                                        color=line.get_color(), alpha=0.15, lw=0)
+                        ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15, lw=0)
             if name == "positive_share" and target_share is not None:
                 ax.axhline(target_share, color="k", ls=":", lw=1, label="bapo target")
             ax.set_title(setting)
-            ax.set_xlabel("update")
+            ax.set_xlabel("rollout step")
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel(name.replace("_", " "))
         legend = {}  # one legend for the figure: every method of every panel, once
@@ -92,7 +90,7 @@ def plot_runs(runs: list[Run], out_dir: Path, target_share: float | None = None,
             for handle, label in zip(*ax.get_legend_handles_labels()):
                 legend.setdefault(label, handle)
         axes[0][-1].legend(legend.values(), legend.keys(), fontsize=8, loc="best")
-        fig.suptitle(title + (f"  (moving average over {window} updates)"
+        fig.suptitle(title + (f"  (moving average over {window} rollout steps)"
                               if window > 1 and not name.startswith("heldout") else ""),
                      fontsize=10)
         fig.tight_layout()

@@ -1,39 +1,55 @@
-"""report.md and the comparison table, written only from the runs' own files.
+"""report.md and the comparison table, written only from the runs' metrics.jsonl.
 
-Every number and every sentence comes from metrics.jsonl / final_eval.json of the runs passed
-in; the sentences name which method came out higher or lower, whichever way that is.
+Order of report.md: the claims table (computed from the runs, bapo.analysis.run_claims; the
+lab's first when given), the plots (one panel per setting, shaded 95% intervals over seeds),
+then the per-run table (mean [95% interval] over seeds per setting and method).
 """
 
 from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Callable
 
-from bapo.analysis.runs import Run, group_runs, mean_std
+from bapo.analysis.claims import Claim, claims_markdown, mean_interval
+from bapo.analysis.run_claims import grad_spike
+from bapo.analysis.runs import Run, group_runs
 
-# (column, how to get one run's value): final held-out scores, then training-time tail means
-TAIL_COLUMNS = {"entropy": "entropy", "train reward": "reward/mean",
-                "positive share": "positive_share", "clipped": "clip_frac",
-                "upper": "upper", "lower": "lower"}
+# column -> one run's value; held-out columns are added in front by `summary`
+RUN_COLUMNS: dict[str, Callable[[Run], float]] = {
+    "entropy": lambda r: r.tail_mean("entropy"),
+    "train reward": lambda r: r.tail_mean("reward/mean"),
+    "positive share": lambda r: r.mean("positive_share"),
+    "clip upper": lambda r: r.mean("clip_frac/upper"),
+    "clip lower": lambda r: r.mean("clip_frac/lower"),
+    "grad max/median": grad_spike,
+    "ratio max": lambda r: max(r.values("ratio/max"), default=math.nan),
+    "upper": lambda r: r.mean("upper"),
+    "lower": lambda r: r.mean("lower"),
+}
+COLUMN_NOTES = ("held-out avg@k / pass@k: the final policy, k samples per held-out prompt at "
+                "temperature 1; entropy, train reward: mean of the last 20% of updates; positive "
+                "share, clip upper / lower (share of positive tokens above the upper bound / "
+                "negative tokens below the lower bound), upper / lower (the bounds): mean over all "
+                "updates; grad max/median: the largest gradient norm over the run's median (spikes); "
+                "ratio max: the largest token ratio of the run. Cells: mean [95% interval] over seeds.")
 
 
-def format_cell(mean: float, std: float, seeds: int) -> str:
+def format_cell(mean: float, low: float, high: float) -> str:
     if math.isnan(mean):
         return "-"
-    return f"{mean:.3f} +- {std:.3f}" if seeds > 1 else f"{mean:.3f}"
+    if math.isnan(low):
+        return f"{mean:.3f}"
+    return f"{mean:.3f} [{low:.3f}, {high:.3f}]"
 
 
 def eval_k(runs: list[Run]) -> int | None:
-    ks = {int(r.final["k"]) for r in runs if "k" in r.final}
+    ks = {int(r.final["k"]) for r in runs if r.final}
     return ks.pop() if len(ks) == 1 else None
 
 
 def summary(runs: list[Run]) -> list[dict]:
-    """One row per (setting, method): {"setting", "method", "seeds", column: (mean, std)}.
-
-    Held-out columns come from final_eval.json (avg@k, pass@k); the others are means over
-    the last 20% of updates of metrics.jsonl, then mean +- std over seeds.
-    """
+    """One row per (setting, method): {"setting", "method", "seeds", column: (mean, low, high)}."""
     k = eval_k(runs)
     out = []
     for setting, by_method in group_runs(runs).items():
@@ -41,118 +57,58 @@ def summary(runs: list[Run]) -> list[dict]:
             row = {"setting": setting, "method": method, "seeds": len(group)}
             if k is not None:
                 for name in (f"avg@{k}", f"pass@{k}"):
-                    row[name] = mean_std([r.final.get(name, math.nan) for r in group])
-            for col, key in TAIL_COLUMNS.items():
-                row[col] = mean_std([r.tail_mean(key) for r in group])
-            # not a table column: how far the positive share wandered over the whole run
-            spans = [max(v) - min(v) for v in (r.series("positive_share")[1] for r in group) if v]
-            row["_share_span"] = sum(spans) / len(spans) if spans else math.nan
+                    row[name] = mean_interval([r.final.get(name, math.nan) for r in group])
+            for col, value in RUN_COLUMNS.items():
+                row[col] = mean_interval([value(r) for r in group])
             out.append(row)
     return out
 
 
+def start_row(runs: list[Run]) -> dict:
+    """The start policy's held-out scores (heldout/start/... rows), mean over runs; {} if none."""
+    scores: dict[str, list[float]] = {}
+    for run in runs:
+        for key, value in run.heldout("heldout/start/").items():
+            if key != "k":
+                scores.setdefault(key, []).append(value)
+    return {key: sum(v) / len(v) for key, v in scores.items()}
+
+
 def table_columns(rows: list[dict]) -> list[str]:
-    return [c for c in rows[0] if c not in ("setting", "method", "seeds") and not c.startswith("_")] \
-        if rows else []
+    return [c for c in rows[0] if c not in ("setting", "method", "seeds")] if rows else []
 
 
 def markdown_table(rows: list[dict], start: dict | None = None) -> str:
     """The summary as a markdown table; `start` (the start policy's scores) as a first row."""
     cols = table_columns(rows)
-    lines = ["| setting | method | " + " | ".join(cols) + " |",
-             "|---|---|" + "---|" * len(cols)]
+    lines = ["| setting | method | seeds | " + " | ".join(cols) + " |",
+             "|---|---|---|" + "---|" * len(cols)]
     if start:
         cells = [f"{start[c]:.3f}" if c in start else "-" for c in cols]
-        lines.append("| start policy | sft | " + " | ".join(cells) + " |")
+        lines.append("| start policy | sft | - | " + " | ".join(cells) + " |")
     for r in rows:
-        cells = [format_cell(*r[c], r["seeds"]) for c in cols]
-        lines.append(f"| {r['setting']} | {r['method']} | " + " | ".join(cells) + " |")
+        cells = [format_cell(*r[c]) for c in cols]
+        lines.append(f"| {r['setting']} | {r['method']} | {r['seeds']} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def _extremes(rows: list[dict], col: str) -> str:
-    scored = [(r[col][0], r["method"]) for r in rows if col in r and not math.isnan(r[col][0])]
-    if len(scored) < 2:
-        return ""
-    hi, lo = max(scored), min(scored)
-    if f"{hi[0]:.3f}" == f"{lo[0]:.3f}":
-        return f"{col} equal for all methods ({hi[0]:.3f})"
-    return f"highest {col} {hi[1]} ({hi[0]:.3f}), lowest {lo[1]} ({lo[0]:.3f})"
-
-
-def findings(rows: list[dict], start: dict | None, target_share: float | None) -> list[str]:
-    """Plain sentences read off the summary rows; nothing here is decided in advance."""
-    lines = []
-    k_col = next((c for c in table_columns(rows) if c.startswith("avg@")), None)
-    by_setting: dict[str, list[dict]] = {}
-    for r in rows:
-        by_setting.setdefault(r["setting"], []).append(r)
-    for setting, group in by_setting.items():
-        parts = [p for p in (_extremes(group, "entropy"), k_col and _extremes(group, k_col),
-                             _extremes(group, "train reward")) if p]
-        if parts:
-            lines.append(f"At {setting}: " + "; ".join(parts) + ".")
-        clipped = [r["clipped"][0] for r in group if not math.isnan(r["clipped"][0])]
-        if clipped and max(clipped) == 0:
-            lines.append(f"At {setting} no token was ever clipped (every ratio is 1 on-policy), "
-                         "so the clipping rules cannot make the methods differ there.")
-    staleness = sorted((int(s.split()[-1]), s) for s in by_setting if s.startswith("staleness "))
-    if len(staleness) >= 2:
-        (lo_k, lo_s), (hi_k, hi_s) = staleness[0], staleness[-1]
-        changes = []
-        for r_hi in by_setting[hi_s]:
-            r_lo = next((r for r in by_setting[lo_s] if r["method"] == r_hi["method"]), None)
-            if r_lo is not None:
-                changes.append((r_hi["entropy"][0] - r_lo["entropy"][0], r_hi["method"]))
-        if changes:
-            text = ", ".join(f"{m} {d:+.3f}" for d, m in changes)
-            least = max(changes)
-            lines.append(f"Going from staleness {lo_k} to {hi_k}, final entropy changed by: {text}"
-                         f" (smallest loss or largest gain: {least[1]}).")
-        hi_rows = {r["method"]: r for r in by_setting[hi_s]}
-        if "grpo" in hi_rows and "bapo" in hi_rows:
-            g, b = hi_rows["grpo"]["entropy"][0], hi_rows["bapo"]["entropy"][0]
-            verdict = "higher" if b > g else "lower" if b < g else "equal"
-            lines.append(f"At staleness {hi_k}, bapo's final entropy ({b:.3f}) is {verdict} than "
-                         f"grpo's ({g:.3f}); the paper predicts higher.")
-    if start and "entropy" in start:
-        lines.append(f"The start policy's entropy at the first update was {start['entropy']:.3f}.")
-    if start and k_col and k_col in start:
-        better = [f"{r['method']} at {r['setting']}" for r in rows if r[k_col][0] > start[k_col]]
-        worse = [f"{r['method']} at {r['setting']}" for r in rows if r[k_col][0] <= start[k_col]]
-        lines.append(f"Against the start policy's held-out {k_col} of {start[k_col]:.3f}: "
-                     f"above it: {', '.join(better) or 'none'}; not above it: "
-                     f"{', '.join(worse) or 'none'}.")
-    bapo_rows = [r for r in rows if r["method"] == "bapo"]
-    if bapo_rows and target_share is not None:
-        shares = ", ".join(f"{r['setting']} {r['positive share'][0]:.3f}" for r in bapo_rows)
-        lines.append(f"bapo's positive share over the last 20% of updates: {shares} "
-                     f"(target {target_share:.2f}); its bounds ended near "
-                     + ", ".join(f"[{r['lower'][0]:.2f}, {r['upper'][0]:.2f}]" for r in bapo_rows)
-                     + ".")
-    for setting, group in by_setting.items():
-        spans = [(r["_share_span"], r["method"]) for r in group if not math.isnan(r["_share_span"])]
-        if len(spans) > 1 and any(r["clipped"][0] > 0 for r in group):
-            lines.append(f"At {setting}, the positive share moved over a range (max - min over "
-                         "updates) of " + ", ".join(f"{m} {v:.4f}" for v, m in spans)
-                         + f"; narrowest: {min(spans)[1]}.")
-    if rows and max(r["seeds"] for r in rows) == 1:
-        lines.append("One seed per cell: differences of a few points may be noise; "
-                     "`bapo demo --full` runs 3 seeds and reports mean +- std.")
-    return lines
-
-
-def write_report(path: Path, runs: list[Run], start: dict | None, plots: list[Path],
-                 target_share: float | None, header: list[str]) -> Path:
-    """report.md: `header` lines, the table, what it shows, the plots (relative links)."""
-    rows = summary(runs)
+def write_report(path: Path, runs: list[Run], claims: list[Claim], plots: list[Path],
+                 target_share: float | None, header: list[str], lab_claims: list[Claim] = ()) -> Path:
+    """report.md: `header` lines, the claims tables, the plots (relative links), the run table."""
     path = Path(path)
-    parts = ["# bapo demo report", "", *header, "", "## Final table", "",
-             markdown_table(rows, start), "",
-             f"Held-out columns: final policy, k samples per held-out prompt at temperature 1. "
-             "Other columns: mean over the last 20% of updates. +- is the std over seeds.", "",
-             "## What the numbers show", "", *[f"- {line}" for line in findings(rows, start, target_share)],
-             "", "## Plots", ""]
+    verdicts = {v: sum(c.verdict == v for c in claims) for v in ("held", "not held", "mixed")}
+    parts = ["# bapo demo report", "", *header, "", "## Claims of the paper, judged from these runs", "",
+             "Effect > 0 is the direction the paper claims; the verdict is read from the 95% interval "
+             "over seeds: held (all above 0), not held (all below 0), mixed (contains 0).", ""]
+    if lab_claims:
+        parts += ["### Mechanism lab (tabular softmax, exact)", "", claims_markdown(lab_claims), ""]
+    parts += ["### Tiny LLM", "",
+              f"{verdicts['held']} held, {verdicts['not held']} not held, {verdicts['mixed']} mixed.", "",
+              claims_markdown(claims) if claims else "(no claim has its runs here)", "",
+              "## Plots", "",
+              "One panel per setting, one line per method: mean over seeds, shaded 95% interval."
+              + (f" Dotted line: bapo's target share {target_share}." if target_share is not None else ""), ""]
     parts += [f"![{p.stem}]({p.relative_to(path.parent).as_posix()})" for p in plots]
+    parts += ["", "## Per-run table", "", markdown_table(summary(runs), start_row(runs)), "", COLUMN_NOTES]
     path.write_text("\n".join(parts) + "\n")
     return path

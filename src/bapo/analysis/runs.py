@@ -1,7 +1,9 @@
 """Reading finished runs back: metrics.jsonl rows, what each run was, its final evaluation.
 
 A run directory holds `metrics.jsonl` (one JSON object per update, written by bapo.train);
-the demo adds `demo_run.json` ({"method", "setting", "seed"}) and `final_eval.json`.
+held-out scores are rows' `heldout/avg@k`, `heldout/pass@k` (the demo's hook writes them; the
+last row that has them is the final policy's). The demo adds `demo_run.json`
+({"method", "setting", "seed"}).
 Runs made by plain `bapo train` have no demo_run.json: their identity is read from the
 trainer's config.yaml when present, else from the directory name.
 """
@@ -10,35 +12,72 @@ from __future__ import annotations
 
 import json
 import math
-import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from bapo.train.metrics import read_metrics
 
 
+def setting_name(staleness_e: int = 0, async_delay: int = 0, partial_rollout: bool = False) -> str:
+    """The panel a run belongs to: "E=2" (the paper's staleness E: E+1 optimizer updates per
+    rollout batch), ", async delay 4" (FIFO delay in rollout steps), ", partial rollout"."""
+    parts = [f"E={staleness_e}"]
+    if async_delay:
+        parts.append(f"async delay {async_delay}")
+    if partial_rollout:
+        parts.append("partial rollout")
+    return ", ".join(parts)
+
+
 @dataclass
 class Run:
     path: Path
     method: str
-    setting: str  # the panel it belongs to, e.g. "staleness 4" or "partial rollout"
+    setting: str  # the panel it belongs to: setting_name(...), e.g. "E=2" or "E=0, async delay 4"
     seed: int
     rows: list[dict] = field(default_factory=list)  # metrics.jsonl, in order
-    final: dict = field(default_factory=dict)       # final_eval.json ({} when absent)
 
-    def series(self, key: str) -> tuple[list[float], list[float]]:
-        """(steps, values) of every row that has a finite `key`."""
-        pts = [(r.get("step", i), r[key]) for i, r in enumerate(self.rows)
+    def series(self, key: str, x: str = "step") -> tuple[list[float], list[float]]:
+        """(x values, values) of every row that has a finite `key`; x "step" is the optimizer
+        update, "rollout_step" the rollout step (rows of one rollout step share it)."""
+        pts = [(r.get(x, i), r[key]) for i, r in enumerate(self.rows)
                if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
         return [p[0] for p in pts], [p[1] for p in pts]
 
+    def values(self, key: str) -> list[float]:
+        return self.series(key)[1]
+
     def tail_mean(self, key: str, share: float = 0.2) -> float:
         """Mean of `key` over the last `share` of the rows that have it (nan when none)."""
-        _, values = self.series(key)
+        values = self.values(key)
         if not values:
             return math.nan
         tail = values[-max(1, int(len(values) * share)):]
         return sum(tail) / len(tail)
+
+    def head_mean(self, key: str, share: float = 0.1) -> float:
+        """Mean of `key` over the first `share` of the rows that have it (nan when none)."""
+        values = self.values(key)
+        return sum(values[:max(1, int(len(values) * share))]) / max(1, int(len(values) * share)) \
+            if values else math.nan
+
+    def mean(self, key: str) -> float:
+        values = self.values(key)
+        return sum(values) / len(values) if values else math.nan
+
+    def heldout(self, prefix: str = "heldout/") -> dict:
+        """{"k", "avg@k", "pass@k"} from the last metrics row that has `prefix`avg@k ({} if none);
+        prefix "heldout/start/" gives the start policy's scores the demo writes on the first row."""
+        for row in reversed(self.rows):
+            keys = [k for k in row if k.startswith(prefix + "avg@") and "/" not in k[len(prefix):]]
+            if keys:
+                k = int(keys[0].rsplit("@", 1)[1])
+                return {"k": k, f"avg@{k}": row[keys[0]], f"pass@{k}": row.get(f"{prefix}pass@{k}", math.nan)}
+        return {}
+
+    @property
+    def final(self) -> dict:
+        return self.heldout()
 
 
 def _identity(run_dir: Path) -> tuple[str, str, int]:
@@ -52,10 +91,9 @@ def _identity(run_dir: Path) -> tuple[str, str, int]:
 
         cfg = yaml.safe_load(config_file.read_text()) or {}
         method = cfg.get("loss", {}).get("method", run_dir.name)
-        if cfg.get("rollout", {}).get("segment_tokens"):
-            setting = "partial rollout"
-        else:
-            setting = f"staleness {cfg.get('offpolicy', {}).get('staleness', 0)}"
+        off = cfg.get("offpolicy", {})
+        setting = setting_name(off.get("mini_batches", 1) * off.get("epochs", 1) - 1, off.get("staleness", 0),
+                               bool(cfg.get("rollout", {}).get("segment_tokens")))
         return method, setting, int(cfg.get("run", {}).get("seed", 0))
     return run_dir.name, "runs", 0
 
@@ -63,9 +101,7 @@ def _identity(run_dir: Path) -> tuple[str, str, int]:
 def load_run(run_dir: Path) -> Run:
     run_dir = Path(run_dir)
     method, setting, seed = _identity(run_dir)
-    final_file = run_dir / "final_eval.json"
-    final = json.loads(final_file.read_text()) if final_file.exists() else {}
-    return Run(run_dir, method, setting, seed, read_metrics(run_dir), final)
+    return Run(run_dir, method, setting, seed, read_metrics(run_dir))
 
 
 def find_runs(paths: list[Path]) -> list[Run]:
@@ -84,9 +120,13 @@ METHOD_ORDER = ("grpo", "clip-higher", "dual-clip", "topr", "dcpo", "bapo")
 
 
 def _setting_key(setting: str):
-    """staleness settings by number, then everything else (partial rollout, ...) by name."""
-    head, _, tail = setting.rpartition(" ")
-    return (0, head, int(tail), "") if tail.isdigit() else (1, "", 0, setting)
+    """By E, then async delay, then partial rollout; anything else after, by name."""
+    import re
+
+    e = re.match(r"E=(\d+)", setting)
+    delay = re.search(r"async delay (\d+)", setting)
+    return (0 if e else 1, int(e.group(1)) if e else 0, int(delay.group(1)) if delay else 0,
+            "partial rollout" in setting, setting)
 
 
 def _method_key(method: str):
@@ -101,8 +141,4 @@ def group_runs(runs: list[Run]) -> dict[str, dict[str, list[Run]]]:
     return groups
 
 
-def mean_std(values: list[float]) -> tuple[float, float]:
-    values = [v for v in values if not math.isnan(v)]
-    if not values:
-        return math.nan, math.nan
-    return statistics.fmean(values), statistics.stdev(values) if len(values) > 1 else 0.0
+

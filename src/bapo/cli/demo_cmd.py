@@ -8,29 +8,32 @@ import typer
 
 
 def demo(
-    quick: bool = typer.Option(False, "--quick", help="a ~2 minute glance: grpo and bapo, 20 updates"),
-    full: bool = typer.Option(False, "--full", help="adds topr, dcpo, partial rollout, 3 seeds"),
+    quick: bool = typer.Option(False, "--quick", help="a glance: quick lab, grpo and bapo at E=0 and 4, 20 rollout steps"),
+    full: bool = typer.Option(False, "--full", help="adds topr, dcpo, E=7, async delay 4, partial rollout, 5 seeds"),
     out: Path | None = typer.Option(None, "--out", help="output dir (default runs/demo-<timestamp>)"),
     jobs: int | None = typer.Option(None, "--jobs", help="runs in parallel processes "
                                        "(default: one per CPU core)"),
     threads: int = typer.Option(1, "--threads", help="torch threads per process"),
-    steps: int | None = typer.Option(None, "--steps", help="updates per run (profile default)"),
+    steps: int | None = typer.Option(None, "--steps", help="rollout steps per run (profile default)"),
     sft_steps: int | None = typer.Option(None, "--sft-steps", help="warm-start SFT steps"),
     lr: float | None = typer.Option(None, "--lr", help="RL learning rate (profile default)"),
-    staleness: int | None = typer.Option(None, "--staleness",
-                                            help="the high staleness compared with 0"),
+    lab: bool = typer.Option(True, "--lab/--no-lab", help="run the mechanism lab (bapo lab) first"),
+    as_json: bool = typer.Option(False, "--json", help="print the claims table as JSON (lab's, then the LLM runs')"),
     progress: bool = typer.Option(True, "--progress/--no-progress"),
 ):
-    """The paper's staleness experiment in miniature on the built-in task and tiny model."""
+    """The paper's claims, checked: the mechanism lab, then grpo / clip-higher / dual-clip / bapo
+    on a tiny LLM at staleness E = 0, 2, 4 (E+1 optimizer updates per rollout batch)."""
     from bapo.demo.demo import plan_for, run_demo
 
     if quick and full:
         raise typer.BadParameter("choose one of --quick and --full")
     plan = plan_for("quick" if quick else "full" if full else "default", steps=steps,
-                    sft_steps=sft_steps, lr=lr,
-                    staleness=None if staleness is None else (0, staleness))
-    demo_dir = run_demo(plan, out, jobs=jobs, threads=threads, show_progress=progress)
-    typer.echo(f"report: {demo_dir / 'report.md'}")
+                    sft_steps=sft_steps, lr=lr, lab=None if lab else "off")
+    demo_dir = run_demo(plan, out, jobs=jobs, threads=threads, show_progress=progress and not as_json)
+    if as_json:
+        typer.echo((demo_dir / "claims.json").read_text().rstrip())
+    else:
+        typer.echo(f"report: {demo_dir / 'report.md'}")
 
 
 def plot(
@@ -51,22 +54,30 @@ def plot(
 def compare(
     run_dirs: list[Path] = typer.Argument(..., help="run directories, or folders of runs"),
     markdown: bool = typer.Option(False, "--markdown", help="print a markdown table"),
+    claims: float | None = typer.Option(None, "--claims", metavar="TARGET",
+                                           help="also judge the paper's claims (bapo target share TARGET)"),
 ):
-    """Print the final table (held-out avg@k / pass@k, tail means) of several runs."""
-    from bapo.analysis.report import format_cell, markdown_table, summary, table_columns
+    """Print the per-run table (held-out avg@k / pass@k, entropy, shares, clipping; mean [95%
+    interval] over seeds) of several runs, and optionally the claims table."""
+    from bapo.analysis.claims import claims_markdown
+    from bapo.analysis.report import format_cell, markdown_table, start_row, summary, table_columns
+    from bapo.analysis.run_claims import run_claims
     from bapo.analysis.runs import find_runs
 
-    rows = summary(find_runs(run_dirs))
+    runs = find_runs(run_dirs)
+    rows = summary(runs)
+    if claims is not None:
+        typer.echo(claims_markdown(run_claims(runs, claims)) + "\n")
     if markdown:
-        typer.echo(markdown_table(rows))
+        typer.echo(markdown_table(rows, start_row(runs)))
         return
     from rich.console import Console
     from rich.table import Table
 
     cols = table_columns(rows)
-    table = Table("setting", "method", *cols)
+    table = Table("setting", "method", "seeds", *cols)
     for r in rows:
-        table.add_row(r["setting"], r["method"], *(format_cell(*r[c], r["seeds"]) for c in cols))
+        table.add_row(r["setting"], r["method"], str(r["seeds"]), *(format_cell(*r[c]) for c in cols))
     Console().print(table)
 
 

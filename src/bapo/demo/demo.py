@@ -1,11 +1,17 @@
-"""`bapo demo`: the paper's staleness experiment in miniature, on the built-in task and model.
+"""`bapo demo`: the mechanism lab, then the paper's staleness comparison on a tiny LLM.
 
-warm start (cached) -> one bapo.train run per (method, setting, seed), each logging held-out
-accuracy during training and a final held-out avg@k / pass@k -> plots -> report.md.
+lab (bapo.lab.run_lab, exact softmax dynamics) -> warm start (cached) -> one bapo.train run per
+(method, setting, seed) -> claims table, plots, per-run table (bapo.analysis, from the runs'
+metrics.jsonl alone). Two staleness axes, named as the paper and the report name them:
+  staleness E   the paper's: E+1 optimizer updates per rollout batch (Algorithm 1; in
+                `bapo train`: offpolicy.mini_batches=E+1). The primary axis.
+  async delay   a FIFO delay: each batch trained once, k rollout steps after it was generated
+                (`bapo train`: offpolicy.staleness=k). The second axis (--full).
 All of it lands in runs/demo-<timestamp>/:
+    lab/                           the lab's own folder (claims.json, report.md, cells/)
     data/{train,heldout}.jsonl     the task split the runs used
-    <method>-<setting>-seed<s>/    metrics.jsonl, demo_run.json, final_eval.json (+ trainer files)
-    plots/*.png, report.md, demo.json (the plan, timings, start-policy scores)
+    <method>-<setting>-seed<s>/    metrics.jsonl (+ demo_run.json, config.yaml)
+    plots/*.png, report.md, claims.json, demo.json (plan, timings, CPU seconds)
 """
 
 from __future__ import annotations
@@ -21,69 +27,92 @@ from bapo.demo.task import TaskConfig, make_split, write_jsonl
 from bapo.demo.warmstart import SFTConfig, WarmStartConfig, warm_start, warmstart_info
 
 VERIFIER = "bapo.demo.task:verify"
+# methods whose loss is the same clipped surrogate: on-policy (E=0, no delay) every ratio is
+# exactly 1, nothing is clipped, so their runs are identical and one run stands for them all
+CLIPPED_SURROGATES = ("grpo", "clip-higher", "dual-clip", "bapo")
 
 
 @dataclass(frozen=True)
 class RunSpec:
-    """One training run of the demo: a method under one off-policy setting and seed."""
+    """One training run: a method under one off-policy setting and seed.
+
+    updates_per_batch_minus_one is the paper's staleness E; async_delay the FIFO delay k."""
 
     method: str
-    staleness: int = 0
+    staleness_e: int = 0
+    async_delay: int = 0
     partial_rollout: bool = False
     seed: int = 0
 
     @property
     def setting(self) -> str:
-        return "partial rollout" if self.partial_rollout else f"staleness {self.staleness}"
+        parts = [f"E={self.staleness_e}"]
+        if self.async_delay:
+            parts.append(f"async delay {self.async_delay}")
+        if self.partial_rollout:
+            parts.append("partial rollout")
+        return ", ".join(parts)
 
     @property
     def name(self) -> str:
-        return f"{self.method}-{self.setting.replace(' ', '')}-seed{self.seed}"
+        slug = self.setting.replace(", ", "-").replace(" ", "").replace("=", "")
+        return f"{self.method}-{slug}-seed{self.seed}"
 
 
 @dataclass(frozen=True)
 class DemoPlan:
-    """What a demo profile runs; the numbers were tuned for ~0.4M parameters on 2 CPU cores."""
+    """What a demo profile runs. Sizes were chosen so that on-policy GRPO improves held-out
+    accuracy on the built-in task within `steps` rollout steps (measured, see the README)."""
 
-    methods: tuple[str, ...] = ("grpo", "clip-higher", "bapo")
-    staleness: tuple[int, ...] = (0, 8)
-    seeds: tuple[int, ...] = (0,)
-    partial_rollout: bool = False
-    steps: int = 80               # rollout steps per run (= optimizer updates)
-    prompts_per_batch: int = 16
+    methods: tuple[str, ...] = CLIPPED_SURROGATES
+    staleness_e: tuple[int, ...] = (0, 2, 4)   # the paper's E: E+1 updates per rollout batch
+    async_delays: tuple[int, ...] = ()         # FIFO delays k (at E=0), the second axis
+    partial_rollout: bool = False              # at E=0
+    seeds: tuple[int, ...] = (0, 1, 2)
+    steps: int = 30                # rollout steps per run (optimizer updates = steps x (E+1))
+    prompts_per_batch: int = 15    # 15 x 8 = 120 responses: divisible by E+1 = 1, 2, 3, 4, 5, 6, 8
     group_size: int = 8
-    max_new_tokens: int = 32      # the longest worked answer at difficulty 2 is 25 tokens + EOS
-    segment_tokens: int = 12      # partial rollout: new tokens per generation pass
-    # 1e-3 wrecks the warm start within 20 updates; 4e-4 for 40 updates lowered held-out
-    # accuracy (0.29 -> 0.21); 2e-4 for 80 updates keeps or raises it
-    lr: float = 2e-4
-    # The paper's rho0 = 0.4 sits below the share this task has anyway (~0.49), so the search
-    # would never move; 0.5 (pos/neg = 1, the recipe's upper end) keeps it at work.
-    bapo_target: float = 0.5
-    eval_every: int = 5           # updates between held-out checks during training
-    eval_prompts: int = 64        # held-out prompts in those checks ...
-    eval_k_during: int = 4        # ... with this many samples each
-    final_k: int = 8              # final held-out avg@k / pass@k on every held-out prompt
+    segment_tokens: int = 8        # partial rollout: new tokens per generation pass
+    lr: float = 1e-4                # 3e-4 and 1e-3 lowered held-out accuracy on-policy (measured, README)
+    bapo_target: float = 0.4       # the paper's rho0, not tuned here
+    eval_every: int = 10           # rollout steps between held-out checks during training
+    eval_prompts: int = 64         # held-out prompts in those checks ...
+    eval_k_during: int = 4         # ... with this many samples each
+    final_k: int = 8               # final held-out avg@k / pass@k on every held-out prompt
+    lab: str = "default"           # bapo lab profile run first: default | quick | off
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
 
+    @property
+    def max_new_tokens(self) -> int:
+        return self.warmstart.task.max_new_tokens
+
     def runs(self) -> list[RunSpec]:
-        specs = [RunSpec(m, k, False, s) for s in self.seeds for k in self.staleness
-                 for m in self.methods]
-        if self.partial_rollout:
-            specs += [RunSpec(m, 0, True, s) for s in self.seeds for m in self.methods]
+        """Every run; at E=0 without delay the clipped surrogates share one run (see
+        CLIPPED_SURROGATES), named after the first of them."""
+        specs: list[RunSpec] = []
+        for seed in self.seeds:
+            shared = [m for m in self.methods if m in CLIPPED_SURROGATES]
+            for e in self.staleness_e:
+                methods = self.methods if e else [m for m in self.methods if m not in shared[1:]]
+                specs += [RunSpec(m, e, 0, False, seed) for m in methods]
+            for k in self.async_delays:
+                specs += [RunSpec(m, 0, k, False, seed) for m in self.methods]
+            if self.partial_rollout:
+                specs += [RunSpec(m, 0, 0, True, seed) for m in self.methods]
         return specs
 
 
 PROFILES = {
-    "quick": DemoPlan(methods=("grpo", "bapo"), steps=20, eval_every=5, eval_prompts=32),
+    "quick": DemoPlan(methods=("grpo", "bapo"), staleness_e=(0, 4), steps=20, lab="quick",
+                      eval_every=20, eval_prompts=32),
     "default": DemoPlan(),
-    "full": DemoPlan(methods=("grpo", "clip-higher", "bapo", "topr", "dcpo"),
-                     seeds=(0, 1, 2), partial_rollout=True),
+    "full": DemoPlan(methods=("grpo", "clip-higher", "dual-clip", "topr", "dcpo", "bapo"),
+                     staleness_e=(0, 2, 4, 7), async_delays=(4,), partial_rollout=True,
+                     seeds=(0, 1, 2, 3, 4), steps=40),
 }
 
 
-def train_config(plan: DemoPlan, spec: RunSpec, model_path: Path, data_path: Path,
-                 run_dir: Path):
+def train_config(plan: DemoPlan, spec: RunSpec, model_path: Path, data_path: Path, run_dir: Path):
     """The bapo.train config of one run (the same schema `bapo train` reads from YAML)."""
     from bapo.train import load_config
 
@@ -94,10 +123,12 @@ def train_config(plan: DemoPlan, spec: RunSpec, model_path: Path, data_path: Pat
         "rollout.prompts_per_batch": plan.prompts_per_batch,
         "rollout.group_size": plan.group_size,
         "rollout.max_new_tokens": plan.max_new_tokens,
+        "rollout.temperature": 1.0,
         "reward.verifier": VERIFIER,
         "loss.method": spec.method,
         "loss.bapo.target": plan.bapo_target,
-        "offpolicy.staleness": spec.staleness,
+        "offpolicy.mini_batches": spec.staleness_e + 1,
+        "offpolicy.staleness": spec.async_delay,
         "optim.lr": plan.lr,
         "optim.micro_batch_size": plan.prompts_per_batch * plan.group_size,
         "run.output_dir": str(run_dir), "run.steps": plan.steps, "run.seed": spec.seed,
@@ -110,25 +141,32 @@ def train_config(plan: DemoPlan, spec: RunSpec, model_path: Path, data_path: Pat
 
 
 class HeldOutHook:
-    """on_update for bapo.train: held-out accuracy every `eval_every` updates, and the final
-    avg@k / pass@k (written to final_eval.json) after the last update."""
+    """on_update for bapo.train, called after each rollout step's updates. It writes into that
+    step's metrics row: the start policy's held-out scores on the first row
+    (heldout/start/avg@k, pass@k), held-out accuracy every `eval_every` rollout steps
+    (heldout/accuracy), and the final held-out heldout/avg@k, heldout/pass@k on the last row,
+    so that a run's metrics.jsonl alone carries everything the report needs."""
 
-    def __init__(self, plan: DemoPlan, heldout: list[dict], run_dir: Path, total: int):
-        self.plan, self.heldout, self.run_dir, self.total = plan, heldout, run_dir, total
+    def __init__(self, plan: DemoPlan, heldout: list[dict], updates_per_batch: int, start: dict):
+        self.plan, self.heldout, self.per_batch, self.start = plan, heldout, updates_per_batch, start
 
-    def __call__(self, step: int, model, tokenizer) -> dict[str, float]:
+    def __call__(self, updates_done: int, model, tokenizer) -> dict[str, float]:
         from bapo.analysis.evaluate import evaluate
         from bapo.demo.task import verify
 
-        p, out, done = self.plan, {}, step  # step = optimizer updates done (1, 2, ...)
-        if done % p.eval_every == 0 or done == self.total:
-            scores = evaluate(model, tokenizer, self.heldout[:p.eval_prompts], verify, k=p.eval_k_during,
-                              max_new_tokens=p.max_new_tokens)
+        p, out = self.plan, {}
+        rollout_steps = updates_done // self.per_batch
+        if rollout_steps == 1:
+            out.update({f"heldout/start/{k}": v for k, v in self.start.items() if "@" in k})
+        if rollout_steps % p.eval_every == 0 and rollout_steps < p.steps:
+            scores = evaluate(model, tokenizer, self.heldout[:p.eval_prompts], verify,
+                              k=p.eval_k_during, max_new_tokens=p.max_new_tokens)
             out["heldout/accuracy"] = scores[f"avg@{p.eval_k_during}"]
-        if done == self.total:
+        if rollout_steps == p.steps:
             final = evaluate(model, tokenizer, self.heldout, verify, k=p.final_k,
                              max_new_tokens=p.max_new_tokens)
-            (self.run_dir / "final_eval.json").write_text(json.dumps({"k": p.final_k, **final}))
+            out.update({f"heldout/{k}": v for k, v in final.items() if "@" in k})
+            out["heldout/accuracy"] = final[f"avg@{p.final_k}"]
         return out
 
 
@@ -141,9 +179,9 @@ def _quiet_hf() -> None:
     datasets.disable_progress_bars()
 
 
-def run_one(plan: DemoPlan, spec: RunSpec, model_path: Path, demo_dir: Path,
-            tick: Callable[[int], None] | None = None, threads: int | None = None) -> float:
-    """Train one run into demo_dir/spec.name; returns its wall time in seconds."""
+def run_one(plan: DemoPlan, spec: RunSpec, model_path: Path, demo_dir: Path, start: dict,
+            tick: Callable[[int], None] | None = None, threads: int | None = None) -> tuple[float, float]:
+    """Train one run into demo_dir/spec.name; returns (wall seconds, CPU seconds of this process)."""
     import torch
 
     from bapo.demo.task import read_jsonl
@@ -152,24 +190,24 @@ def run_one(plan: DemoPlan, spec: RunSpec, model_path: Path, demo_dir: Path,
     if threads:
         torch.set_num_threads(threads)
         _quiet_hf()  # a fresh worker process
-    start = time.time()
+    wall, cpu = time.time(), time.process_time()
     run_dir = demo_dir / spec.name
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "demo_run.json").write_text(json.dumps(
         {"method": spec.method, "setting": spec.setting, "seed": spec.seed, **asdict(spec)}))
     cfg = train_config(plan, spec, model_path, demo_dir / "data" / "train.jsonl", run_dir)
     heldout = read_jsonl(demo_dir / "data" / "heldout.jsonl")
-    progress = (lambda step, total, row: tick(step)) if tick else False
-    train(cfg, on_update=HeldOutHook(plan, heldout, run_dir, cfg.total_updates), progress=progress)
-    return time.time() - start
+    progress = (lambda update, total, row: tick(row["rollout_step"] + 1)) if tick else False
+    train(cfg, on_update=HeldOutHook(plan, heldout, cfg.updates_per_batch, start), progress=progress)
+    return time.time() - wall, time.process_time() - cpu
 
 
-def _worker(args) -> tuple[str, float]:
+def _worker(args) -> tuple[str, float, float]:
     """Process-pool entry (one run, `threads` torch threads); progress goes through a queue."""
-    plan, spec, model_path, demo_dir, queue, threads = args
-    seconds = run_one(plan, spec, model_path, demo_dir,
-                      tick=lambda done: queue.put((spec.name, done)), threads=threads)
-    return spec.name, seconds
+    plan, spec, model_path, demo_dir, start, queue, threads = args
+    wall, cpu = run_one(plan, spec, model_path, demo_dir, start,
+                        tick=lambda done: queue.put((spec.name, done)), threads=threads)
+    return spec.name, wall, cpu
 
 
 def evaluate_start(plan: DemoPlan, model_path: Path, heldout: list[dict]) -> dict:
@@ -184,14 +222,16 @@ def evaluate_start(plan: DemoPlan, model_path: Path, heldout: list[dict]) -> dic
                     max_new_tokens=plan.max_new_tokens)
 
 
-def start_policy_scores(heldout_scores: dict, runs) -> dict:
-    """The warm-start model's held-out scores, plus its entropy / reward at the first update."""
-    start = dict(heldout_scores)
-    for col, key in (("entropy", "entropy"), ("train reward", "reward/mean")):
-        firsts = [r.series(key)[1][0] for r in runs if r.series(key)[1]]
-        if firsts:
-            start[col] = sum(firsts) / len(firsts)
-    return start
+def _run_lab(plan: DemoPlan, demo_dir: Path) -> tuple[list, Path | None]:
+    """The mechanism lab first (bapo.lab.run_lab); ([], None) when the plan skips it or when
+    this install has no bapo.lab yet."""
+    if plan.lab == "off":
+        return [], None
+    try:
+        from bapo.lab import run_lab
+    except ImportError:
+        return [], None
+    return run_lab(demo_dir / "lab", quick=plan.lab == "quick")
 
 
 def run_demo(plan: DemoPlan, out: Path | None = None, jobs: int | None = None, threads: int = 1,
@@ -204,9 +244,10 @@ def run_demo(plan: DemoPlan, out: Path | None = None, jobs: int | None = None, t
     slowed 10x whenever other work competed for the cores (OpenMP threads waiting on each other).
     """
     from bapo.analysis.plots import plot_runs
-    from bapo.demo.progress import DemoProgress
     from bapo.analysis.report import write_report
+    from bapo.analysis.run_claims import run_claims
     from bapo.analysis.runs import find_runs
+    from bapo.demo.progress import DemoProgress
 
     _quiet_hf()
     specs = plan.runs()
@@ -214,14 +255,18 @@ def run_demo(plan: DemoPlan, out: Path | None = None, jobs: int | None = None, t
     t0 = time.time()
     demo_dir = Path(out) if out else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     demo_dir.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+    t = time.time()
+    lab_claims, lab_dir = _run_lab(plan, demo_dir)
+    timings["lab"] = time.time() - t
     with DemoProgress(plan, specs, enabled=show_progress) as progress:
         import torch
 
         torch.set_num_threads(threads)
-        timings: dict[str, float] = {}
-        t = time.time()
+        cpu: dict[str, float] = {}
+        t, c = time.time(), time.process_time()
         model_path = warm_start(plan.warmstart, on_step=progress.sft_step)  # cached: no steps
-        timings["warm start"] = time.time() - t
+        timings["warm start"], cpu["warm start"] = time.time() - t, time.process_time() - c
         info = warmstart_info(model_path)
         train_rows, heldout = make_split(plan.warmstart.task)
         write_jsonl([{"prompt": r["prompt"], "answer": r["answer"]} for r in train_rows],
@@ -232,36 +277,42 @@ def run_demo(plan: DemoPlan, out: Path | None = None, jobs: int | None = None, t
         if jobs == 1:
             for spec in specs:
                 progress.start_run(spec)
-                timings[spec.name] = run_one(plan, spec, model_path, demo_dir,
-                                             tick=lambda d, s=spec: progress.run_step(s.name, d))
+                timings[spec.name], cpu[spec.name] = run_one(
+                    plan, spec, model_path, demo_dir, start_scores,
+                    tick=lambda d, s=spec: progress.run_step(s.name, d))
         else:
-            timings.update(_run_parallel(plan, specs, model_path, demo_dir, jobs, threads,
-                                         progress))
+            for name, wall, cpu_s in _run_parallel(plan, specs, model_path, demo_dir, start_scores,
+                                                   jobs, threads, progress):
+                timings[name], cpu[name] = wall, cpu_s
         progress.finishing()
-        runs = find_runs([demo_dir])
+        runs = find_runs([demo_dir / s.name for s in specs])
+        claims = run_claims(runs, plan.bapo_target)
         plots = plot_runs(runs, demo_dir / "plots", target_share=plan.bapo_target)
         timings["total"] = time.time() - t0
-        header = _report_header(plan, info, timings, jobs, threads)
-        write_report(demo_dir / "report.md", runs, start_policy_scores(start_scores, runs), plots,
-                     plan.bapo_target, header)
+        header = _report_header(plan, info, timings, cpu, jobs, threads, lab_dir, demo_dir)
+        write_report(demo_dir / "report.md", runs, claims, plots, plan.bapo_target, header,
+                     lab_claims=lab_claims)
+        from bapo.analysis.claims import claims_json
+
+        (demo_dir / "claims.json").write_text(claims_json(list(lab_claims) + claims) + "\n")
         (demo_dir / "demo.json").write_text(json.dumps(
             {"plan": asdict(plan), "warmstart": str(model_path), "start_policy": start_scores,
-             "timings_s": timings,
-             "jobs": jobs, "threads": threads}, indent=2, default=str))
+             "timings_s": timings, "cpu_s": cpu, "jobs": jobs, "threads": threads,
+             "lab": str(lab_dir) if lab_dir else None}, indent=2, default=str))
     return demo_dir
 
 
-def _run_parallel(plan, specs, model_path, demo_dir, jobs, threads, progress) -> dict:
+def _run_parallel(plan, specs, model_path, demo_dir, start, jobs, threads, progress):
+    """Yield (name, wall s, CPU s) of every run as it finishes (spawned processes)."""
     import concurrent.futures as cf
     import multiprocessing as mp
     import queue as queue_mod
 
     ctx = mp.get_context("spawn")  # fork + torch threads can deadlock
-    timings = {}
     with ctx.Manager() as manager:
         q = manager.Queue()
         with cf.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            futures = [pool.submit(_worker, (plan, s, model_path, demo_dir, q, threads))
+            futures = [pool.submit(_worker, (plan, s, model_path, demo_dir, start, q, threads))
                        for s in specs]
             pending = set(futures)
             while pending:
@@ -272,30 +323,37 @@ def _run_parallel(plan, specs, model_path, demo_dir, jobs, threads, progress) ->
                     pass
                 for f in [f for f in pending if f.done()]:
                     pending.discard(f)
-                    name, seconds = f.result()  # re-raises a worker's error here
-                    timings[name] = seconds
-    return timings
+                    yield f.result()  # re-raises a worker's error here
 
 
-def _report_header(plan: DemoPlan, info: dict, timings: dict, jobs: int, threads: int) -> list[str]:
+def _report_header(plan: DemoPlan, info: dict, timings: dict, cpu: dict, jobs: int, threads: int,
+                   lab_dir: Path | None, demo_dir: Path) -> list[str]:
     task, m = plan.warmstart.task, plan.warmstart.model
-    runs = [v for k, v in timings.items() if k not in ("warm start", "total")]
+    run_cpu = [v for k, v in cpu.items() if k != "warm start"]
+    lab = (f"Lab: [{lab_dir.relative_to(demo_dir)}/report.md]({lab_dir.relative_to(demo_dir)}/report.md) "
+           f"({timings['lab']:.0f} s)." if lab_dir else "Lab: not run (bapo.lab absent or --no-lab).")
     return [
-        f"Task: chained +/- arithmetic, difficulty {task.difficulty} ({task.n_terms} terms, "
-        f"operands 1-{task.max_operand}), {task.n_train} training prompts, "
+        f"Task: countdown-style guess-and-check, {task.n_numbers} numbers in 1-{task.max_number}, "
+        f"one attempt per line, stop at the first hit; a {task.max_new_tokens}-token budget "
+        f"(about 3 attempts), so failures run to the budget; {task.n_train} training prompts, "
         f"{task.n_heldout} held-out prompts.",
         f"Policy: Llama {m.layers} layers x {m.hidden_size} hidden, warm-started by "
-        f"{plan.warmstart.sft.steps} SFT steps on demonstrations with "
-        f"{plan.warmstart.sft.slip_rate:.0%} of steps slipped (SFT took {info['sft_seconds']} s "
-        "when it was trained; cached since).",
-        f"RL: {plan.steps} updates per run, {plan.prompts_per_batch} prompts x "
-        f"{plan.group_size} samples, lr {plan.lr}, max {plan.max_new_tokens} new tokens; "
-        f"methods {', '.join(plan.methods)}; staleness {', '.join(map(str, plan.staleness))}"
+        f"{plan.warmstart.sft.steps} SFT steps on demonstrations that try the attempts in a "
+        f"random order (SFT took {info['sft_seconds']} s when it was trained; cached since).",
+        f"RL: {plan.steps} rollout steps per run, {plan.prompts_per_batch} prompts x "
+        f"{plan.group_size} samples at temperature 1.0, lr {plan.lr}; methods "
+        f"{', '.join(plan.methods)}; staleness E (E+1 optimizer updates per rollout batch) "
+        f"{', '.join(map(str, plan.staleness_e))}"
+        + (f"; async delay {', '.join(map(str, plan.async_delays))}" if plan.async_delays else "")
         + ("; partial rollout" if plan.partial_rollout else "")
-        + f"; seeds {', '.join(map(str, plan.seeds))}; bapo target share {plan.bapo_target}.",
-        f"Wall time: {timings['total']:.0f} s in all (warm start {timings['warm start']:.0f} s, "
-        f"runs {sum(runs):.0f} s summed over {len(runs)} runs, {jobs} process(es) x "
-        f"{threads} torch thread(s)).",
+        + f"; seeds {', '.join(map(str, plan.seeds))}; bapo target share {plan.bapo_target}. "
+        "At E=0 without delay every ratio is 1, so grpo, clip-higher, dual-clip and bapo are one "
+        "run (listed as grpo).",
+        lab,
+        f"Wall time: {timings['total']:.0f} s in all (lab {timings['lab']:.0f} s, warm start "
+        f"{timings['warm start']:.0f} s, {len(run_cpu)} runs, {jobs} process(es) x {threads} "
+        f"torch thread(s)); CPU seconds: warm start {cpu['warm start']:.0f}, runs "
+        f"{sum(run_cpu):.0f} summed ({min(run_cpu, default=0):.0f}-{max(run_cpu, default=0):.0f} per run).",
     ]
 
 
@@ -308,4 +366,3 @@ def plan_for(profile: str, **changes) -> DemoPlan:
         plan = replace(plan, warmstart=replace(ws, sft=replace(ws.sft,
                                                                 steps=changes.pop("sft_steps"))))
     return replace(plan, **changes)
-

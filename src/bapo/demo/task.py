@@ -1,110 +1,129 @@
-"""The built-in reasoning task: chained additions and subtractions solved step by step.
+"""The built-in reasoning task: countdown-style guess-and-check.
 
-A problem is a left-to-right chain of small integers, the worked answer writes one step per
-line and ends with the final value:
+The prompt lists a few small numbers and a target; the response tries one pair at a time,
+one attempt per line, and stops at the first attempt that hits the target:
 
-    prompt:   "12+7-5="
-    response: "12+7=19\\n19-5=14\\nanswer:14"
+    prompt:   "7,12,5>17:"
+    response: "12-7=5\\n7+12=19\\n12+5=17"          (then EOS)
 
-`difficulty` sets the number of terms (difficulty + 1) and how large the operands get, so the
-same code gives a warm-up task for a 100k-parameter model or a harder one for a bigger model.
+Exactly one attempt (one pair, "+" or larger "-" smaller) hits the target, so a policy that
+picks attempts blindly needs on average half the candidates; attempts that miss cost tokens,
+and a response that has not hit the target when the token budget runs out is a failure.
+So failures are structurally longer than successes (they run to the budget), and what RL can
+learn is which attempt to try first (a target above every number is a sum, its last digit
+is the last digit of the two numbers' sum, ...): a strategy, not a format.
+The warm start imitates demonstrations that try the candidates in a random order, so the
+start policy is uncertain at every attempt (entropy well above zero) and correct on roughly
+as many prompts as the budget allows blind tries.
 The held-out split is fixed by its own seed and never appears in the training rows.
-Demonstrations can carry injected slips (a step result off by a little, propagated to the
-end) so that a model trained on them starts out neither hopeless nor perfect.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-ANSWER_PREFIX = "answer:"
-_ANSWER_LINE = re.compile(r"answer:(-?\d+)")
-_STEP_LINE = re.compile(r"-?\d+[+-]\d+=-?\d+")
-_PROMPT = re.compile(r"\d+(?:[+-]\d+)+=")
+_PROMPT = re.compile(r"(\d+(?:,\d+)+)>(\d+):")
+_ATTEMPT = re.compile(r"(\d+)([+-])(\d+)=(-?\d+)")
 
 
 @dataclass(frozen=True)
 class TaskConfig:
-    """Which problems exist. `difficulty` d: d+1 terms, operands in [1, 3 d + 3]."""
+    """Which problems exist: `n_numbers` numbers in [1, max_number]; the target is the result
+    of exactly one candidate attempt (a pair, "+" or larger "-" smaller)."""
 
-    difficulty: int = 2
+    n_numbers: int = 3
+    max_number: int = 9
+    # the response budget: about 3 attempts ("7+5=12" + newline is 7 tokens); a response
+    # that has not hit the target by then is cut off, so every failure is this long
+    max_new_tokens: int = 20
     n_train: int = 2000
     n_heldout: int = 128
     train_seed: int = 0
     heldout_seed: int = 12345
 
-    @property
-    def n_terms(self) -> int:
-        return self.difficulty + 1
 
-    @property
-    def max_operand(self) -> int:
-        return 3 * self.difficulty + 3
-
-
-def sample_problem(rng: random.Random, cfg: TaskConfig) -> tuple[list[int], list[str]]:
-    """One chain: terms [n_terms] and the operators between them [n_terms - 1]."""
-    terms = [rng.randint(1, cfg.max_operand) for _ in range(cfg.n_terms)]
-    ops = [rng.choice("+-") for _ in range(cfg.n_terms - 1)]
-    return terms, ops
+def candidates(numbers: list[int]) -> list[str]:
+    """Every attempt over two different positions: "a+b" (prompt order) and "big-small"."""
+    out = []
+    for i, j in itertools.combinations(range(len(numbers)), 2):
+        a, b = numbers[i], numbers[j]
+        out.append(f"{a}+{b}")
+        out.append(f"{max(a, b)}-{min(a, b)}")
+    return out
 
 
-def format_prompt(terms: list[int], ops: list[str]) -> str:
-    return str(terms[0]) + "".join(op + str(t) for op, t in zip(ops, terms[1:])) + "="
+def evaluate_attempt(attempt: str) -> int:
+    a, op, b = re.fullmatch(r"(\d+)([+-])(\d+)", attempt).groups()
+    return int(a) + int(b) if op == "+" else int(a) - int(b)
+
+
+def format_prompt(numbers: list[int], target: int) -> str:
+    return ",".join(map(str, numbers)) + f">{target}:"
+
+
+def parse_prompt(prompt: str) -> tuple[list[int], int]:
+    match = _PROMPT.fullmatch(prompt.strip())
+    if match is None:
+        raise ValueError(f"prompt {prompt!r} is not a task prompt 'n1,n2,...>target:'")
+    return [int(x) for x in match.group(1).split(",")], int(match.group(2))
 
 
 def is_task_prompt(text: str) -> bool:
-    return _PROMPT.fullmatch(text) is not None
+    return _PROMPT.fullmatch(text.strip()) is not None
 
 
-def solve(terms: list[int], ops: list[str]) -> int:
-    value = terms[0]
-    for op, t in zip(ops, terms[1:]):
-        value = value + t if op == "+" else value - t
-    return value
+def sample_problem(rng: random.Random, cfg: TaskConfig) -> tuple[list[int], int]:
+    """(numbers [n_numbers], target): the target is hit by exactly one candidate attempt."""
+    while True:
+        numbers = [rng.randint(1, cfg.max_number) for _ in range(cfg.n_numbers)]
+        results = [evaluate_attempt(c) for c in candidates(numbers)]
+        unique = [r for r in results if results.count(r) == 1 and r > 0]
+        if unique:
+            return numbers, rng.choice(unique)
 
 
-def worked_solution(terms: list[int], ops: list[str], rng: random.Random | None = None,
-                    slip_rate: float = 0.0) -> tuple[str, int]:
-    """The step-by-step response and the final value it states.
-
-    With `slip_rate` > 0 each step result is, with that probability, off by one of
-    {-10, -2, -1, +1, +2, +10}; later steps continue from the wrong value (as a careless
-    student would), so the stated answer is wrong but the text stays well formed.
-    """
-    lines, value = [], terms[0]
-    for op, t in zip(ops, terms[1:]):
-        result = value + t if op == "+" else value - t
-        if rng is not None and slip_rate > 0 and rng.random() < slip_rate:
-            result += rng.choice((-10, -2, -1, 1, 2, 10))
-        lines.append(f"{value}{op}{t}={result}")
-        value = result
-    lines.append(f"{ANSWER_PREFIX}{value}")
-    return "\n".join(lines), value
-
-
-def parse_answer(response: str) -> int | None:
-    """The final answer of a response, or None when the response is malformed.
-
-    Well formed = zero or more step lines "a+b=c" / "a-b=c", then exactly one last line
-    "answer:N"; anything else (missing or repeated answer, stray text) is malformed.
-    """
-    lines = response.strip().split("\n")
-    *steps, last = lines
-    match = _ANSWER_LINE.fullmatch(last.strip())
-    if match is None or not all(_STEP_LINE.fullmatch(s.strip()) for s in steps):
-        return None
-    return int(match.group(1))
+def worked_solution(numbers: list[int], target: int, rng: random.Random | None = None) -> str:
+    """Attempts in a random order (prompt order without `rng`) up to the one that hits the target."""
+    order = candidates(numbers)
+    if rng is not None:
+        rng.shuffle(order)
+    lines = []
+    for attempt in order:
+        value = evaluate_attempt(attempt)
+        lines.append(f"{attempt}={value}")
+        if value == target:
+            break
+    return "\n".join(lines)
 
 
 def verify(response: str, row: dict) -> float:
-    """Reward 1.0 when the response is well formed and its answer equals row["answer"]."""
-    answer = parse_answer(response)
-    return float(answer is not None and str(answer) == str(row["answer"]).strip())
+    """1.0 when every line is a true attempt "a+b=c" / "a-b=c" over two different numbers of
+    the prompt (a >= b for "-") and the last line hits the target; 0.0 otherwise (a wrong sum,
+    a number not in the prompt, no hit before the budget ran out, stray text)."""
+    try:
+        numbers, target = parse_prompt(row["prompt"])
+    except ValueError:
+        return 0.0
+    lines = response.strip().split("\n")
+    for line in lines:
+        match = _ATTEMPT.fullmatch(line.strip())
+        if match is None:
+            return 0.0
+        a, op, b, value = int(match.group(1)), match.group(2), int(match.group(3)), int(match.group(4))
+        pool = list(numbers)
+        if a not in pool:
+            return 0.0
+        pool.remove(a)
+        if b not in pool or (op == "-" and a < b):
+            return 0.0
+        if value != (a + b if op == "+" else a - b):
+            return 0.0
+    return float(value == target)
 
 
 def _unique_problems(rng: random.Random, cfg: TaskConfig, n: int, exclude: set[str]):
@@ -113,25 +132,26 @@ def _unique_problems(rng: random.Random, cfg: TaskConfig, n: int, exclude: set[s
     while n > 0:
         attempts += 1
         if attempts > 200 * (n + len(seen)):
-            raise ValueError(f"difficulty {cfg.difficulty} has too few distinct problems")
-        terms, ops = sample_problem(rng, cfg)
-        prompt = format_prompt(terms, ops)
+            raise ValueError(f"TaskConfig(max_number={cfg.max_number}) has too few distinct "
+                             "problems: raise max_number or lower n_train / n_heldout")
+        numbers, target = sample_problem(rng, cfg)
+        prompt = format_prompt(numbers, target)
         if prompt in seen:
             continue
         seen.add(prompt)
         n -= 1
-        yield terms, ops, prompt
+        yield numbers, target, prompt
 
 
 def make_split(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
-    """(train rows, held-out rows); each row {"prompt", "answer", "solution"}.
+    """(train rows, held-out rows); each row {"prompt", "answer"} (answer = the hitting attempt).
 
-    The held-out rows depend only on (difficulty, n_heldout, heldout_seed), and no
+    The held-out rows depend only on (n_numbers, max_number, n_heldout, heldout_seed), and no
     training prompt equals a held-out prompt.
     """
-    def row(terms, ops, prompt):
-        return {"prompt": prompt, "answer": str(solve(terms, ops)),
-                "solution": worked_solution(terms, ops)[0]}
+    def row(numbers, target, prompt):
+        hit = next(c for c in candidates(numbers) if evaluate_attempt(c) == target)
+        return {"prompt": prompt, "answer": hit}
 
     heldout = [row(*p) for p in _unique_problems(random.Random(cfg.heldout_seed), cfg,
                                                   cfg.n_heldout, set())]
@@ -141,15 +161,10 @@ def make_split(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
     return train, heldout
 
 
-def demonstrations(rows: list[dict], slip_rate: float, seed: int) -> list[str]:
-    """SFT texts prompt + worked solution, a `slip_rate` share of steps slipped."""
+def demonstrations(rows: list[dict], seed: int) -> list[str]:
+    """SFT texts: prompt + attempts in a fresh random order per row, up to the hit."""
     rng = random.Random(seed)
-    texts = []
-    for r in rows:
-        terms = [int(x) for x in re.findall(r"\d+", r["prompt"])]
-        ops = re.findall(r"[+-]", r["prompt"])
-        texts.append(r["prompt"] + worked_solution(terms, ops, rng, slip_rate)[0])
-    return texts
+    return [r["prompt"] + worked_solution(*parse_prompt(r["prompt"]), rng) for r in rows]
 
 
 def write_jsonl(rows: list[dict], path: str | Path) -> Path:

@@ -1,8 +1,9 @@
 """Supervised warm start of the tiny policy, cached on disk and keyed by its settings.
 
-The model is trained on demonstrations that contain injected slips, so it learns the format
-and most of the arithmetic but keeps a real chance of a wrong step: the start policy of the
-RL demo has non-trivial entropy and held-out accuracy well below 100%.
+The model imitates guess-and-check demonstrations that try the candidate attempts in a random
+order (bapo.demo.task), so it learns the format and the arithmetic but not which attempt to try
+first: the start policy of the RL demo is uncertain at every attempt (high entropy) and its
+held-out accuracy is about what blind tries within the token budget give.
 Cache: $BAPO_CACHE (default ~/.cache/bapo) / warmstart-<hash of all settings>/, written with
 `save_pretrained` (model + tokenizer) plus warmstart.json (settings, start accuracy, time).
 """
@@ -22,7 +23,7 @@ from typing import Callable
 from bapo.train.tiny import ModelConfig, build_model, build_tokenizer
 from bapo.demo.task import TaskConfig, demonstrations, make_split, verify
 
-CACHE_VERSION = 2  # bump when the code below changes what a cached model is
+CACHE_VERSION = 3  # bump when the code below changes what a cached model is
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,6 @@ class SFTConfig:
     batch_size: int = 64
     lr: float = 3e-3
     warmup: int = 30
-    slip_rate: float = 0.25  # share of demonstration steps with an injected mistake
     seed: int = 0
 
 
@@ -107,11 +107,11 @@ def warm_start(cfg: WarmStartConfig, root: Path | None = None, eval_k: int = 8,
     tokenizer = build_tokenizer()
     model = build_model(cfg.model, tokenizer)
     train_rows, heldout = make_split(cfg.task)
-    texts = demonstrations(train_rows, cfg.sft.slip_rate, cfg.sft.seed)
+    texts = demonstrations(train_rows, cfg.sft.seed)
     losses = supervised_finetune(model, tokenizer, [r["prompt"] for r in train_rows], texts,
                                  cfg.sft, on_step)
     sft_s = time.time() - t0
-    scores = evaluate(model, tokenizer, heldout, verify, k=eval_k)
+    scores = evaluate(model, tokenizer, heldout, verify, k=eval_k, max_new_tokens=cfg.task.max_new_tokens)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)

@@ -17,7 +17,7 @@ from dataclasses import asdict, dataclass
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 # Every character the task can write; anything else encodes as <unk>.
-ALPHABET = "0123456789+-=:\nanswer"
+ALPHABET = "0123456789+-=:,>\nanswer"
 
 
 @dataclass(frozen=True)

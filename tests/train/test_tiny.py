@@ -3,7 +3,7 @@ from bapo.train.tiny import ModelConfig, build_model, build_tokenizer
 
 def test_round_trip_is_exact():
     tok = build_tokenizer()
-    for text in ["12+7-5=12+7=19\n19-5=14\nanswer:14", "3-9=-6\n\nanswer:-6", "0"]:
+    for text in ["7,12,5>17:12-7=5\n12+5=17", "3-9=-6\n\nanswer:-6", "0"]:
         ids = tok(text)["input_ids"]
         assert ids[0] == tok.bos_token_id and len(ids) == len(text) + 1  # one token per char
         assert tok.decode(ids, skip_special_tokens=True) == text

@@ -35,7 +35,7 @@ def test_evaluate_counts_per_sample(tiny_model_dir, heldout_file):
 
 
 def test_auto_verifier_picks_demo_for_demo_rows():
-    rows = [{"prompt": "1+2=", "answer": "3"}]
+    rows = [{"prompt": "3,5,9>4:", "answer": "9-5"}]
     assert eval_verifier("auto", rows) is verify
     assert eval_verifier("auto", [{"prompt": "What is 1+2?", "answer": "3"}]) is not verify
 
