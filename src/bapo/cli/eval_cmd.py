@@ -82,7 +82,6 @@ def evaluate_command(
 
     from bapo.demo.evaluate import evaluate as run_eval
     from bapo.demo.evaluate import load_verifier
-    from bapo.train.data import special_token_warnings
 
     hf_logging.disable_progress_bar()  # stdout carries only the JSON line
     if device == "auto":
@@ -91,6 +90,8 @@ def evaluate_command(
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     lm = AutoModelForCausalLM.from_pretrained(model_path).to(device)
+    from bapo.train.data import special_token_warnings
+
     for message in special_token_warnings(tok, lm.generation_config):
         typer.echo(f"warning: {message}", err=True)
     with user_errors():
