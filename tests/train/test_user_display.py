@@ -96,3 +96,14 @@ def test_special_token_mismatch_warns_at_start_up(tiny_model, tmp_path):
     (model / "generation_config.json").write_text(json.dumps(dict(gen, eos_token_id=5)))
     with pytest.warns(UserWarning, match="generation_config.eos_token_id=5"):
         Trainer(make_config(str(model), tmp_path / "run"), examples=arithmetic_examples(), verifier=digit_share)
+
+
+def test_wandb_listed_but_missing_is_a_config_error(tmp_path, monkeypatch):
+    import sys
+
+    from bapo.train import ConfigError
+    from bapo.train.metrics import MetricsLog
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # import wandb -> ImportError
+    with pytest.raises(ConfigError, match="run.report_to lists wandb, which is not installed"):
+        MetricsLog(tmp_path, tensorboard="off", report_to=("jsonl", "wandb"))

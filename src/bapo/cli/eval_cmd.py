@@ -90,6 +90,10 @@ def evaluate_command(
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     lm = AutoModelForCausalLM.from_pretrained(model_path).to(device)
+    from bapo.train.data import special_token_warnings
+
+    for message in special_token_warnings(tok, lm.generation_config):
+        typer.echo(f"warning: {message}", err=True)
     with user_errors():
         try:
             score = load_verifier(verifier, rows)

@@ -13,6 +13,8 @@ import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+from bapo.train.config import ConfigError
+
 # fields that differ between two runs of the same config (resume tests ignore them)
 TIMING_PREFIXES = ("time/", "tokens_per_s")
 
@@ -73,7 +75,8 @@ class MetricsLog:
                 self.writer = SummaryWriter(str(run_dir / "tensorboard"))
             except ImportError:
                 if tensorboard == "on":
-                    raise RuntimeError("run.tensorboard=on needs the tensorboard package (pip install bapo[tensorboard])")
+                    raise ConfigError("run.tensorboard=on needs the tensorboard package: pip install 'bapo[tensorboard]', "
+                                      "or set run.tensorboard=auto") from None
         self.wandb = None
         if "wandb" in report_to:
             self.wandb = _start_wandb(run_dir, config or {}, resumed=resume_step is not None)
@@ -100,8 +103,8 @@ def _start_wandb(run_dir: Path, config: dict, resumed: bool):
     try:
         import wandb
     except ImportError:
-        raise RuntimeError("run.report_to lists wandb, which is not installed: pip install bapo[wandb] "
-                           "(or remove wandb from run.report_to)") from None
+        raise ConfigError("run.report_to lists wandb, which is not installed: pip install 'bapo[wandb]', "
+                          "or remove wandb from run.report_to") from None
     id_file = run_dir / "wandb_id"
     run_id = id_file.read_text().strip() if resumed and id_file.exists() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id)
