@@ -54,4 +54,5 @@ def test_bapo_eval_cli(tiny_model_dir, heldout_file):
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
     direct = evaluate(model, tokenizer, read_jsonl(heldout_file), k=3, verifier=digit_share, max_new_tokens=8)
-    assert scores == pytest.approx(direct) and direct["avg@3"] > 0  # digit_share > 0.5 for some samples
+    # (the command also reports the model and the sampling settings it used)
+    assert {key: scores[key] for key in direct} == pytest.approx(direct) and direct["avg@3"] > 0

@@ -2,6 +2,8 @@
 and a run is deterministic per seed."""
 
 import json
+
+import pytest
 from dataclasses import replace
 
 from bapo.analysis.plots import FIGURES
