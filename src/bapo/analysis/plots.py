@@ -62,8 +62,10 @@ def plot_runs(runs: list[Run], out_dir: Path, target_share: float | None = None,
     window = smooth or max(1, longest // 12)
     written = []
     for name, (title, keys) in FIGURES.items():
-        if not any(r.series(k)[0] for r in runs for k, _ in keys):
-            continue
+        if not any(k in row for r in runs for k, _ in keys for row in r.rows):
+            continue  # nothing logs this quantity (e.g. no held-out checks)
+        # logged but never finite (positive share without any learning signal): an empty panel says so
+        no_values = not any(r.series(k)[0] for r in runs for k, _ in keys)
         fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 3.4),
                                  sharey=True, squeeze=False)
         for ax, (setting, by_method) in zip(axes[0], groups.items()):
@@ -79,6 +81,9 @@ def plot_runs(runs: list[Run], out_dir: Path, target_share: float | None = None,
                     line, = ax.plot(steps, mean, style, color=color, label=label, lw=width)
                     if len(method_runs) > 1:
                         ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15, lw=0)
+            if no_values:
+                ax.text(0.5, 0.5, "no finite values\n(no learning signal)", ha="center", va="center",
+                        transform=ax.transAxes, fontsize=9, color="gray")
             if name == "positive_share" and target_share is not None:
                 ax.axhline(target_share, color="k", ls=":", lw=1, label="bapo target")
             ax.set_title(setting)
