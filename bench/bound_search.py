@@ -8,10 +8,10 @@ bapo uses and for the previous `torch.bucketize` against the candidate edges (ke
 as the comparison row), and for the paper's and the recipe's definitions (clamped contributions:
 twice the histogram). Timings are interleaved round-robin and the minimum over repeats is
 reported, so that a loaded machine biases every row alike;
-search time vs a candidate-by-candidate loop (one masked tensor pass per candidate, the recipe's way) on a batch where the search moves
->= 10 candidates (target >= 5x faster), and the search's peak extra memory per token
-(target: O(tokens + candidates), i.e. a constant number of bytes per token, far below the
-8 bytes x candidates per token a [tokens x candidates] tensor would take).
+search time vs a candidate-by-candidate loop (one masked tensor pass per candidate, the recipe's
+way) on a batch where the search moves >= 10 candidates (target >= 5x faster), and the search's
+peak extra memory per token (target: O(tokens + candidates), i.e. a constant number of bytes per
+token, far below the 8 bytes x candidates per token a [tokens x candidates] tensor would take).
 """
 
 from __future__ import annotations
@@ -110,11 +110,12 @@ def peak_extra_bytes(tokens: int) -> int:
     """Peak RSS growth of one search, in a fresh process holding only its inputs: the kernel's
     high-water mark (VmHWM) is reset to the current RSS (/proc/self/clear_refs) right before the
     search, then read after it (ru_maxrss would not do: it survives fork and exec)."""
+    root = str(Path(__file__).resolve().parents[1])
     code = (
-        "import re, torch, sys; sys.path.insert(0, %r)\n"
+        f"import re, torch, sys; sys.path.insert(0, {root!r})\n"
         "from bench.bound_search import search\n"
         "kb = lambda key: int(re.search(key + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
-        "ratio = torch.empty(%d, 1024).log_normal_(0.0, 0.3)\n"
+        f"ratio = torch.empty({tokens // 1024}, 1024).log_normal_(0.0, 0.3)\n"
         "advantages = torch.empty_like(ratio).normal_().sub_(0.35)\n"
         "mask = torch.empty_like(ratio, dtype=torch.bool).bernoulli_(0.9)\n"
         "search(ratio[:2], advantages[:2], mask[:2])\n"  # load kernels before the baseline
@@ -122,7 +123,7 @@ def peak_extra_bytes(tokens: int) -> int:
         "before = kb('VmRSS')\n"
         "search(ratio, advantages, mask)\n"
         "print((kb('VmHWM') - before) * 1024)\n"
-    ) % (str(Path(__file__).resolve().parents[1]), tokens // 1024)
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])
 

@@ -273,7 +273,8 @@ def main() -> None:
         ratios["trl_bapo_micro_batch_overhead"] = per_token_update("trl-bapo-micro") / per_token_update("trl")
     setup = (f"Llama {options.layers}x{options.hidden}" if not options.model else options.model) + (
         f", {options.prompts}x{options.group} responses <= {options.new_tokens} tokens, micro-batch "
-        f"{options.micro_batch}, {options.rollouts} timed rollouts, best of {options.repeats}, device {options.device}, "
+        f"{options.micro_batch}, {options.rollouts} timed rollouts, best of {options.repeats}, "
+        f"device {options.device}, "
         f"torch threads {torch.get_num_threads()}"
     )
     if options.json:

@@ -40,7 +40,7 @@ def test_bapo_plot_accepts_a_single_run_dir(tmp_path):
 def test_bapo_compare_prints_each_run():
     result = CliRunner().invoke(app, ["compare", str(RECORDED), "--markdown"])
     assert result.exit_code == 0, result.output
-    lines = [l for l in result.output.splitlines() if l.startswith("| E=0")]
+    lines = [line for line in result.output.splitlines() if line.startswith("| E=0")]
     assert len(lines) == len(find_runs([RECORDED]))
     assert "avg@8" in result.output and "pass@8" in result.output
     assert "| start policy | sft | - | 0.274 | 0.883 |" in result.output

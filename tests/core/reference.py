@@ -77,8 +77,13 @@ def _met(positive, negative, cfg):
 def _algorithm1(tokens, cfg):
     """Algorithm 1's loop, one pass per candidate, grid start + k*step <= max (by multiplication)."""
     lower_k = upper_j = 0
-    lower = lambda k: cfg.lower_start + k * cfg.lower_step
-    upper = lambda j: cfg.upper_start + j * cfg.upper_step
+
+    def lower(k):
+        return cfg.lower_start + k * cfg.lower_step
+
+    def upper(j):
+        return cfg.upper_start + j * cfg.upper_step
+
     reached = True
     while not _met(*reference_sums(tokens, lower(lower_k), upper(upper_j), cfg), cfg):
         can_upper = upper(upper_j + 1) <= cfg.upper_max + TOL

@@ -56,7 +56,7 @@ def test_demo_produces_every_file(tmp_path):
     ]
     assert sorted(p.name for p in out.iterdir() if (p / "metrics.jsonl").exists()) == sorted(names)
     for name in names:
-        rows = [json.loads(l) for l in (out / name / "metrics.jsonl").read_text().splitlines() if l]
+        rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines() if line]
         updates_per_step = 2 if "E1" in name else 1
         assert len(rows) == 2 * updates_per_step, name
         assert "heldout/start/avg@2" in rows[updates_per_step - 1]
@@ -80,7 +80,7 @@ def test_a_run_is_deterministic_per_seed(tmp_path):
     second = run_demo(plan, tmp_path / "b", jobs=1, show_progress=False)
 
     def numbers(out):
-        rows = [json.loads(l) for l in (out / "bapo-E1-seed0" / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (out / "bapo-E1-seed0" / "metrics.jsonl").read_text().splitlines()]
         return [{k: v for k, v in r.items() if not k.startswith(("time/", "tokens_per_s"))} for r in rows]
 
     assert numbers(first) == numbers(second)

@@ -388,7 +388,8 @@ EXTRA_TRL = [path for path in os.environ.get("BAPO_EXTRA_TRL_PATHS", "").split(o
         pytest.param(
             None,
             marks=pytest.mark.skip(
-                reason="no other TRL of the pinned range installed; set BAPO_EXTRA_TRL_PATHS to `pip install --target` dirs"
+                reason="no other TRL of the pinned range installed; "
+                "set BAPO_EXTRA_TRL_PATHS to `pip install --target` dirs"
             ),
         )
     ],

@@ -9,8 +9,9 @@ CPU launcher needs MPI for more.)
 
 Writes OUT_DIR/rank{R}.json with, per optimizer step:
 - "fixed": two optimizer steps (micro-batches 1 and 2 of a generation, so TRL's search really
-  compares ratios: at micro-batch 0 it takes them as 1) on one fixed global batch (8 sequences, off-policy old log-probs),
-  each process taking its rows; the loss through `_compute_loss`, gradients averaged by DDP, SGD.
+  compares ratios: at micro-batch 0 it takes them as 1) on one fixed global batch (8 sequences,
+  off-policy old log-probs), each process taking its rows; the loss through `_compute_loss`,
+  gradients averaged by DDP, SGD.
   Bounds, step loss (mean over ranks) and a parameter fingerprint: equal for 1 and 2 processes.
 - "train": `trainer.train()` for 2 optimizer steps (TRL's own generation, off-policy: 2 micro-batches
   per generation, 1 per step): the bounds each rank used at every step.

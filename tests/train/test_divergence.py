@@ -42,7 +42,10 @@ def test_dropped_groups_never_lose_update_slots(tiny_model, tmp_path):
     """Fewer rows than mini-batches after dropping zero-variance groups: every rollout step still
     counts exactly mini_batches x epochs updates (empty ones skipped) and the version is derived."""
     examples = arithmetic_examples(2)
-    flat_but_one = lambda response, example: float(len(response) % 2) if example is examples[0] else 0.0
+
+    def flat_but_one(response, example):
+        return float(len(response) % 2) if example is examples[0] else 0.0
+
     cfg = make_config(
         tiny_model,
         tmp_path / "run",

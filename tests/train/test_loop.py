@@ -119,7 +119,9 @@ def test_stop_strings_end_responses(tiny_model, tmp_path):
 
 
 def test_zero_variance_groups_dropped_or_kept(tiny_model, tmp_path):
-    constant = lambda response, example: 1.0
+    def constant(response, example):
+        return 1.0
+
     cfg = make_config(tiny_model, tmp_path / "a", **{"loss.zero_variance": "drop", "run.steps": 2})
     rows = read_metrics(train(cfg, examples=arithmetic_examples(), verifier=constant))
     assert all(r["groups/dropped"] == 4 and r.get("empty_batch") == 1 and r["skipped"] == 1 for r in rows)

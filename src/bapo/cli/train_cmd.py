@@ -57,10 +57,10 @@ def train_command(
             run_dir = train(cfg, resume=resume)
         except (TrainingInterrupted, TrainingAborted) as err:  # SIGINT/SIGTERM: 130 / 143
             typer.echo(str(err), err=True)
-            raise typer.Exit(err.exit_code)
+            raise typer.Exit(err.exit_code) from None
         except TrainingStopped as err:
             typer.echo(f"error: {err}", err=True)
-            raise typer.Exit(1)
+            raise typer.Exit(1) from None
     typer.echo(f"done: {run_dir} (metrics.jsonl, checkpoints/)")
 
 

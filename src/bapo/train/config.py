@@ -6,6 +6,7 @@ nearest valid name, a bad value names the field and what would fix it.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import os
@@ -307,10 +308,8 @@ def _key_lines(text: str) -> dict[str, int]:
                 lines[name] = key.start_mark.line + 1
                 walk(value, name + ".")
 
-    try:
+    with contextlib.suppress(yaml.YAMLError):
         walk(yaml.compose(text, Loader=_YamlLoader), "")
-    except yaml.YAMLError:
-        pass
     return lines
 
 

@@ -114,9 +114,9 @@ def token_log_probs(
     entropy_grad: bool = False,
 ) -> tuple[Tensor, Tensor | None]:
     """log pi(y_t | prefix) of every response token under logits / T: [N, R] float32, and the
-    per-token entropy [N, R] when asked (differentiable only with entropy_grad). One forward over prompt + response; only the last
-    R+1 positions are projected to the vocabulary. Columns that are padding in every row are
-    trimmed first (speed), which does not change any value."""
+    per-token entropy [N, R] when asked (differentiable only with entropy_grad). One forward over
+    prompt + response; only the last R+1 positions are projected to the vocabulary. Columns that
+    are padding in every row are trimmed first (speed), which does not change any value."""
     keep_p = prompt_mask.any(0).nonzero()
     start = int(keep_p[0]) if len(keep_p) else prompt_ids.shape[1]
     keep_r = response_mask.any(0).nonzero()

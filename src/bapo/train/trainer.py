@@ -151,7 +151,9 @@ def _resume_candidates(cfg: TrainConfig, run_dir: Path, resume: str | Path | Non
     check_resume_config(run_dir, cfg)
     found = checkpoints(run_dir)
     if not found:  # killed before its first checkpoint was complete: nothing to lose, start over
-        warnings.warn(f"--resume {run_dir}: no checkpoint was completed yet; starting the run from the beginning")
+        warnings.warn(
+            f"--resume {run_dir}: no checkpoint was completed yet; starting the run from the beginning", stacklevel=1
+        )
     return found
 
 
@@ -166,7 +168,7 @@ def _load_model(cfg: TrainConfig, source: str):
         source, dtype=getattr(torch, cfg.model.dtype), trust_remote_code=cfg.model.trust_remote_code
     ).to(device)
     for message in special_token_warnings(tokenizer, model.generation_config):
-        warnings.warn(message)
+        warnings.warn(message, stacklevel=1)
     return model, tokenizer
 
 
@@ -217,7 +219,8 @@ class Trainer:
             moved = quarantine(candidate)
             warnings.warn(
                 f"checkpoint {candidate.name} is not usable: {problem}; renamed to {moved.name}, "
-                "trying the next older one"
+                "trying the next older one",
+                stacklevel=1,
             )
         if candidates and checkpoint is None:
             raise ConfigError(
@@ -246,7 +249,8 @@ class Trainer:
         self.examples, prompts, dropped = tokenize_prompts(examples, self.tokenizer, cfg.data)
         if dropped:
             warnings.warn(
-                f"{dropped} prompts are longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}: dropped"
+                f"{dropped} prompts are longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}: dropped",
+                stacklevel=1,
             )
         eos = self.model.generation_config.eos_token_id
         eos_ids = ([eos] if isinstance(eos, int) else list(eos or [])) + [self.tokenizer.eos_token_id]
@@ -277,7 +281,8 @@ class Trainer:
             if not (self.run_dir / "metrics.jsonl").exists():
                 warnings.warn(
                     f"{self.run_dir / 'metrics.jsonl'} is missing: the metrics of updates "
-                    f"1..{self.version} are lost; new rows are appended from update {self.version + 1}"
+                    f"1..{self.version} are lost; new rows are appended from update {self.version + 1}",
+                    stacklevel=1,
                 )
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())  # the resume's steps, cadence, ...
         else:
@@ -354,7 +359,7 @@ class Trainer:
             self.log.write(row)
             message = self.no_signal.check(row)
             if message:
-                warnings.warn(message)
+                warnings.warn(message, stacklevel=1)
             if self.progress:
                 self.progress(row["step"], self.cfg.total_updates, row)
 
@@ -378,7 +383,10 @@ class Trainer:
     def _divergence(self, rows: list[dict]) -> tuple[str, str] | None:
         """(what happened, what to do) when the run has diverged (run.divergence, run.max_nonfinite)."""
         if self.nonfinite_streak >= self.cfg.run.max_nonfinite:
-            what = f"{self.nonfinite_streak} updates in a row had a non-finite loss or gradient (skipped, weights unchanged)"
+            what = (
+                f"{self.nonfinite_streak} updates in a row had a non-finite loss or gradient "
+                "(skipped, weights unchanged)"
+            )
             return what, "Lower optim.lr or check the data."
         guard = self.cfg.run.divergence
         entropy = [row["entropy"] for row in rows if isinstance(row.get("entropy"), float)]
@@ -529,7 +537,8 @@ class Trainer:
         if state["optimizer"] is None:
             warnings.warn(
                 f"resuming from {checkpoint.name}, which holds no optimizer state "
-                f"(run.save_optimizer): the optimizer restarts from zero moments, so this resume is NOT exact"
+                f"(run.save_optimizer): the optimizer restarts from zero moments, so this resume is NOT exact",
+                stacklevel=1,
             )
         else:
             self.optimizer.load_state_dict(state["optimizer"])

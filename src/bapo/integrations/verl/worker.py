@@ -137,7 +137,7 @@ class BAPOTrainingWorker(TrainingWorker):
             micro_batch_size_per_gpu=self.engine_config.infer_micro_batch_size_per_gpu,
             use_fused_kernels=self.engine_config.use_fused_kernels,
         )
-        tu.assign_non_tensor(probe, **{key: value for key, value in defaults.items() if key not in data.keys()})
+        tu.assign_non_tensor(probe, **{key: value for key, value in defaults.items() if key not in data})
         tu.assign_non_tensor(probe, calculate_entropy=False, distillation_use_topk=False)
         disable_auto_offload = tu.get(data, key="disable_auto_offload", default=False)
         with self.engine.train_mode(disable_auto_offload=disable_auto_offload):
