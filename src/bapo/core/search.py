@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -175,14 +176,14 @@ class BAPOConfig:
                 )
 
     @classmethod
-    def paper(cls, **overrides) -> BAPOConfig:
+    def paper(cls, **overrides: Any) -> BAPOConfig:
         """arXiv 2510.18927 taken literally: Eq. 8's share (clamped clipped-surrogate magnitudes,
         each token weighted by pi_behaviour(y_t)), rho0 0.4, lower [0.6, 0.9] step 0.02, upper
         [1.2, 3.0] step 0.05, Algorithm 1's upper-first order on the grid start + k*step."""
         return cls(**{**PAPER_SETTINGS, **overrides})
 
     @classmethod
-    def recipe(cls, **overrides) -> BAPOConfig:
+    def recipe(cls, **overrides: Any) -> BAPOConfig:
         """The public verl recipe (recipe/bapo: policy_loss.py and config/bapo_trainer.yaml):
         pos/(neg + 1e-8) >= 1.0 of clamped contributions without probability weight, lower
         [0.6, 0.8] then upper [1.2, 2.0], steps 0.05, each step min(current + step, max).
@@ -407,30 +408,38 @@ class BoundStats:
     def _side_size(self) -> int:
         return len(self._upper_grid) + len(self._lower_grid) + 2
 
+    def _filled(self) -> Tensor:
+        """The sums buffer, which exists once add, all_reduce or solve has run."""
+        if self.sums is None:
+            raise RuntimeError("BoundStats holds no sums yet: call add, all_reduce or solve first")
+        return self.sums
+
     @property
     def positive_sums(self) -> Tensor:
         """sum r*a of positive tokens per bucket, [len(upper_grid) + 1]."""
-        return self.sums[: len(self._upper_grid) + 1]
+        return self._filled()[: len(self._upper_grid) + 1]
 
     @property
     def negative_sums(self) -> Tensor:
         """sum r*a of negative tokens per bucket, [len(lower_grid) + 1]."""
-        return self.sums[len(self._upper_grid) + 1 : self._side_size]
+        return self._filled()[len(self._upper_grid) + 1 : self._side_size]
 
     @property
     def magnitude_sums(self) -> tuple[Tensor, Tensor] | None:
         """(sum a of positive tokens per bucket, of negative ones) for contribution="clamped", else None."""
         if self.config.contribution != "clamped":
             return None
-        return self.sums[self._side_size : self._side_size + len(self._upper_grid) + 1], self.sums[
-            self._side_size + len(self._upper_grid) + 1 :
-        ]
+        sums = self._filled()
+        positive_end = self._side_size + len(self._upper_grid) + 1
+        return sums[self._side_size : positive_end], sums[positive_end:]
 
-    def _ensure(self, device: torch.device) -> None:
+    def _ensure(self, device: torch.device) -> Tensor:
+        """The sums buffer, created (zeros) on self.device, else on `device`, if there is none yet."""
         if self.sums is None:
             self.device = self.device or device
             sides = 2 if self.config.contribution == "clamped" else 1
             self.sums = torch.zeros(sides * self._side_size, dtype=torch.float64, device=self.device)
+        return self.sums
 
     def _tables_for(self, dtype: torch.dtype) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...]]:
         """Per compute dtype: the regular edges laid out by bucket, [U'..., +inf, L...] (the upper
@@ -518,7 +527,7 @@ class BoundStats:
                 weights,
                 behaviour_log_prob if self.config.weighting == "behaviour_prob" else None,
             )
-        self._ensure(ratio.device)
+        sums = self._ensure(ratio.device)
         ratio, signed = _signed_magnitudes(
             ratio,
             advantages,
@@ -530,20 +539,18 @@ class BoundStats:
         )
         bucket = self._buckets(ratio, signed > 0)
         magnitude = signed.abs().flatten()
-        self.sums.index_add_(0, bucket, (ratio.flatten() * magnitude).to(torch.float64))
+        sums.index_add_(0, bucket, (ratio.flatten() * magnitude).to(torch.float64))
         if self.config.contribution == "clamped":
-            self.sums.index_add_(0, bucket + self._side_size, magnitude.to(torch.float64))
+            sums.index_add_(0, bucket + self._side_size, magnitude.to(torch.float64))
         return self
 
     def all_reduce(self, process_group: dist.ProcessGroup | None = None) -> None:
         """Sum the bucket sums over ranks with exactly one collective (every rank must call it)."""
-        self._require_data()
-        dist.all_reduce(self.sums, op=dist.ReduceOp.SUM, group=process_group)
+        dist.all_reduce(self._require_data(), op=dist.ReduceOp.SUM, group=process_group)
 
-    def _require_data(self) -> None:
-        if self.sums is None:
-            # No tokens seen: an empty histogram on CPU still lets ranks join the collective.
-            self._ensure(self.device or torch.device("cpu"))
+    def _require_data(self) -> Tensor:
+        # No tokens seen: an empty histogram on CPU still lets ranks join the collective.
+        return self._ensure(self.device or torch.device("cpu"))
 
     def solve(self, process_group: dist.ProcessGroup | None = None, sync: bool | None = None) -> SearchResult:
         """Run the search on the accumulated sums.
