@@ -27,6 +27,9 @@ demo: $(VENV)/.train
 	$(VENV)/bin/bapo demo
 
 test: $(VENV)/.test
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
 
 bench: $(VENV)/.test

@@ -8,10 +8,10 @@ bapo uses and for the previous `torch.bucketize` against the candidate edges (ke
 as the comparison row), and for the paper's and the recipe's definitions (clamped contributions:
 twice the histogram). Timings are interleaved round-robin and the minimum over repeats is
 reported, so that a loaded machine biases every row alike;
-search time vs a candidate-by-candidate loop (one masked tensor pass per candidate, the recipe's way) on a batch where the search moves
->= 10 candidates (target >= 5x faster), and the search's peak extra memory per token
-(target: O(tokens + candidates), i.e. a constant number of bytes per token, far below the
-8 bytes x candidates per token a [tokens x candidates] tensor would take).
+search time vs a candidate-by-candidate loop (one masked tensor pass per candidate, the recipe's
+way) on a batch where the search moves >= 10 candidates (target >= 5x faster), and the search's
+peak extra memory per token (target: O(tokens + candidates), i.e. a constant number of bytes per
+token, far below the 8 bytes x candidates per token a [tokens x candidates] tensor would take).
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench.bound_
 from bapo.core import BAPOConfig, BoundStats, aggregate_loss, clipped_surrogate, policy_loss, token_ratio  # noqa: E402
 from bapo.core.search import search_path, token_contributions  # noqa: E402
 
-CONFIG = BAPOConfig(target=0.5, lower_start=0.6, lower_max=0.9, lower_step=0.05,
-                    upper_start=1.2, upper_max=3.0, upper_step=0.05)
+CONFIG = BAPOConfig(
+    target=0.5, lower_start=0.6, lower_max=0.9, lower_step=0.05, upper_start=1.2, upper_max=3.0, upper_step=0.05
+)
 
 
 class BucketizeStats(BoundStats):
@@ -109,11 +110,12 @@ def peak_extra_bytes(tokens: int) -> int:
     """Peak RSS growth of one search, in a fresh process holding only its inputs: the kernel's
     high-water mark (VmHWM) is reset to the current RSS (/proc/self/clear_refs) right before the
     search, then read after it (ru_maxrss would not do: it survives fork and exec)."""
+    root = str(Path(__file__).resolve().parents[1])
     code = (
-        "import re, torch, sys; sys.path.insert(0, %r)\n"
+        f"import re, torch, sys; sys.path.insert(0, {root!r})\n"
         "from bench.bound_search import search\n"
         "kb = lambda key: int(re.search(key + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
-        "ratio = torch.empty(%d, 1024).log_normal_(0.0, 0.3)\n"
+        f"ratio = torch.empty({tokens // 1024}, 1024).log_normal_(0.0, 0.3)\n"
         "advantages = torch.empty_like(ratio).normal_().sub_(0.35)\n"
         "mask = torch.empty_like(ratio, dtype=torch.bool).bernoulli_(0.9)\n"
         "search(ratio[:2], advantages[:2], mask[:2])\n"  # load kernels before the baseline
@@ -121,7 +123,7 @@ def peak_extra_bytes(tokens: int) -> int:
         "before = kb('VmRSS')\n"
         "search(ratio, advantages, mask)\n"
         "print((kb('VmHWM') - before) * 1024)\n"
-    ) % (str(Path(__file__).resolve().parents[1]), tokens // 1024)
+    )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     return int(out.stdout.strip().splitlines()[-1])
 
@@ -132,8 +134,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9)
     parser.add_argument("--json", action="store_true", help="print one JSON object (the rows) and nothing else")
     args = parser.parse_args()
-    header = (f"torch {torch.__version__}, threads {torch.get_num_threads()}, candidates "
-              f"{len(CONFIG.lower_grid)} lower x {len(CONFIG.upper_grid)} upper")
+    header = (
+        f"torch {torch.__version__}, threads {torch.get_num_threads()}, candidates "
+        f"{len(CONFIG.lower_grid)} lower x {len(CONFIG.upper_grid)} upper"
+    )
     rows = []
     for tokens in args.tokens:
         log_prob, old_log_prob, advantages, mask = make_batch(tokens)
@@ -142,27 +146,34 @@ def main() -> None:
         previous = search(ratio, advantages, mask, BucketizeStats)
         assert (previous.lower, previous.upper, previous.steps) == (found.lower, found.upper, found.steps)
         paper, recipe = BAPOConfig.paper(target=0.5, lower_step=0.05), BAPOConfig.recipe()
-        times = interleaved_times({
-            "search": lambda: search(ratio, advantages, mask),
-            "search_bucketize": lambda: search(ratio, advantages, mask, BucketizeStats),
-            "search_paper": lambda: search(ratio, advantages, mask, config=paper, behaviour_log_prob=old_log_prob),
-            "search_recipe": lambda: search(ratio, advantages, mask, config=recipe),
-            "loss": lambda: fixed_clip_forward_backward(log_prob, old_log_prob, advantages, mask),
-            "policy_loss": lambda: policy_loss_forward_backward(log_prob, old_log_prob, advantages, mask),
-        }, args.repeats)
+        times = interleaved_times(
+            {
+                "search": lambda: search(ratio, advantages, mask),
+                "search_bucketize": lambda: search(ratio, advantages, mask, BucketizeStats),
+                "search_paper": lambda: search(ratio, advantages, mask, config=paper, behaviour_log_prob=old_log_prob),
+                "search_recipe": lambda: search(ratio, advantages, mask, config=recipe),
+                "loss": lambda: fixed_clip_forward_backward(log_prob, old_log_prob, advantages, mask),
+                "policy_loss": lambda: policy_loss_forward_backward(log_prob, old_log_prob, advantages, mask),
+            },
+            args.repeats,
+        )
         reference_s = best_time(lambda: per_candidate_loop(ratio, advantages, mask), 1)
         assert per_candidate_loop(ratio, advantages, mask) == (found.lower, found.upper)
         extra = peak_extra_bytes(tokens)
         loss_s = times["loss"]
         row = {
-            "tokens": tokens, "candidates_moved": found.steps, "search_s": round(times["search"], 4),
+            "tokens": tokens,
+            "candidates_moved": found.steps,
+            "search_s": round(times["search"], 4),
             "search_bucketize_s": round(times["search_bucketize"], 4),
-            "fixed_clip_fwd_bwd_s": round(loss_s, 4), "search_over_loss": round(times["search"] / loss_s, 3),
+            "fixed_clip_fwd_bwd_s": round(loss_s, 4),
+            "search_over_loss": round(times["search"] / loss_s, 3),
             "search_bucketize_over_loss": round(times["search_bucketize"] / loss_s, 3),
             "search_paper_over_loss": round(times["search_paper"] / loss_s, 3),
             "search_recipe_over_loss": round(times["search_recipe"] / loss_s, 3),
             "search_over_policy_loss_with_diagnostics": round(times["search"] / times["policy_loss"], 3),
-            "per_candidate_loop_s": round(reference_s, 3), "speedup_vs_loop": round(reference_s / times["search"], 1),
+            "per_candidate_loop_s": round(reference_s, 3),
+            "speedup_vs_loop": round(reference_s / times["search"], 1),
             "peak_extra_bytes_per_token": round(extra / tokens, 1),
         }
         rows.append(row)
@@ -172,14 +183,18 @@ def main() -> None:
         print(json.dumps({"machine": header, "rows": rows}))
         return
     print(header)
-    print("\n| tokens | moved | search s | fixed-clip fwd+bwd s | search/loss | bucketize search/loss | "
-          "paper/loss | recipe/loss | search/policy_loss(grpo) | per-candidate loop s | speed-up | extra bytes/token |")
+    print(
+        "\n| tokens | moved | search s | fixed-clip fwd+bwd s | search/loss | bucketize search/loss | "
+        "paper/loss | recipe/loss | search/policy_loss(grpo) | per-candidate loop s | speed-up | extra bytes/token |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['tokens']:,} | {r['candidates_moved']} | {r['search_s']} | {r['fixed_clip_fwd_bwd_s']} | "
-              f"{r['search_over_loss']} | {r['search_bucketize_over_loss']} | {r['search_paper_over_loss']} | "
-              f"{r['search_recipe_over_loss']} | {r['search_over_policy_loss_with_diagnostics']} | "
-              f"{r['per_candidate_loop_s']} | {r['speedup_vs_loop']}x | {r['peak_extra_bytes_per_token']} |")
+        print(
+            f"| {r['tokens']:,} | {r['candidates_moved']} | {r['search_s']} | {r['fixed_clip_fwd_bwd_s']} | "
+            f"{r['search_over_loss']} | {r['search_bucketize_over_loss']} | {r['search_paper_over_loss']} | "
+            f"{r['search_recipe_over_loss']} | {r['search_over_policy_loss_with_diagnostics']} | "
+            f"{r['per_candidate_loop_s']} | {r['speedup_vs_loop']}x | {r['peak_extra_bytes_per_token']} |"
+        )
 
 
 if __name__ == "__main__":

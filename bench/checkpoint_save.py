@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from bapo.train.tiny import ModelConfig, build_model, build_tokenizer
 from bapo.train.checkpoint import save_checkpoint, verify_checkpoint
+from bapo.train.tiny import ModelConfig, build_model, build_tokenizer
 
 
 def main(repeats: int = 8) -> None:
@@ -47,8 +47,10 @@ def main(repeats: int = 8) -> None:
         verify_checkpoint(path)
         times["verify"].append(time.perf_counter() - start)
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-    print(f"checkpoint {size / 1e6:.1f} MB, medians of {repeats}: "
-          + ", ".join(f"{name} {statistics.median(t) * 1e3:.0f} ms" for name, t in times.items()))
+    print(
+        f"checkpoint {size / 1e6:.1f} MB, medians of {repeats}: "
+        + ", ".join(f"{name} {statistics.median(t) * 1e3:.0f} ms" for name, t in times.items())
+    )
     shutil.rmtree(root)
 
 

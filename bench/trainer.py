@@ -63,8 +63,9 @@ def best(measured: list[Throughput]) -> Throughput:
     """The fastest repeat per phase (a shared machine only ever slows a run down)."""
     fastest_rollout = max(measured, key=lambda result: result.rollout_tps)
     fastest_update = max(measured, key=lambda result: result.update_tps)
-    return Throughput(fastest_rollout.rollout_s, fastest_rollout.rollout_tokens,
-                      fastest_update.update_s, fastest_update.update_tokens)
+    return Throughput(
+        fastest_rollout.rollout_s, fastest_rollout.rollout_tokens, fastest_update.update_s, fastest_update.update_tokens
+    )
 
 
 def bench_bapo(model_dir: Path, rows: list[dict], options, workdir: Path, method: str, scope: str) -> Throughput:
@@ -72,18 +73,34 @@ def bench_bapo(model_dir: Path, rows: list[dict], options, workdir: Path, method
     from bapo.integrations.trl.tiny import digit_match_reward
     from bapo.train import Trainer, config_from_dict
 
-    cfg = config_from_dict({
-        "model": {"path": str(model_dir), "device": options.device},
-        "rollout": {"prompts_per_batch": options.prompts, "group_size": options.group,
-                    "max_new_tokens": options.new_tokens, "temperature": 1.0},
-        "loss": {"method": method, "bapo": {"scope": scope}},
-        "offpolicy": {"mini_batches": 2},
-        "optim": {"lr": LEARNING_RATE, "micro_batch_size": options.micro_batch, "max_grad_norm": 1.0},
-        "run": {"output_dir": str(workdir / "bapo"), "steps": options.rollouts + 1, "progress": False,
-                "tensorboard": "off", "checkpoint_every": 0, "seed": 0},
-    })
-    trainer = Trainer(cfg, examples=rows, progress=False,
-                      verifier=lambda response, row: digit_match_reward([response], [row["answer"]])[0])
+    cfg = config_from_dict(
+        {
+            "model": {"path": str(model_dir), "device": options.device},
+            "rollout": {
+                "prompts_per_batch": options.prompts,
+                "group_size": options.group,
+                "max_new_tokens": options.new_tokens,
+                "temperature": 1.0,
+            },
+            "loss": {"method": method, "bapo": {"scope": scope}},
+            "offpolicy": {"mini_batches": 2},
+            "optim": {"lr": LEARNING_RATE, "micro_batch_size": options.micro_batch, "max_grad_norm": 1.0},
+            "run": {
+                "output_dir": str(workdir / "bapo"),
+                "steps": options.rollouts + 1,
+                "progress": False,
+                "tensorboard": "off",
+                "checkpoint_every": 0,
+                "seed": 0,
+            },
+        }
+    )
+    trainer = Trainer(
+        cfg,
+        examples=rows,
+        progress=False,
+        verifier=lambda response, row: digit_match_reward([response], [row["answer"]])[0],
+    )
     result = Throughput()
     for index in range(options.rollouts + 1):
         start = time.perf_counter()
@@ -109,8 +126,12 @@ def timed_trl_trainer(base):
             self.trainer = trainer
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self.trainer.window = {"start": time.perf_counter(), "rollout_s": 0.0, "rollout_tokens": 0,
-                                   "update_tokens": 0}
+            self.trainer.window = {
+                "start": time.perf_counter(),
+                "rollout_s": 0.0,
+                "rollout_tokens": 0,
+                "update_tokens": 0,
+            }
 
         def on_step_end(self, args, state, control, **kwargs):
             window = self.trainer.window
@@ -153,13 +174,30 @@ def bench_trl(model_dir: Path, rows: list[dict], options, workdir: Path, bapo_sc
     config_class, trainer_class = (BAPOGRPOConfig, BAPOGRPOTrainer) if bapo else (GRPOConfig, GRPOTrainer)
     extra = {"bapo_method": "bapo", "bapo_scope": bapo_scope} if bapo else {}
     args = config_class(
-        output_dir=str(workdir / (f"trl-bapo-{bapo_scope}" if bapo else "trl")), use_cpu=options.device == "cpu", bf16=False,
-        report_to="none", save_strategy="no", logging_steps=10**6, disable_tqdm=True, seed=0,
-        beta=0.0, temperature=1.0, top_k=0, top_p=1.0, num_generations=options.group,
-        max_completion_length=options.new_tokens, per_device_train_batch_size=options.micro_batch,
-        steps_per_generation=steps_per_generation, gradient_accumulation_steps=steps_per_generation // 2,
-        num_iterations=1, learning_rate=LEARNING_RATE, max_grad_norm=1.0, lr_scheduler_type="constant",
-        max_steps=2 * (options.rollouts + 1), dataloader_num_workers=0, **extra,
+        output_dir=str(workdir / (f"trl-bapo-{bapo_scope}" if bapo else "trl")),
+        use_cpu=options.device == "cpu",
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10**6,
+        disable_tqdm=True,
+        seed=0,
+        beta=0.0,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        num_generations=options.group,
+        max_completion_length=options.new_tokens,
+        per_device_train_batch_size=options.micro_batch,
+        steps_per_generation=steps_per_generation,
+        gradient_accumulation_steps=steps_per_generation // 2,
+        num_iterations=1,
+        learning_rate=LEARNING_RATE,
+        max_grad_norm=1.0,
+        lr_scheduler_type="constant",
+        max_steps=2 * (options.rollouts + 1),
+        dataloader_num_workers=0,
+        **extra,
     )
     trainer = timed_trl_trainer(trainer_class)(
         model=str(model_dir), reward_funcs=digit_match_reward, args=args, train_dataset=Dataset.from_list(rows)
@@ -199,8 +237,11 @@ def main() -> None:
     from bapo.integrations.trl.tiny import addition_prompts, build_tiny_model
 
     workdir = Path(tempfile.mkdtemp(prefix="bapo-bench-"))
-    model_dir = Path(options.model) if options.model else build_tiny_model(
-        workdir / "model", hidden_size=options.hidden, num_layers=options.layers)
+    model_dir = (
+        Path(options.model)
+        if options.model
+        else build_tiny_model(workdir / "model", hidden_size=options.hidden, num_layers=options.layers)
+    )
     rows = addition_prompts(options.prompts * (options.rollouts + 2) * 4, seed=1)
     systems = {
         "bapo-grpo": lambda run_dir: bench_bapo(model_dir, rows, options, run_dir, "grpo", "step"),
@@ -232,22 +273,43 @@ def main() -> None:
         ratios["trl_bapo_micro_batch_overhead"] = per_token_update("trl-bapo-micro") / per_token_update("trl")
     setup = (f"Llama {options.layers}x{options.hidden}" if not options.model else options.model) + (
         f", {options.prompts}x{options.group} responses <= {options.new_tokens} tokens, micro-batch "
-        f"{options.micro_batch}, {options.rollouts} timed rollouts, best of {options.repeats}, device {options.device}, "
-        f"torch threads {torch.get_num_threads()}")
+        f"{options.micro_batch}, {options.rollouts} timed rollouts, best of {options.repeats}, "
+        f"device {options.device}, "
+        f"torch threads {torch.get_num_threads()}"
+    )
     if options.json:
-        print(json.dumps({"setup": setup, **ratios, "systems": {
-            name: {"rollout_tok_s": r.rollout_tps, "update_tok_s": r.update_tps, "rollout_s": r.rollout_s,
-                   "update_s": r.update_s, "rollout_tokens": r.rollout_tokens, "update_tokens": r.update_tokens}
-            for name, r in results.items()}}))
+        print(
+            json.dumps(
+                {
+                    "setup": setup,
+                    **ratios,
+                    "systems": {
+                        name: {
+                            "rollout_tok_s": r.rollout_tps,
+                            "update_tok_s": r.update_tps,
+                            "rollout_s": r.rollout_s,
+                            "update_s": r.update_s,
+                            "rollout_tokens": r.rollout_tokens,
+                            "update_tokens": r.update_tokens,
+                        }
+                        for name, r in results.items()
+                    },
+                }
+            )
+        )
         return
     print(f"\n{setup}")
-    print(f"{'system':15s} {'rollout tok/s':>14s} {'update tok/s':>13s} {'rollout s':>10s} {'update s':>9s} "
-          f"{'rollout tok':>12s} {'update tok':>11s} {'mean len':>9s}")
+    print(
+        f"{'system':15s} {'rollout tok/s':>14s} {'update tok/s':>13s} {'rollout s':>10s} {'update s':>9s} "
+        f"{'rollout tok':>12s} {'update tok':>11s} {'mean len':>9s}"
+    )
     sequences = options.prompts * options.group * options.rollouts
     for name, result in results.items():
-        print(f"{name:15s} {result.rollout_tps:14.1f} {result.update_tps:13.1f} {result.rollout_s:10.2f} "
-              f"{result.update_s:9.2f} {result.rollout_tokens:12d} {result.update_tokens:11d} "
-              f"{result.rollout_tokens / sequences:9.1f}")
+        print(
+            f"{name:15s} {result.rollout_tps:14.1f} {result.update_tps:13.1f} {result.rollout_s:10.2f} "
+            f"{result.update_s:9.2f} {result.rollout_tokens:12d} {result.update_tokens:11d} "
+            f"{result.rollout_tokens / sequences:9.1f}"
+        )
     for name, value in ratios.items():
         print(f"{name:30s} {value:6.3f}")
 

@@ -23,13 +23,24 @@ def build_tiny_model(path) -> None:
     for c in CHARS:
         vocab[byte_symbol[ord(c)]] = len(vocab)
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-                                                 pre_tokenizers.Split("", "isolated")])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False), pre_tokenizers.Split("", "isolated")]
+    )
     tok.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", eos_token="<eos>", unk_token="<unk>")
-    config = Qwen2Config(vocab_size=len(vocab), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                         eos_token_id=1, pad_token_id=0, bos_token_id=None, tie_word_embeddings=True)
+    config = Qwen2Config(
+        vocab_size=len(vocab),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        eos_token_id=1,
+        pad_token_id=0,
+        bos_token_id=None,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(path)
@@ -58,7 +69,6 @@ def make_config(tiny_model: str, run_dir, **sections):
         "model": {"path": tiny_model, "device": "cpu"},
         "rollout": {"prompts_per_batch": 4, "group_size": 4, "max_new_tokens": 8, "temperature": 1.0},
         "optim": {"lr": 1e-3, "micro_batch_size": 16},
-        "run": {"output_dir": str(run_dir), "steps": 3, "checkpoint_every": 0, "progress": False,
-                "tensorboard": "off"},
+        "run": {"output_dir": str(run_dir), "steps": 3, "checkpoint_every": 0, "progress": False, "tensorboard": "off"},
     }
     return config_from_dict(base, [f"{k}={v}" for k, v in sections.items()])

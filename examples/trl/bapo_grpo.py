@@ -20,8 +20,17 @@ from datasets import Dataset
 from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer
 from bapo.integrations.trl.tiny import addition_prompts, build_tiny_model, digit_match_reward
 
-SHOWN = ("reward", "entropy", "bapo/lower", "bapo/upper", "bapo/positive_share", "bapo/search/positive_share",
-         "bapo/clip_frac/upper", "bapo/clip_frac/lower", "bapo/ratio/max")
+SHOWN = (
+    "reward",
+    "entropy",
+    "bapo/lower",
+    "bapo/upper",
+    "bapo/positive_share",
+    "bapo/search/positive_share",
+    "bapo/clip_frac/upper",
+    "bapo/clip_frac/lower",
+    "bapo/ratio/max",
+)
 
 
 def main() -> None:
@@ -40,11 +49,11 @@ def main() -> None:
         output_dir=str(workdir / "run"),
         bapo_method=options.method,
         bapo_target=options.target,
-        loss_type="dapo",                 # -> bapo.core loss_agg_mode "token-mean" over the optimizer step
+        loss_type="dapo",  # -> bapo.core loss_agg_mode "token-mean" over the optimizer step
         per_device_train_batch_size=8,
         num_generations=8,
         gradient_accumulation_steps=2,
-        steps_per_generation=8,           # > gradient_accumulation_steps: stale rollouts
+        steps_per_generation=8,  # > gradient_accumulation_steps: stale rollouts
         num_iterations=2,
         max_completion_length=8,
         temperature=1.0,
@@ -58,8 +67,9 @@ def main() -> None:
         bf16=False,
         disable_tqdm=True,
     )
-    trainer = BAPOGRPOTrainer(model=model, reward_funcs=digit_match_reward, args=args,
-                              train_dataset=Dataset.from_list(addition_prompts(256)))
+    trainer = BAPOGRPOTrainer(
+        model=model, reward_funcs=digit_match_reward, args=args, train_dataset=Dataset.from_list(addition_prompts(256))
+    )
     trainer.train()
     print("step " + " ".join(f"{name:>14s}" for name in SHOWN))
     for entry in trainer.state.log_history:

@@ -3,8 +3,8 @@ import json
 import pytest
 from typer.testing import CliRunner
 
-from bapo.cli.main import app
 from bapo.analysis.evaluate import evaluate, pass_at_k
+from bapo.cli.main import app
 from bapo.demo.task import eval_verifier, read_jsonl, verify
 
 
@@ -45,8 +45,22 @@ def test_bapo_eval_cli(tiny_model_dir, heldout_file):
 
     from tests.helpers import digit_share
 
-    result = CliRunner().invoke(app, ["eval", "--model", str(tiny_model_dir), "--data", str(heldout_file), "--k", "3",
-                                      "--max-new-tokens", "8", "--verifier", "tests.helpers:digit_share"])
+    result = CliRunner().invoke(
+        app,
+        [
+            "eval",
+            "--model",
+            str(tiny_model_dir),
+            "--data",
+            str(heldout_file),
+            "--k",
+            "3",
+            "--max-new-tokens",
+            "8",
+            "--verifier",
+            "tests.helpers:digit_share",
+        ],
+    )
     assert result.exit_code == 0, result.output
     scores = json.loads(result.output.strip().splitlines()[-1])
     assert set(scores) >= {"avg@3", "pass@3", "n"} and scores["n"] == 6

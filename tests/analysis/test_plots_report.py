@@ -1,14 +1,13 @@
 from pathlib import Path
 
 import pytest
-
 from typer.testing import CliRunner
 
-from bapo.cli.main import app
 from bapo.analysis.plots import FIGURES
 from bapo.analysis.report import markdown_table, summary
 from bapo.analysis.run_claims import run_claims
 from bapo.analysis.runs import Run, find_runs, group_runs, setting_name
+from bapo.cli.main import app
 
 RECORDED = Path(__file__).parent / "fixtures" / "recorded"  # a few updates of real demo runs (metrics.jsonl as written)
 
@@ -41,7 +40,7 @@ def test_bapo_plot_accepts_a_single_run_dir(tmp_path):
 def test_bapo_compare_prints_each_run():
     result = CliRunner().invoke(app, ["compare", str(RECORDED), "--markdown"])
     assert result.exit_code == 0, result.output
-    lines = [l for l in result.output.splitlines() if l.startswith("| E=0")]
+    lines = [line for line in result.output.splitlines() if line.startswith("| E=0")]
     assert len(lines) == len(find_runs([RECORDED]))
     assert "avg@8" in result.output and "pass@8" in result.output
     assert "| start policy | sft | - | 0.274 | 0.883 |" in result.output
@@ -51,15 +50,28 @@ def test_setting_is_read_from_a_plain_bapo_train_config(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"step": 1, "entropy": 0.5}\n')
-    (run_dir / "config.yaml").write_text("loss: {method: bapo}\noffpolicy: {mini_batches: 3, staleness: 2}\nrun: {seed: 4}\n")
+    (run_dir / "config.yaml").write_text(
+        "loss: {method: bapo}\noffpolicy: {mini_batches: 3, staleness: 2}\nrun: {seed: 4}\n"
+    )
     (run,) = find_runs([run_dir])
     assert (run.method, run.setting, run.seed) == ("bapo", "E=2, async delay 2", 4)
     assert setting_name(0, 0, True) == "E=0, partial rollout"
 
 
 def _fake_run(method, e, entropy, accuracy, seed=0, share=0.4, start_entropy=0.6):
-    rows = [{"step": i + 1, "rollout_step": i, "entropy": start_entropy if i == 0 else entropy, "reward/mean": 0.5,
-             "positive_share": share, "grad_norm": 1.0 + (i == 5), "lower": 0.8, "upper": 1.2} for i in range(10)]
+    rows = [
+        {
+            "step": i + 1,
+            "rollout_step": i,
+            "entropy": start_entropy if i == 0 else entropy,
+            "reward/mean": 0.5,
+            "positive_share": share,
+            "grad_norm": 1.0 + (i == 5),
+            "lower": 0.8,
+            "upper": 1.2,
+        }
+        for i in range(10)
+    ]
     rows[0].update({"heldout/start/avg@8": 0.3, "heldout/start/pass@8": 0.6})
     rows[-1].update({"heldout/avg@8": accuracy, "heldout/pass@8": accuracy})
     return Run(Path(f"{method}-{e}-{seed}"), method, f"E={e}", seed, rows)
@@ -71,8 +83,11 @@ def _verdicts(runs):
 
 def _three_seeds(cells):
     """cells: (method, E, entropy, accuracy, share) -> runs for seeds 0-2 with a little noise."""
-    return [_fake_run(m, e, h + n, acc + n, seed, share=share)
-            for seed, n in enumerate((0.0, 0.01, -0.01)) for m, e, h, acc, share in cells]
+    return [
+        _fake_run(m, e, h + n, acc + n, seed, share=share)
+        for seed, n in enumerate((0.0, 0.01, -0.01))
+        for m, e, h, acc, share in cells
+    ]
 
 
 @pytest.mark.parametrize("bapo_wins", [True, False])
@@ -83,8 +98,14 @@ def test_claims_follow_the_numbers_both_ways(bapo_wins):
         cells = [("grpo", 0, 0.30, 0.2, 0.6), ("grpo", 4, 0.60, 0.6, 0.4), ("bapo", 4, 0.30, 0.2, 0.6)]
     v = _verdicts(_three_seeds(cells))
     expected = "held" if bapo_wins else "not held"
-    for claim in ("0-rl-improves", "3-negative-dominate", "1-entropy-E4-samples", "4-entropy-E=4",
-                  "4-heldout-E=4", "4-share-E=4"):
+    for claim in (
+        "0-rl-improves",
+        "3-negative-dominate",
+        "1-entropy-E4-samples",
+        "4-entropy-E=4",
+        "4-heldout-E=4",
+        "4-share-E=4",
+    ):
         assert v[claim] == expected, claim
 
 

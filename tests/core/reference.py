@@ -30,8 +30,13 @@ def _tokens(ratio, advantages, mask, cfg, weights=None, behaviour_log_prob=None)
     if cfg.weighting == "behaviour_prob":
         signed = signed * behaviour_log_prob.to(compute).exp()
     a = signed.abs()
-    rows = zip(mask.bool().flatten().tolist(), signed.flatten().tolist(), r.flatten().tolist(),
-               (r * a).flatten().tolist(), a.flatten().tolist())
+    rows = zip(
+        mask.bool().flatten().tolist(),
+        signed.flatten().tolist(),
+        r.flatten().tolist(),
+        (r * a).flatten().tolist(),
+        a.flatten().tolist(),
+    )
     return [(1 if s > 0 else -1, rv, ra, av) for counted, s, rv, ra, av in rows if counted and s != 0]
 
 
@@ -55,8 +60,9 @@ def reference_sums(tokens, lower, upper, cfg):
 def reference_share(ratio, advantages, mask, lower, upper, cfg=None, weights=None, behaviour_log_prob=None):
     """rho = pos / (pos + neg); NaN when nothing contributes."""
     cfg = cfg or BAPOConfig()
-    positive, negative = reference_sums(_tokens(ratio, advantages, mask, cfg, weights, behaviour_log_prob),
-                                        lower, upper, cfg)
+    positive, negative = reference_sums(
+        _tokens(ratio, advantages, mask, cfg, weights, behaviour_log_prob), lower, upper, cfg
+    )
     total = positive + negative
     return math.nan if total == 0 else positive / total
 
@@ -71,8 +77,13 @@ def _met(positive, negative, cfg):
 def _algorithm1(tokens, cfg):
     """Algorithm 1's loop, one pass per candidate, grid start + k*step <= max (by multiplication)."""
     lower_k = upper_j = 0
-    lower = lambda k: cfg.lower_start + k * cfg.lower_step
-    upper = lambda j: cfg.upper_start + j * cfg.upper_step
+
+    def lower(k):
+        return cfg.lower_start + k * cfg.lower_step
+
+    def upper(j):
+        return cfg.upper_start + j * cfg.upper_step
+
     reached = True
     while not _met(*reference_sums(tokens, lower(lower_k), upper(upper_j), cfg), cfg):
         can_upper = upper(upper_j + 1) <= cfg.upper_max + TOL
@@ -101,7 +112,7 @@ def _recipe_loop(tokens, cfg):
     low, high, steps = cfg.lower_start, cfg.upper_start, 0
     met = _met(*reference_sums(tokens, low, high, cfg), cfg)
     first_is_lower = cfg.order == "lower-first"
-    for side in (("lower", "upper") if first_is_lower else ("upper", "lower")):
+    for side in ("lower", "upper") if first_is_lower else ("upper", "lower"):
         while not met and (low < cfg.lower_max if side == "lower" else high < cfg.upper_max):
             if side == "lower":
                 low = min(low + cfg.lower_step, cfg.lower_max)
@@ -119,8 +130,9 @@ def reference_search(ratio, advantages, mask, cfg: BAPOConfig, weights=None, beh
     # No signal: nothing contributes at any candidate (pos depends only on upper, neg only on lower).
     uppers = _grid(cfg.upper_start, cfg.upper_step, cfg.upper_max, cfg.stepping)
     lowers = _grid(cfg.lower_start, cfg.lower_step, cfg.lower_max, cfg.stepping)
-    if not any(reference_sums(tokens, lowers[0], u, cfg)[0] > 0 for u in uppers) and \
-            not any(reference_sums(tokens, low, uppers[0], cfg)[1] > 0 for low in lowers):
+    if not any(reference_sums(tokens, lowers[0], u, cfg)[0] > 0 for u in uppers) and not any(
+        reference_sums(tokens, low, uppers[0], cfg)[1] > 0 for low in lowers
+    ):
         return cfg.lower_start, cfg.upper_start, None, 0
     loop = _recipe_loop if cfg.stepping == "add_clamped" else _algorithm1
     return loop(tokens, cfg)

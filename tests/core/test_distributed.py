@@ -8,9 +8,11 @@ import torch.multiprocessing as mp
 
 from bapo.core import BAPOConfig, BoundStats, search_bounds
 
-CONFIGS = {"gradient": BAPOConfig(target=0.5, lower_step=0.05, upper_step=0.05),
-           "paper": BAPOConfig.paper(target=0.5),
-           "recipe": BAPOConfig.recipe(target=1.5)}
+CONFIGS = {
+    "gradient": BAPOConfig(target=0.5, lower_step=0.05, upper_step=0.05),
+    "paper": BAPOConfig.paper(target=0.5),
+    "recipe": BAPOConfig.recipe(target=1.5),
+}
 
 
 def make_data():
@@ -70,5 +72,8 @@ def test_two_gloo_ranks_agree_with_the_concatenation(tmp_path):
         assert calls0 == calls1 == 1
         local_only = search(*shard(0, *make_data())[0], cfg)
         # without the all-reduce rank 0 would have seen another share (and mostly other bounds)
-        assert (local_only.lower, local_only.upper, local_only.positive_share) != \
-            (whole.lower, whole.upper, whole.positive_share), name
+        assert (local_only.lower, local_only.upper, local_only.positive_share) != (
+            whole.lower,
+            whole.upper,
+            whole.positive_share,
+        ), name

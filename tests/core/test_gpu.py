@@ -15,11 +15,14 @@ def test_search_and_losses_on_cuda_match_cpu(dtype):
     advantages = torch.randn(64, generator=generator).to(dtype)
     mask = torch.rand(64, 256, generator=generator) > 0.2
     cfg = BAPOConfig(target=0.5, lower_step=0.05)
-    assert search_bounds(ratio.cuda(), advantages.cuda(), mask.cuda(), cfg) == search_bounds(ratio, advantages, mask, cfg)
+    assert search_bounds(ratio.cuda(), advantages.cuda(), mask.cuda(), cfg) == search_bounds(
+        ratio, advantages, mask, cfg
+    )
     log_prob = ratio.float().log()
     for method in ("grpo", "bapo", "dcpo", "topr"):
         cpu_loss, cpu_metrics = policy_loss(log_prob, torch.zeros_like(log_prob), advantages.float(), mask, method)
-        gpu_loss, gpu_metrics = policy_loss(log_prob.cuda(), torch.zeros_like(log_prob).cuda(), advantages.float().cuda(),
-                                            mask.cuda(), method)
+        gpu_loss, gpu_metrics = policy_loss(
+            log_prob.cuda(), torch.zeros_like(log_prob).cuda(), advantages.float().cuda(), mask.cuda(), method
+        )
         assert float(gpu_loss) == pytest.approx(float(cpu_loss), rel=1e-4, abs=1e-6)
         assert gpu_metrics["upper"] == pytest.approx(cpu_metrics["upper"], rel=1e-5)

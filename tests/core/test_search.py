@@ -24,13 +24,31 @@ from tests.core.reference import (
 )
 
 GRADIENT = [
-    BAPOConfig(target=0.5, lower_start=0.6, lower_max=0.9, lower_step=0.05, upper_start=1.2, upper_max=3.0,
-               upper_step=0.05, order="upper-first"),
-    BAPOConfig(target=0.5, lower_start=0.6, lower_max=0.9, lower_step=0.05, upper_start=1.2, upper_max=3.0,
-               upper_step=0.05, order="lower-first"),
+    BAPOConfig(
+        target=0.5,
+        lower_start=0.6,
+        lower_max=0.9,
+        lower_step=0.05,
+        upper_start=1.2,
+        upper_max=3.0,
+        upper_step=0.05,
+        order="upper-first",
+    ),
+    BAPOConfig(
+        target=0.5,
+        lower_start=0.6,
+        lower_max=0.9,
+        lower_step=0.05,
+        upper_start=1.2,
+        upper_max=3.0,
+        upper_step=0.05,
+        order="lower-first",
+    ),
     BAPOConfig(),  # paper's search space and rho0 0.4, steps 0.02 / 0.05
     BAPOConfig(target=1.0, target_kind="pos_neg", upper_step=0.1, order="lower-first"),
-    BAPOConfig(target=0.7, lower_start=0.75, lower_max=0.85, lower_step=0.05, upper_start=1.1, upper_max=1.3, upper_step=0.1),
+    BAPOConfig(
+        target=0.7, lower_start=0.75, lower_max=0.85, lower_step=0.05, upper_start=1.1, upper_max=1.3, upper_step=0.1
+    ),
     BAPOConfig(target=0.6, stepping="add_clamped", lower_step=0.07, upper_step=0.3),  # clamped last steps
 ]
 PAPER = [
@@ -57,25 +75,50 @@ def token_batches(draw, configs=GRADIENT + PAPER + RECIPE):
     length = draw(st.integers(1, 12))
     dtype = draw(st.sampled_from(DTYPES))
     edges = torch.tensor(cfg.lower_grid + cfg.upper_grid, dtype=torch.float64).to(dtype)
-    neighbours = torch.cat([edges, torch.nextafter(edges, torch.full_like(edges, 0.0)),
-                            torch.nextafter(edges, torch.full_like(edges, 9.0))]).double().tolist()
+    neighbours = (
+        torch.cat(
+            [
+                edges,
+                torch.nextafter(edges, torch.full_like(edges, 0.0)),
+                torch.nextafter(edges, torch.full_like(edges, 9.0)),
+            ]
+        )
+        .double()
+        .tolist()
+    )
     n = batch * length
-    ratio_values = draw(st.lists(
-        st.one_of(st.sampled_from(neighbours), st.floats(0.0, 4.0, allow_nan=False, width=32),
-                  st.sampled_from([0.0, 0.5, 1.0, 0.25, 2.0, 60.0])), min_size=n, max_size=n))
-    adv_values = draw(st.lists(st.sampled_from([-2.0, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 2.0]), min_size=n, max_size=n))
+    ratio_values = draw(
+        st.lists(
+            st.one_of(
+                st.sampled_from(neighbours),
+                st.floats(0.0, 4.0, allow_nan=False, width=32),
+                st.sampled_from([0.0, 0.5, 1.0, 0.25, 2.0, 60.0]),
+            ),
+            min_size=n,
+            max_size=n,
+        )
+    )
+    adv_values = draw(
+        st.lists(st.sampled_from([-2.0, -1.0, -0.5, -0.25, 0.0, 0.25, 0.5, 1.0, 2.0]), min_size=n, max_size=n)
+    )
     sign = draw(st.sampled_from(["mixed", "mixed", "all-positive", "all-negative"]))
     if sign == "all-positive":
         adv_values = [abs(a) for a in adv_values]
     elif sign == "all-negative":
         adv_values = [-abs(a) for a in adv_values]
     mask_kind = draw(st.sampled_from(["random", "random", "empty", "full"]))
-    mask_values = draw(st.lists(st.booleans(), min_size=n, max_size=n)) if mask_kind == "random" else [mask_kind == "full"] * n
+    mask_values = (
+        draw(st.lists(st.booleans(), min_size=n, max_size=n)) if mask_kind == "random" else [mask_kind == "full"] * n
+    )
     log_q = draw(st.lists(st.sampled_from([0.0, -math.log(2.0), -1.0, -2.5, -0.01]), min_size=n, max_size=n))
     shape = (batch, length)
-    return (cfg, torch.tensor(ratio_values, dtype=torch.float64).to(dtype).reshape(shape),
-            torch.tensor(adv_values, dtype=dtype).reshape(shape), torch.tensor(mask_values).reshape(shape),
-            torch.tensor(log_q, dtype=dtype).reshape(shape))
+    return (
+        cfg,
+        torch.tensor(ratio_values, dtype=torch.float64).to(dtype).reshape(shape),
+        torch.tensor(adv_values, dtype=dtype).reshape(shape),
+        torch.tensor(mask_values).reshape(shape),
+        torch.tensor(log_q, dtype=dtype).reshape(shape),
+    )
 
 
 def _same_search(found, expected):
@@ -99,9 +142,12 @@ def test_search_equals_the_reference_loop_of_each_definition(definition):
         if not found.no_signal:
             share = reference_share(ratio, advantages, mask, found.lower, found.upper, cfg, behaviour_log_prob=log_q)
             assert found.positive_share == pytest.approx(share, rel=1e-12, abs=1e-15, nan_ok=True)
-            positive, negative = reference_sums(_tokens(ratio, advantages, mask, cfg, behaviour_log_prob=log_q),
-                                                found.lower, found.upper, cfg)
-            pos_neg = positive / (negative + cfg.pos_neg_eps) if negative > 0 else (math.inf if positive > 0 else math.nan)
+            positive, negative = reference_sums(
+                _tokens(ratio, advantages, mask, cfg, behaviour_log_prob=log_q), found.lower, found.upper, cfg
+            )
+            pos_neg = (
+                positive / (negative + cfg.pos_neg_eps) if negative > 0 else (math.inf if positive > 0 else math.nan)
+            )
             assert found.pos_neg == pytest.approx(pos_neg, rel=1e-12, nan_ok=True)
 
     check()
@@ -116,7 +162,12 @@ def test_micro_batches_add_up_to_the_whole_batch(case, pieces):
         rows = slice(part * ratio.shape[0] // pieces, (part + 1) * ratio.shape[0] // pieces)
         stats.add(ratio[rows], advantages[rows], mask[rows], behaviour_log_prob=log_q[rows])
     found, whole = stats.solve(sync=False), search_bounds(ratio, advantages, mask, cfg, behaviour_log_prob=log_q)
-    assert (found.lower, found.upper, found.steps, found.no_signal) == (whole.lower, whole.upper, whole.steps, whole.no_signal)
+    assert (found.lower, found.upper, found.steps, found.no_signal) == (
+        whole.lower,
+        whole.upper,
+        whole.steps,
+        whole.no_signal,
+    )
     assert found.positive_share == pytest.approx(whole.positive_share, rel=1e-12, nan_ok=True)
 
 
@@ -132,7 +183,9 @@ def test_positive_share_matches_each_definition_and_moves_the_documented_way(cas
     if math.isnan(share):
         return
     wider_upper = positive_share(ratio, advantages, mask, lower, upper + 0.3, cfg, behaviour_log_prob=log_q)
-    higher_lower = positive_share(ratio, advantages, mask, min(lower + 0.05, 0.99), upper, cfg, behaviour_log_prob=log_q)
+    higher_lower = positive_share(
+        ratio, advantages, mask, min(lower + 0.05, 0.99), upper, cfg, behaviour_log_prob=log_q
+    )
     assert wider_upper >= share - 1e-12  # raising c_high admits (or counts more of) positive tokens
     if cfg.contribution == "gradient":
         assert higher_lower >= share - 1e-12 or math.isnan(higher_lower)  # drops low-probability negatives
@@ -192,7 +245,9 @@ def test_no_signal_is_missing_not_one():
             found = search_bounds(ratio, advantages, mask, cfg, behaviour_log_prob=torch.zeros(2, 3))
             assert found.no_signal and (found.lower, found.upper, found.steps) == (cfg.lower_start, cfg.upper_start, 0)
             assert all(math.isnan(v) for v in (found.positive_share, found.reached, found.pos_neg))
-            assert math.isnan(positive_share(ratio, advantages, mask, 0.8, 1.2, cfg, behaviour_log_prob=torch.zeros(2, 3)))
+            assert math.isnan(
+                positive_share(ratio, advantages, mask, 0.8, 1.2, cfg, behaviour_log_prob=torch.zeros(2, 3))
+            )
             assert found.metrics()["no_signal"] == 1.0
 
 
@@ -232,12 +287,27 @@ def test_the_definitions_choose_different_bounds_on_one_batch():
 
 def test_presets_are_the_papers_and_the_recipes():
     paper, recipe = BAPOConfig.paper(), BAPOConfig.recipe()
-    assert (paper.contribution, paper.weighting, paper.target, paper.target_kind, paper.order) == \
-        ("clamped", "behaviour_prob", 0.4, "share", "upper-first")
-    assert (paper.lower_grid[-1], len(paper.lower_grid), paper.upper_grid[-1], len(paper.upper_grid)) == \
-        (pytest.approx(0.9), 16, pytest.approx(3.0), 37)
-    assert (recipe.contribution, recipe.weighting, recipe.target, recipe.target_kind, recipe.order, recipe.pos_neg_eps) == \
-        ("clamped", "none", 1.0, "pos_neg", "lower-first", 1e-8)
+    assert (paper.contribution, paper.weighting, paper.target, paper.target_kind, paper.order) == (
+        "clamped",
+        "behaviour_prob",
+        0.4,
+        "share",
+        "upper-first",
+    )
+    assert (paper.lower_grid[-1], len(paper.lower_grid), paper.upper_grid[-1], len(paper.upper_grid)) == (
+        pytest.approx(0.9),
+        16,
+        pytest.approx(3.0),
+        37,
+    )
+    assert (
+        recipe.contribution,
+        recipe.weighting,
+        recipe.target,
+        recipe.target_kind,
+        recipe.order,
+        recipe.pos_neg_eps,
+    ) == ("clamped", "none", 1.0, "pos_neg", "lower-first", 1e-8)
     assert recipe.lower_grid == [0.6, 0.6 + 0.05, 0.6 + 0.05 + 0.05, 0.6 + 0.05 + 0.05 + 0.05, 0.8]  # float additions
     assert recipe.upper_grid[-1] == 2.0 and BAPOConfig() == BAPOConfig(contribution="gradient", weighting="none")
 
@@ -246,8 +316,13 @@ def test_behaviour_prob_weighting_needs_the_behaviour_log_prob():
     with pytest.raises(ValueError, match="behaviour_log_prob"):
         search_bounds(torch.ones(1, 2), torch.ones(1, 2), torch.ones(1, 2), BAPOConfig.paper())
     with pytest.raises(ValueError, match="behaviour_log_prob"):
-        search_bounds(torch.ones(1, 2), torch.ones(1, 2), torch.ones(1, 2), BAPOConfig.paper(),
-                      behaviour_log_prob=torch.ones(1, 2))  # a log-prob > 0
+        search_bounds(
+            torch.ones(1, 2),
+            torch.ones(1, 2),
+            torch.ones(1, 2),
+            BAPOConfig.paper(),
+            behaviour_log_prob=torch.ones(1, 2),
+        )  # a log-prob > 0
 
 
 def test_token_contributions_sum_to_the_searched_share():
@@ -256,9 +331,12 @@ def test_token_contributions_sum_to_the_searched_share():
     advantages, log_q = torch.randn(4, 9, generator=generator), -torch.rand(4, 9, generator=generator)
     for cfg in (GRADIENT[2], PAPER[0], RECIPE[0]):
         found = search_bounds(ratio, advantages, torch.ones(4, 9), cfg, behaviour_log_prob=log_q)
-        positive, negative = token_contributions(ratio, advantages, torch.ones(4, 9), found.lower, found.upper, cfg,
-                                                 behaviour_log_prob=log_q)
-        assert found.positive_share == pytest.approx(float(positive.sum() / (positive.sum() + negative.sum())), rel=1e-12)
+        positive, negative = token_contributions(
+            ratio, advantages, torch.ones(4, 9), found.lower, found.upper, cfg, behaviour_log_prob=log_q
+        )
+        assert found.positive_share == pytest.approx(
+            float(positive.sum() / (positive.sum() + negative.sum())), rel=1e-12
+        )
 
 
 def test_grid_is_built_by_multiplication_or_by_the_recipes_clamped_additions():
@@ -279,28 +357,41 @@ def test_pos_neg_target_is_the_share_target_in_other_units():
     assert (share.lower, share.upper) == (pos_neg.lower, pos_neg.upper)
 
 
-@pytest.mark.parametrize("kwargs, field", [
-    ({"target": 1.5}, "target"), ({"target": 0.0}, "target"), ({"order": "sideways"}, "order"),
-    ({"lower_start": 1.1, "lower_max": 1.2}, "lower_start"), ({"upper_start": 0.9}, "upper_start"),
-    ({"upper_step": 0.0}, "upper_step"), ({"target_kind": "ratio"}, "target_kind"),
-    ({"contribution": "signed"}, "contribution"), ({"weighting": "q"}, "weighting"),
-    ({"stepping": "log"}, "stepping"), ({"pos_neg_eps": -1.0}, "pos_neg_eps"), ({"target_mode": "pid"}, "target_mode"),
-    ({"target_mode": "entropy", "target_min": 0.5}, "target_min"),
-    ({"target_mode": "entropy", "target_gain": -1.0}, "target_gain"),
-    ({"target_mode": "entropy", "target_hold_updates": 0}, "target_hold_updates"),
-])
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"target": 1.5}, "target"),
+        ({"target": 0.0}, "target"),
+        ({"order": "sideways"}, "order"),
+        ({"lower_start": 1.1, "lower_max": 1.2}, "lower_start"),
+        ({"upper_start": 0.9}, "upper_start"),
+        ({"upper_step": 0.0}, "upper_step"),
+        ({"target_kind": "ratio"}, "target_kind"),
+        ({"contribution": "signed"}, "contribution"),
+        ({"weighting": "q"}, "weighting"),
+        ({"stepping": "log"}, "stepping"),
+        ({"pos_neg_eps": -1.0}, "pos_neg_eps"),
+        ({"target_mode": "pid"}, "target_mode"),
+        ({"target_mode": "entropy", "target_min": 0.5}, "target_min"),
+        ({"target_mode": "entropy", "target_gain": -1.0}, "target_gain"),
+        ({"target_mode": "entropy", "target_hold_updates": 0}, "target_hold_updates"),
+    ],
+)
 def test_bad_config_names_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         BAPOConfig(**kwargs)
 
 
-@pytest.mark.parametrize("bad, name", [
-    ((torch.tensor([[1.0, float("nan")]]), torch.ones(1, 2), torch.ones(1, 2)), "ratio"),
-    ((torch.ones(1, 2), torch.ones(1, 3), torch.ones(1, 2)), "advantages"),
-    ((torch.ones(1, 2), torch.ones(1, 2), torch.tensor([[1.0, 0.5]])), "mask"),
-    ((torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), torch.ones(1, 2)), "ratio"),
-    ((torch.tensor([[1.0, math.inf]]), torch.ones(1, 2), torch.ones(1, 2)), "ratio"),
-])
+@pytest.mark.parametrize(
+    "bad, name",
+    [
+        ((torch.tensor([[1.0, float("nan")]]), torch.ones(1, 2), torch.ones(1, 2)), "ratio"),
+        ((torch.ones(1, 2), torch.ones(1, 3), torch.ones(1, 2)), "advantages"),
+        ((torch.ones(1, 2), torch.ones(1, 2), torch.tensor([[1.0, 0.5]])), "mask"),
+        ((torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), torch.ones(1, 2)), "ratio"),
+        ((torch.tensor([[1.0, math.inf]]), torch.ones(1, 2), torch.ones(1, 2)), "ratio"),
+    ],
+)
 def test_bad_input_names_the_argument(bad, name):
     with pytest.raises(ValueError, match=name):
         search_bounds(*bad, GRADIENT[0])

@@ -87,16 +87,23 @@ def test_reacts_in_the_documented_direction_on_a_tabular_softmax_policy():
     logits = torch.zeros(16, requires_grad=True)
     optimizer = torch.optim.SGD([logits], lr=0.5)
     reward = torch.linspace(1, 0, 16)
-    controller = EntropyTargetController(BAPOConfig(target=0.5, target_mode="entropy", target_hold_updates=5,
-                                                    target_min=0.2, target_max=0.9))
+    controller = EntropyTargetController(
+        BAPOConfig(target=0.5, target_mode="entropy", target_hold_updates=5, target_min=0.2, target_max=0.9)
+    )
     history = [logits.detach().clone()]
     for _ in range(60):
         behaviour = torch.log_softmax(history[max(0, len(history) - 4)], -1)
         actions = torch.multinomial(behaviour.exp(), 64, replacement=True, generator=generator).view(8, 8)
         rewards = reward[actions] + 0.3 * torch.randn(actions.shape, generator=generator)
         advantages = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)
-        loss, metrics = policy_loss(torch.log_softmax(logits, -1)[actions], behaviour[actions], advantages,
-                                    torch.ones(8, 8, dtype=torch.bool), "bapo", bapo=controller.search_config())
+        loss, metrics = policy_loss(
+            torch.log_softmax(logits, -1)[actions],
+            behaviour[actions],
+            advantages,
+            torch.ones(8, 8, dtype=torch.bool),
+            "bapo",
+            bapo=controller.search_config(),
+        )
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()

@@ -2,9 +2,9 @@
 and a run is deterministic per seed."""
 
 import json
+from dataclasses import replace
 
 import pytest
-from dataclasses import replace
 
 from bapo.analysis.plots import FIGURES
 from bapo.demo.demo import PROFILES, DemoPlan, RunSpec, run_demo, train_config
@@ -17,24 +17,46 @@ def read_json(path):
     return json.loads(path.read_text())
 
 
-TINY = WarmStartConfig(task=TaskConfig(n_train=64, n_heldout=8, max_new_tokens=8),
-                       model=ModelConfig(hidden_size=32, layers=1, heads=2, intermediate_size=64),
-                       sft=SFTConfig(steps=3, batch_size=8))
-PLAN = DemoPlan(methods=("grpo", "bapo"), staleness_e=(0, 1), async_delays=(1,), partial_rollout=True,
-                seeds=(0,), steps=2, prompts_per_batch=2, group_size=2, segment_tokens=3, eval_every=1,
-                eval_prompts=4, eval_k_during=2, final_k=2, lab="off", warmstart=TINY)
+TINY = WarmStartConfig(
+    task=TaskConfig(n_train=64, n_heldout=8, max_new_tokens=8),
+    model=ModelConfig(hidden_size=32, layers=1, heads=2, intermediate_size=64),
+    sft=SFTConfig(steps=3, batch_size=8),
+)
+PLAN = DemoPlan(
+    methods=("grpo", "bapo"),
+    staleness_e=(0, 1),
+    async_delays=(1,),
+    partial_rollout=True,
+    seeds=(0,),
+    steps=2,
+    prompts_per_batch=2,
+    group_size=2,
+    segment_tokens=3,
+    eval_every=1,
+    eval_prompts=4,
+    eval_k_during=2,
+    final_k=2,
+    lab="off",
+    warmstart=TINY,
+)
 
 
 @pytest.mark.slow
 def test_demo_produces_every_file(tmp_path):
     out = run_demo(PLAN, tmp_path / "demo", jobs=1, show_progress=False)
     assert (out / "data" / "train.jsonl").exists() and (out / "data" / "heldout.jsonl").exists()
-    names = ["grpo-E0-seed0",  # at E=0 grpo stands for bapo too: one run
-             "grpo-E1-seed0", "bapo-E1-seed0", "grpo-E0-asyncdelay1-seed0", "bapo-E0-asyncdelay1-seed0",
-             "grpo-E0-partialrollout-seed0", "bapo-E0-partialrollout-seed0"]
+    names = [
+        "grpo-E0-seed0",  # at E=0 grpo stands for bapo too: one run
+        "grpo-E1-seed0",
+        "bapo-E1-seed0",
+        "grpo-E0-asyncdelay1-seed0",
+        "bapo-E0-asyncdelay1-seed0",
+        "grpo-E0-partialrollout-seed0",
+        "bapo-E0-partialrollout-seed0",
+    ]
     assert sorted(p.name for p in out.iterdir() if (p / "metrics.jsonl").exists()) == sorted(names)
     for name in names:
-        rows = [json.loads(l) for l in (out / name / "metrics.jsonl").read_text().splitlines() if l]
+        rows = [json.loads(line) for line in (out / name / "metrics.jsonl").read_text().splitlines() if line]
         updates_per_step = 2 if "E1" in name else 1
         assert len(rows) == 2 * updates_per_step, name
         assert "heldout/start/avg@2" in rows[updates_per_step - 1]
@@ -58,7 +80,7 @@ def test_a_run_is_deterministic_per_seed(tmp_path):
     second = run_demo(plan, tmp_path / "b", jobs=1, show_progress=False)
 
     def numbers(out):
-        rows = [json.loads(l) for l in (out / "bapo-E1-seed0" / "metrics.jsonl").read_text().splitlines()]
+        rows = [json.loads(line) for line in (out / "bapo-E1-seed0" / "metrics.jsonl").read_text().splitlines()]
         return [{k: v for k, v in r.items() if not k.startswith(("time/", "tokens_per_s"))} for r in rows]
 
     assert numbers(first) == numbers(second)

@@ -1,10 +1,21 @@
 import random
 
 import pytest
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from bapo.demo.task import (TaskConfig, candidates, demonstrations, evaluate_attempt, format_prompt, make_split,
-                            parse_prompt, sample_problem, verify, worked_solution)
+from bapo.demo.task import (
+    TaskConfig,
+    candidates,
+    demonstrations,
+    evaluate_attempt,
+    format_prompt,
+    make_split,
+    parse_prompt,
+    sample_problem,
+    verify,
+    worked_solution,
+)
 
 ROW = {"prompt": "7,12,5>17:", "answer": "12+5"}
 
@@ -16,24 +27,35 @@ def test_prompt_round_trips():
         parse_prompt("7+12=")
 
 
-@pytest.mark.parametrize("response", [
-    "12+5=17", "12-7=5\n7+12=19\n12+5=17", "5+12=17", " 7+5=12\n12+5=17 \n",
-])
+@pytest.mark.parametrize(
+    "response",
+    [
+        "12+5=17",
+        "12-7=5\n7+12=19\n12+5=17",
+        "5+12=17",
+        " 7+5=12\n12+5=17 \n",
+    ],
+)
 def test_hits_verify(response):
     assert verify(response, ROW) == 1.0
 
 
-@pytest.mark.parametrize("response", [
-    "",
-    "12-7=5\n7+12=19",            # ran out of budget without a hit
-    "12-7=5\n7+12=1",             # cut off mid-line by the budget
-    "12+5=18",                    # wrong arithmetic
-    "10+7=17",                    # 10 is not a prompt number
-    "12+12=24\n12+5=17",          # 12 used twice (only one 12 in the prompt)
-    "5-12=-7\n12+5=17",           # "-" must be larger minus smaller
-    "12+5=17\n7+5=12",            # kept going after the hit
-    "17", "12+5=17x", "answer:17",
-])
+@pytest.mark.parametrize(
+    "response",
+    [
+        "",
+        "12-7=5\n7+12=19",  # ran out of budget without a hit
+        "12-7=5\n7+12=1",  # cut off mid-line by the budget
+        "12+5=18",  # wrong arithmetic
+        "10+7=17",  # 10 is not a prompt number
+        "12+12=24\n12+5=17",  # 12 used twice (only one 12 in the prompt)
+        "5-12=-7\n12+5=17",  # "-" must be larger minus smaller
+        "12+5=17\n7+5=12",  # kept going after the hit
+        "17",
+        "12+5=17x",
+        "answer:17",
+    ],
+)
 def test_misses_get_zero(response):
     assert verify(response, ROW) == 0.0
 
@@ -65,7 +87,7 @@ def test_demonstrations_verify_and_stop_at_the_hit(seed):
 def test_demonstrations_order_attempts_at_random():
     rows, _ = make_split(TaskConfig(n_train=400, n_heldout=8))
     texts = demonstrations(rows, seed=0)
-    attempts = [len(t[len(r["prompt"]):].split("\n")) for t, r in zip(texts, rows)]
+    attempts = [len(t[len(r["prompt"]) :].split("\n")) for t, r in zip(texts, rows)]
     # a random order of 6 candidates puts the hit at position 1..6 uniformly: mean 3.5
     assert 3.2 < sum(attempts) / len(attempts) < 3.8
     assert demonstrations(rows, seed=0) == texts and demonstrations(rows, seed=1) != texts
@@ -74,7 +96,7 @@ def test_demonstrations_order_attempts_at_random():
 def test_heldout_split_is_fixed_and_disjoint():
     a_train, a_held = make_split(TaskConfig(n_train=500, n_heldout=64))
     b_train, b_held = make_split(TaskConfig(n_train=300, n_heldout=64, train_seed=7))
-    assert a_held == b_held                        # depends only on its own seed
+    assert a_held == b_held  # depends only on its own seed
     assert len({r["prompt"] for r in a_held}) == 64
     assert not {r["prompt"] for r in a_train} & {r["prompt"] for r in a_held}
     assert a_train != b_train

@@ -10,9 +10,18 @@ from tests.integrations.test_trl_trainer import make_trainer, tiny_model_dir  # 
 
 
 def test_entropy_target_moves_after_the_hold_and_is_logged(tiny_model_dir, tmp_path):  # noqa: F811
-    trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=4, num_iterations=2, bapo_target=0.6,
-                           bapo_target_mode="entropy", bapo_target_hold_updates=1, bapo_target_gain=5.0,
-                           bapo_target_min=0.1, bapo_target_max=0.9)
+    trainer = make_trainer(
+        tiny_model_dir,
+        tmp_path,
+        max_steps=4,
+        num_iterations=2,
+        bapo_target=0.6,
+        bapo_target_mode="entropy",
+        bapo_target_hold_updates=1,
+        bapo_target_gain=5.0,
+        bapo_target_min=0.1,
+        bapo_target_max=0.9,
+    )
     trainer.train()
     targets = [entry["bapo/target"] for entry in trainer.state.log_history if "loss" in entry]
     assert len(targets) == 4 and targets[:2] == [0.6, 0.6]  # step 1: no entropy yet; step 2: set point taken
@@ -21,8 +30,14 @@ def test_entropy_target_moves_after_the_hold_and_is_logged(tiny_model_dir, tmp_p
 
 
 def test_controller_state_is_in_the_checkpoint(tiny_model_dir, tmp_path):  # noqa: F811
-    options = {"num_iterations": 2, "bapo_target": 0.6, "bapo_target_mode": "entropy", "bapo_target_hold_updates": 1,
-                   "bapo_target_min": 0.1, "bapo_target_max": 0.9}
+    options = {
+        "num_iterations": 2,
+        "bapo_target": 0.6,
+        "bapo_target_mode": "entropy",
+        "bapo_target_hold_updates": 1,
+        "bapo_target_min": 0.1,
+        "bapo_target_max": 0.9,
+    }
     trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=3, save_strategy="steps", save_steps=3, **options)
     trainer.train()
     saved = trainer._bapo_target.state_dict()

@@ -42,9 +42,28 @@ def runs(tmp_path_factory):
     single = run([sys.executable, str(SCRIPT), str(model), str(root / "one")], root / "one")
     # --multi_gpu, not --cpu: without GPUs it starts 2 torchrun processes that TRL's use_cpu=True makes
     # gloo ranks; accelerate's --cpu launcher would start a single process (it needs MPI for more)
-    double = run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
-                  "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-                  "--main_process_port", str(free_port()), str(SCRIPT), str(model), str(root / "two")], root / "two")
+    double = run(
+        [
+            sys.executable,
+            "-m",
+            "accelerate.commands.launch",
+            "--multi_gpu",
+            "--num_processes",
+            "2",
+            "--num_machines",
+            "1",
+            "--mixed_precision",
+            "no",
+            "--dynamo_backend",
+            "no",
+            "--main_process_port",
+            str(free_port()),
+            str(SCRIPT),
+            str(model),
+            str(root / "two"),
+        ],
+        root / "two",
+    )
     return single, double
 
 

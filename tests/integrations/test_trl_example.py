@@ -19,4 +19,4 @@ def test_example_runs(tmp_path, monkeypatch, capsys):
     table = capsys.readouterr().out.splitlines()
     header = next(index for index, line in enumerate(table) if line.startswith("step "))
     assert "bapo/upper" in table[header]
-    assert [line.split()[0] for line in table[header + 1:header + 3]] == ["1", "2"]
+    assert [line.split()[0] for line in table[header + 1 : header + 3]] == ["1", "2"]

@@ -24,8 +24,8 @@ from trl import GRPOTrainer  # noqa: E402
 
 from bapo.core import BAPOConfig, policy_loss, search_bounds, token_ratio  # noqa: E402
 from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer  # noqa: E402
-from bapo.integrations.trl.trainer import starts_optimizer_step  # noqa: E402
 from bapo.integrations.trl.tiny import addition_prompts, build_tiny_model, digit_match_reward  # noqa: E402
+from bapo.integrations.trl.trainer import starts_optimizer_step  # noqa: E402
 
 GROUP = 4
 MICRO_BATCH = 4
@@ -40,10 +40,22 @@ def tiny_model_dir(tmp_path_factory):
 
 def make_args(tmp_path, **overrides) -> BAPOGRPOConfig:
     settings = dict(
-        output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
-        beta=0.0, temperature=1.0, num_generations=GROUP, per_device_train_batch_size=MICRO_BATCH,
-        gradient_accumulation_steps=ACCUMULATION, steps_per_generation=STEPS_PER_GENERATION,
-        max_completion_length=8, learning_rate=3e-3, logging_steps=1, seed=0, dataloader_num_workers=0,
+        output_dir=str(tmp_path / "out"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        beta=0.0,
+        temperature=1.0,
+        num_generations=GROUP,
+        per_device_train_batch_size=MICRO_BATCH,
+        gradient_accumulation_steps=ACCUMULATION,
+        steps_per_generation=STEPS_PER_GENERATION,
+        max_completion_length=8,
+        learning_rate=3e-3,
+        logging_steps=1,
+        seed=0,
+        dataloader_num_workers=0,
     )
     settings.update(overrides)
     return BAPOGRPOConfig(**settings)
@@ -51,8 +63,12 @@ def make_args(tmp_path, **overrides) -> BAPOGRPOConfig:
 
 def make_trainer(tiny_model_dir, tmp_path, trainer_class=BAPOGRPOTrainer, **overrides) -> BAPOGRPOTrainer:
     dataset = Dataset.from_list(addition_prompts(64))
-    return trainer_class(model=tiny_model_dir, reward_funcs=digit_match_reward,
-                         args=make_args(tmp_path, **overrides), train_dataset=dataset)
+    return trainer_class(
+        model=tiny_model_dir,
+        reward_funcs=digit_match_reward,
+        args=make_args(tmp_path, **overrides),
+        train_dataset=dataset,
+    )
 
 
 def micro_batch(trainer, generator: torch.Generator, completion_len: int = 6, noise: float = 0.4) -> dict:
@@ -63,8 +79,10 @@ def micro_batch(trainer, generator: torch.Generator, completion_len: int = 6, no
     lengths = torch.randint(2, completion_len + 1, (MICRO_BATCH, 1), generator=generator)
     completion_mask = (torch.arange(completion_len) < lengths).long()
     batch = {
-        "prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids),
-        "completion_ids": completion_ids, "completion_mask": completion_mask,
+        "prompt_ids": prompt_ids,
+        "prompt_mask": torch.ones_like(prompt_ids),
+        "completion_ids": completion_ids,
+        "completion_mask": completion_mask,
         "advantages": torch.randn(MICRO_BATCH, generator=generator),
     }
     with torch.no_grad():
@@ -86,8 +104,10 @@ def generation_buffer(trainer, seed: int = 0) -> list[dict]:
 def current_log_prob(trainer, batch):
     with torch.no_grad():
         return trainer._get_per_token_logps_and_entropies(
-            trainer.model, torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
-            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1), batch["completion_ids"].size(1),
+            trainer.model,
+            torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1),
+            torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1),
+            batch["completion_ids"].size(1),
             compute_entropy=True,
         )[:2]
 
@@ -109,14 +129,17 @@ def test_config_mirrors_core_bapo_config(tmp_path):
     assert grpo.bapo_loss_params() == pytest.approx({"lower": 0.8, "upper": 1.28})
 
 
-@pytest.mark.parametrize("overrides, field_name", [
-    ({"loss_type": "sapo"}, "loss_type"),
-    ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
-    ({"delta": 3.0}, "delta"),
-    ({"bapo_method": "gpro"}, "bapo_method"),
-    ({"bapo_lower": 0.7}, "bapo_lower"),  # fixed bounds with the adaptive method
-    ({"bapo_target": 1.5}, "target"),
-])
+@pytest.mark.parametrize(
+    "overrides, field_name",
+    [
+        ({"loss_type": "sapo"}, "loss_type"),
+        ({"importance_sampling_level": "sequence"}, "importance_sampling_level"),
+        ({"delta": 3.0}, "delta"),
+        ({"bapo_method": "gpro"}, "bapo_method"),
+        ({"bapo_lower": 0.7}, "bapo_lower"),  # fixed bounds with the adaptive method
+        ({"bapo_target": 1.5}, "target"),
+    ],
+)
 def test_config_refuses_what_bapo_does_not_do(tmp_path, overrides, field_name):
     with pytest.raises(ValueError, match=field_name):
         make_args(tmp_path, **overrides)
@@ -130,35 +153,52 @@ def test_bapo_bounds_see_the_whole_optimizer_step_and_loss_equals_core(tiny_mode
     # the two optimizer steps of the second pass over one generation (micro-batches 4-5 and 6-7)
     for first in (STEPS_PER_GENERATION, STEPS_PER_GENERATION + ACCUMULATION):
         start_optimizer_step(trainer, buffer, first)
-        step_batches = buffer[first % STEPS_PER_GENERATION:first % STEPS_PER_GENERATION + ACCUMULATION]
+        step_batches = buffer[first % STEPS_PER_GENERATION : first % STEPS_PER_GENERATION + ACCUMULATION]
         tensors = []
         for batch in step_batches:
             log_prob, entropy = current_log_prob(trainer, batch)
             mask = batch["completion_mask"]
             advantages = batch["advantages"][:, None].expand_as(mask)
             tensors.append((log_prob, entropy, mask, advantages))
-        ratios = torch.cat([token_ratio(lp, batch["old_per_token_logps"]) for (lp, *_), batch in zip(tensors, step_batches)])
+        ratios = torch.cat(
+            [token_ratio(lp, batch["old_per_token_logps"]) for (lp, *_), batch in zip(tensors, step_batches)]
+        )
         assert (ratios - 1).abs().max() > 0.3  # off-policy: the bounds matter
-        expected_bounds = search_bounds(ratios, torch.cat([t[3] for t in tensors]), torch.cat([t[2] for t in tensors]), config)
-        per_micro_batch = [search_bounds(token_ratio(lp, batch["old_per_token_logps"]), adv, mask, config)
-                           for (lp, _, mask, adv), batch in zip(tensors, step_batches)]
+        expected_bounds = search_bounds(
+            ratios, torch.cat([t[3] for t in tensors]), torch.cat([t[2] for t in tensors]), config
+        )
+        per_micro_batch = [
+            search_bounds(token_ratio(lp, batch["old_per_token_logps"]), adv, mask, config)
+            for (lp, _, mask, adv), batch in zip(tensors, step_batches)
+        ]
         # a per-micro-batch search would have used other bounds (checked over both steps below)
-        differs_per_micro_batch |= any((found.lower, found.upper) != (expected_bounds.lower, expected_bounds.upper)
-                                       for found in per_micro_batch)
+        differs_per_micro_batch |= any(
+            (found.lower, found.upper) != (expected_bounds.lower, expected_bounds.upper) for found in per_micro_batch
+        )
         tokens_per_step = float(buffer[0]["num_items_in_batch"]) * ACCUMULATION / STEPS_PER_GENERATION
 
         for index, (batch, (log_prob, entropy, mask, advantages)) in enumerate(zip(step_batches, tensors)):
             trainer._step = first + index
             loss = trainer._compute_loss(trainer.model, batch)
-            expected, _ = policy_loss(log_prob, batch["old_per_token_logps"], advantages, mask, "bapo",
-                                      normalizer=tokens_per_step, entropy=entropy,
-                                      bapo=config, bounds=(expected_bounds.lower, expected_bounds.upper))
+            expected, _ = policy_loss(
+                log_prob,
+                batch["old_per_token_logps"],
+                advantages,
+                mask,
+                "bapo",
+                normalizer=tokens_per_step,
+                entropy=entropy,
+                bapo=config,
+                bounds=(expected_bounds.lower, expected_bounds.upper),
+            )
             torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
             assert loss.requires_grad
 
     assert differs_per_micro_batch
     metrics = trainer._metrics["train"]
-    step_tokens = [float(sum(b["completion_mask"].sum() for b in buffer[i:i + ACCUMULATION])) for i in (0, ACCUMULATION)]
+    step_tokens = [
+        float(sum(b["completion_mask"].sum() for b in buffer[i : i + ACCUMULATION])) for i in (0, ACCUMULATION)
+    ]
     assert metrics["bapo/search/tokens"] == step_tokens  # one search per step, over all its micro-batches
     assert metrics["bapo/search/scope"] == [0.0, 0.0]
     assert metrics["bapo/upper"][-1] == expected_bounds.upper
@@ -205,8 +245,16 @@ def test_micro_batch_scope_solves_each_micro_batch_from_its_own_forward(tiny_mod
         calls = len(forwards)
         loss = trainer._compute_loss(trainer.model, batch)
         assert len(forwards) == calls + 1  # the loss's own forward only
-        expected, _ = policy_loss(log_prob, batch["old_per_token_logps"], advantages, mask, "bapo",
-                                  normalizer=tokens_per_step, entropy=entropy, bounds=(found.lower, found.upper))
+        expected, _ = policy_loss(
+            log_prob,
+            batch["old_per_token_logps"],
+            advantages,
+            mask,
+            "bapo",
+            normalizer=tokens_per_step,
+            entropy=entropy,
+            bounds=(found.lower, found.upper),
+        )
         torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
     metrics = trainer._metrics["train"]
     assert metrics["bapo/search/upper"] == [found.upper for found in found_all]
@@ -232,8 +280,9 @@ def test_optimizer_step_boundaries_come_from_trl_state(tiny_model_dir, tmp_path)
 
 @pytest.mark.parametrize("loss_type", ["dapo", "bnpo", "grpo", "dr_grpo"])
 def test_grpo_method_reproduces_trl_loss(tiny_model_dir, tmp_path, loss_type):
-    trainer = make_trainer(tiny_model_dir, tmp_path, bapo_method="grpo", loss_type=loss_type,
-                           epsilon=0.2, epsilon_high=0.28)
+    trainer = make_trainer(
+        tiny_model_dir, tmp_path, bapo_method="grpo", loss_type=loss_type, epsilon=0.2, epsilon_high=0.28
+    )
     buffer = generation_buffer(trainer, seed=1)
     start_optimizer_step(trainer, buffer, 0)
     for batch in buffer[:ACCUMULATION]:
@@ -266,8 +315,12 @@ def test_vllm_importance_weights_and_kl_match_trl(tiny_model_dir, tmp_path):
     masks = torch.cat([batch["completion_mask"] for batch in step])
     weighted = torch.cat([batch["advantages"][:, None] * batch["importance_sampling_ratio"] for batch in step])
     expected = search_bounds(ratios, weighted, masks, bapo.args.bapo_config())
-    unweighted = search_bounds(ratios, torch.cat([batch["advantages"][:, None].expand_as(batch["completion_mask"])
-                                                  for batch in step]), masks, bapo.args.bapo_config())
+    unweighted = search_bounds(
+        ratios,
+        torch.cat([batch["advantages"][:, None].expand_as(batch["completion_mask"]) for batch in step]),
+        masks,
+        bapo.args.bapo_config(),
+    )
     assert unweighted.upper != expected.upper  # the weights change the answer on this batch
     bapo._compute_loss(bapo.model, step[0])
     assert (bapo._step_search.lower, bapo._step_search.upper) == (expected.lower, expected.upper)
@@ -280,8 +333,17 @@ def test_training_off_policy_logs_bapo_metrics(tiny_model_dir, tmp_path):
     assert len(logs) == 3
     config = trainer.args.bapo_config()
     for entry in logs:
-        for key in ("bapo/lower", "bapo/upper", "bapo/positive_share", "bapo/clip_frac/upper", "bapo/clip_frac/lower",
-                    "bapo/quadrant/low_pos/loss_share", "bapo/ratio/mean", "bapo/entropy", "bapo/search/reached"):
+        for key in (
+            "bapo/lower",
+            "bapo/upper",
+            "bapo/positive_share",
+            "bapo/clip_frac/upper",
+            "bapo/clip_frac/lower",
+            "bapo/quadrant/low_pos/loss_share",
+            "bapo/ratio/mean",
+            "bapo/entropy",
+            "bapo/search/reached",
+        ):
             assert key in entry and math.isfinite(entry[key]), key
         assert entry["bapo/search/scope"] == 0.0 and math.isfinite(entry["bapo/search/share"])
         assert config.lower_start <= entry["bapo/lower"] <= config.lower_max
@@ -292,9 +354,15 @@ def test_training_off_policy_logs_bapo_metrics(tiny_model_dir, tmp_path):
     assert any(entry["bapo/ratio/max"] > 1 + 1e-4 or entry["bapo/ratio/min"] < 1 - 1e-4 for entry in later)
 
 
-@pytest.mark.parametrize("method, kwargs", [
-    ("clip-higher", {}), ("dual-clip", {"bapo_method_kwargs": '{"dual_clip": 3.0}'}), ("topr", {}), ("dcpo", {}),
-])
+@pytest.mark.parametrize(
+    "method, kwargs",
+    [
+        ("clip-higher", {}),
+        ("dual-clip", {"bapo_method_kwargs": '{"dual_clip": 3.0}'}),
+        ("topr", {}),
+        ("dcpo", {}),
+    ],
+)
 def test_every_core_method_trains(tiny_model_dir, tmp_path, method, kwargs):
     trainer = make_trainer(tiny_model_dir, tmp_path, bapo_method=method, max_steps=1, **kwargs)
     trainer.train()
@@ -313,8 +381,19 @@ def test_evaluate_searches_on_the_eval_batch(tiny_model_dir, tmp_path):
 EXTRA_TRL = [path for path in os.environ.get("BAPO_EXTRA_TRL_PATHS", "").split(os.pathsep) if path]
 
 
-@pytest.mark.parametrize("trl_path", EXTRA_TRL or [pytest.param(None, marks=pytest.mark.skip(
-    reason="no other TRL of the pinned range installed; set BAPO_EXTRA_TRL_PATHS to `pip install --target` dirs"))])
+@pytest.mark.parametrize(
+    "trl_path",
+    EXTRA_TRL
+    or [
+        pytest.param(
+            None,
+            marks=pytest.mark.skip(
+                reason="no other TRL of the pinned range installed; "
+                "set BAPO_EXTRA_TRL_PATHS to `pip install --target` dirs"
+            ),
+        )
+    ],
+)
 def test_optimizer_step_boundaries_on_other_trl_versions(trl_path):
     """The boundary test above against another TRL of the pinned range, installed with
     `pip install --no-deps --target DIR trl==X` (the shared venv keeps its own TRL)."""
@@ -322,7 +401,21 @@ def test_optimizer_step_boundaries_on_other_trl_versions(trl_path):
     import sys
 
     env = {**os.environ, "PYTHONPATH": trl_path, "BAPO_EXTRA_TRL_PATHS": "", "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", __file__,
-                           "-k", "boundaries_come_from_trl_state or whole_optimizer_step or micro_batch_scope"],
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-p",
+            "no:cacheprovider",
+            __file__,
+            "-k",
+            "boundaries_come_from_trl_state or whole_optimizer_step or micro_batch_scope",
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert done.returncode == 0, done.stdout[-3000:]

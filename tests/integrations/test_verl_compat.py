@@ -38,8 +38,16 @@ def test_pin_covers_the_version_written_for():
     assert verl_pin == [f"verl{SUPPORTED}"] and WRITTEN_FOR.startswith("0.9.")
 
 
-def with_extra_entropy(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-                       rollout_is_weights=None, entropy=None):
+def with_extra_entropy(
+    old_log_prob,
+    log_prob,
+    advantages,
+    response_mask,
+    loss_agg_mode="token-mean",
+    config=None,
+    rollout_is_weights=None,
+    entropy=None,
+):
     """A future verl passing one more argument."""
 
 
@@ -47,16 +55,20 @@ def without_weights(old_log_prob, log_prob, advantages, response_mask, loss_agg_
     """An older verl without rollout_is_weights."""
 
 
-def swapped(log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
-            rollout_is_weights=None):
+def swapped(
+    log_prob, old_log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None
+):
     """The same names in another order."""
 
 
-@pytest.mark.parametrize("reference, expected", [
-    (with_extra_entropy, "new \\['entropy'\\]"),
-    (without_weights, "missing \\['rollout_is_weights'\\]"),
-    (swapped, "reordered"),
-])
+@pytest.mark.parametrize(
+    "reference, expected",
+    [
+        (with_extra_entropy, "new \\['entropy'\\]"),
+        (without_weights, "missing \\['rollout_is_weights'\\]"),
+        (swapped, "reordered"),
+    ],
+)
 def test_a_changed_verl_signature_fails_loudly_naming_the_versions(reference, expected):
     with pytest.raises(VerlVersionError, match=expected) as err:
         check_verl_api(reference)
@@ -72,15 +84,24 @@ def test_registered_losses_accept_exactly_verls_arguments():
 
     generator = torch.Generator().manual_seed(0)
     old = -torch.rand(3, 5, generator=generator)
-    inputs = dict(old_log_prob=old, log_prob=old + 0.1 * torch.randn(3, 5, generator=generator),
-                  advantages=torch.randn(3, 1, generator=generator).expand(3, 5).contiguous(),
-                  response_mask=torch.ones(3, 5, dtype=torch.bool), loss_agg_mode="token-mean",
-                  rollout_is_weights=None)
+    inputs = dict(
+        old_log_prob=old,
+        log_prob=old + 0.1 * torch.randn(3, 5, generator=generator),
+        advantages=torch.randn(3, 1, generator=generator).expand(3, 5).contiguous(),
+        response_mask=torch.ones(3, 5, dtype=torch.bool),
+        loss_agg_mode="token-mean",
+        rollout_is_weights=None,
+    )
     assert set(inputs) | {"config"} == set(POLICY_LOSS_ARGS)
     for method in VERL_LOSSES:
         fn = get_policy_loss_fn(method)
         assert tuple(inspect.signature(fn).parameters) == POLICY_LOSS_ARGS
-        config = ActorConfig(strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, rollout_n=4,
-                             policy_loss=BAPOPolicyLossConfig(loss_mode=method))
+        config = ActorConfig(
+            strategy="fsdp",
+            ppo_mini_batch_size=4,
+            ppo_micro_batch_size_per_gpu=2,
+            rollout_n=4,
+            policy_loss=BAPOPolicyLossConfig(loss_mode=method),
+        )
         loss, metrics = fn(config=config, **inputs)  # by keyword, as verl's ppo_loss calls it
         assert torch.isfinite(loss) and metrics

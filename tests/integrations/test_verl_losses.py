@@ -189,14 +189,21 @@ def test_metrics_use_verl_names_and_the_solved_bounds():
     policy_loss_config = BAPOPolicyLossConfig(loss_mode="bapo")
     solved = SearchResult(lower=0.66, upper=1.85, positive_share=0.52, reached=True, steps=13, pos_neg=0.52 / 0.48)
     with optimizer_step_bounds(StepBounds("step", solved=solved, tokens=40)):
-        _, _, metrics = run_registered("bapo", "token-mean", actor_config("token-mean", policy_loss_config, {}),
-                                       tokens, True)
+        _, _, metrics = run_registered(
+            "bapo", "token-mean", actor_config("token-mean", policy_loss_config, {}), tokens, True
+        )
     assert metrics["actor/bapo/lower"] == 0.66 and metrics["actor/bapo/upper"] == 1.85
     assert metrics["actor/bapo/search/share"] == 0.52 and metrics["actor/bapo/search/steps"] == 13.0
     assert metrics["actor/bapo/search/tokens"] == 40.0 and metrics["actor/bapo/search/scope"] == 0.0
     assert metrics["actor/bapo/search/pos_neg"] == pytest.approx(0.52 / 0.48)
-    for key in ("actor/pg_clipfrac", "actor/ppo_kl", "actor/bapo/clip_frac/upper", "actor/bapo/clip_frac/lower",
-                "actor/bapo/approx_kl", "actor/bapo/quadrant/low_pos/clip_frac"):
+    for key in (
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "actor/bapo/clip_frac/upper",
+        "actor/bapo/clip_frac/lower",
+        "actor/bapo/approx_kl",
+        "actor/bapo/quadrant/low_pos/clip_frac",
+    ):
         assert math.isfinite(metrics[key]), key
     assert metrics["actor/pg_clipfrac_lower"] >= 0  # verl's name: the dual-clip fraction of all tokens
     assert all(isinstance(value, float) for value in metrics.values())
@@ -208,14 +215,21 @@ def test_micro_batch_scope_searches_this_micro_batch(weighted):
     tokens = make_tokens(seed=4)
     policy_loss_config = BAPOPolicyLossConfig(loss_mode="bapo", target=0.6, scope="micro_batch")
     with optimizer_step_bounds(StepBounds("micro_batch")):
-        loss, grad, metrics = run_registered("bapo", "token-mean", actor_config("token-mean", policy_loss_config, {}),
-                                             tokens, weighted)
-    found = search_bounds(token_ratio(tokens["log_prob"], tokens["old_log_prob"]), tokens["advantages"],
-                          tokens["response_mask"].bool(), policy_loss_config.bapo_config(),
-                          weights=tokens["rollout_is_weights"] if weighted else None)
+        loss, grad, metrics = run_registered(
+            "bapo", "token-mean", actor_config("token-mean", policy_loss_config, {}), tokens, weighted
+        )
+    found = search_bounds(
+        token_ratio(tokens["log_prob"], tokens["old_log_prob"]),
+        tokens["advantages"],
+        tokens["response_mask"].bool(),
+        policy_loss_config.bapo_config(),
+        weights=tokens["rollout_is_weights"] if weighted else None,
+    )
     assert (metrics["actor/bapo/search/lower"], metrics["actor/bapo/search/upper"]) == (found.lower, found.upper)
     assert metrics["actor/bapo/search/scope"] == 1.0
-    expected_loss, expected_grad = run_core("bapo", "token-mean", {}, tokens, weighted, bounds=(found.lower, found.upper))
+    expected_loss, expected_grad = run_core(
+        "bapo", "token-mean", {}, tokens, weighted, bounds=(found.lower, found.upper)
+    )
     torch.testing.assert_close(loss, expected_loss)
     torch.testing.assert_close(grad, expected_grad)
 

@@ -39,8 +39,13 @@ PER_RANK, MINI_BATCH, EPOCHS = 8, 8, 2  # 2 mini-batches of 4 per rank per epoch
 # Rank 0 answers short, rank 1 long: with these token budgets their micro-batch counts differ.
 RESPONSE_LENGTHS = ([2, 3, 4, 2, 3, 4, 2, 3], [12, 10, 11, 9, 12, 10, 11, 9])
 TRAIN_TOKENS, PROBE_TOKENS = 16, 32
-LOSS_CONFIG = {"_target_": "bapo.integrations.verl.BAPOPolicyLossConfig", "loss_mode": "bapo",
-               "target": 0.6, "lower_step": 0.05, "upper_step": 0.1}
+LOSS_CONFIG = {
+    "_target_": "bapo.integrations.verl.BAPOPolicyLossConfig",
+    "loss_mode": "bapo",
+    "target": 0.6,
+    "lower_step": 0.05,
+    "upper_step": 0.1,
+}
 
 
 def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
@@ -48,8 +53,15 @@ def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    config = Qwen2Config(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
     return Qwen2ForCausalLM(config).double()
 
 
@@ -116,8 +128,9 @@ class CPUEngine(BaseEngine):
             return micro_batches, indices
         count = torch.tensor(len(micro_batches))
         dist.all_reduce(count, op=dist.ReduceOp.MAX, group=self.group)
-        return prepare_micro_batches(data=data, dp_group=self.group, same_micro_num_in_dp=False,
-                                     min_num_micro_batch=int(count))
+        return prepare_micro_batches(
+            data=data, dp_group=self.group, same_micro_num_in_dp=False, min_num_micro_batch=int(count)
+        )
 
     def forward_backward_batch(self, data: TensorDict, loss_function, forward_only=False):
         tu.assign_non_tensor(data, sp_size=1)
@@ -153,13 +166,22 @@ def make_shard(rank: int, model: torch.nn.Module) -> TensorDict:
     with torch.no_grad():
         logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
         token_log_probs = torch.log_softmax(logits[:, :-1], -1).gather(-1, input_ids[:, 1:, None]).squeeze(-1)
-    current = token_log_probs[:, PROMPT - 1:]
-    old_log_probs = (current + 0.6 * torch.randn(current.shape, generator=generator, dtype=current.dtype)) * response_mask
+    current = token_log_probs[:, PROMPT - 1 :]
+    old_log_probs = (
+        current + 0.6 * torch.randn(current.shape, generator=generator, dtype=current.dtype)
+    ) * response_mask
     advantages = torch.where(torch.arange(PER_RANK) % 2 == 0, 1.0, -1.0).double()[:, None] * response_mask
     return TensorDict(
-        {"prompts": prompts, "responses": responses, "input_ids": input_ids, "attention_mask": attention_mask,
-         "position_ids": (attention_mask.cumsum(-1) - 1).clamp_min(0), "response_mask": response_mask,
-         "old_log_probs": old_log_probs, "advantages": advantages},
+        {
+            "prompts": prompts,
+            "responses": responses,
+            "input_ids": input_ids,
+            "attention_mask": attention_mask,
+            "position_ids": (attention_mask.cumsum(-1) - 1).clamp_min(0),
+            "response_mask": response_mask,
+            "old_log_probs": old_log_probs,
+            "advantages": advantages,
+        },
         batch_size=[PER_RANK],
     )
 
@@ -171,8 +193,11 @@ def no_padding(batch: TensorDict) -> TensorDict:
 
 def interleave(shards: list[TensorDict], per_rank_mini_batch: int) -> TensorDict:
     """The concatenation whose k-th global mini-batch is every rank's k-th mini-batch."""
-    pieces = [shard[start:start + per_rank_mini_batch] for start in range(0, PER_RANK, per_rank_mini_batch)
-              for shard in shards]
+    pieces = [
+        shard[start : start + per_rank_mini_batch]
+        for start in range(0, PER_RANK, per_rank_mini_batch)
+        for shard in shards
+    ]
     return torch.cat(pieces, dim=0)
 
 
@@ -191,18 +216,32 @@ def make_worker(group, model, scope: str = "step", dynamic_batch_size: bool = Tr
             self.solved.append(found)
             return found, tokens
 
-    actor_config = omega_conf_to_dataclass(OmegaConf.create({  # Hydra instantiation, as init_model does
-        "_target_": "verl.workers.config.FSDPActorConfig", "strategy": "fsdp", "ppo_mini_batch_size": MINI_BATCH,
-        "use_dynamic_bsz": True, "ppo_max_token_len_per_gpu": TRAIN_TOKENS, "rollout_n": 1,
-        "policy_loss": {**LOSS_CONFIG, "scope": scope},
-    }))
+    actor_config = omega_conf_to_dataclass(
+        OmegaConf.create(
+            {  # Hydra instantiation, as init_model does
+                "_target_": "verl.workers.config.FSDPActorConfig",
+                "strategy": "fsdp",
+                "ppo_mini_batch_size": MINI_BATCH,
+                "use_dynamic_bsz": True,
+                "ppo_max_token_len_per_gpu": TRAIN_TOKENS,
+                "rollout_n": 1,
+                "policy_loss": {**LOSS_CONFIG, "scope": scope},
+            }
+        )
+    )
     worker = RecordingWorker.__new__(RecordingWorker)  # TrainingWorker.__init__ needs Ray and an engine registry
     worker.engine = CPUEngine(model, group)
-    worker.engine_config = OmegaConf.create({
-        "use_dynamic_bsz": dynamic_batch_size, "max_token_len_per_gpu": TRAIN_TOKENS, "micro_batch_size_per_gpu": None if dynamic_batch_size else 2,
-        "infer_max_token_len_per_gpu": PROBE_TOKENS, "infer_micro_batch_size_per_gpu": None,
-        "use_fused_kernels": False, "forward_only": False,
-    })
+    worker.engine_config = OmegaConf.create(
+        {
+            "use_dynamic_bsz": dynamic_batch_size,
+            "max_token_len_per_gpu": TRAIN_TOKENS,
+            "micro_batch_size_per_gpu": None if dynamic_batch_size else 2,
+            "infer_max_token_len_per_gpu": PROBE_TOKENS,
+            "infer_micro_batch_size_per_gpu": None,
+            "use_fused_kernels": False,
+            "forward_only": False,
+        }
+    )
     worker.model_config = {}
     worker.device_name = "cpu"
     worker.flops_counter = None
@@ -213,8 +252,15 @@ def make_worker(group, model, scope: str = "step", dynamic_batch_size: bool = Tr
 
 
 def train(worker, data: TensorDict):
-    tu.assign_non_tensor(data, mini_batch_size=MINI_BATCH, global_batch_size=MINI_BATCH, epochs=EPOCHS, seed=0,
-                         dataloader_kwargs={"shuffle": False}, calculate_entropy=False)
+    tu.assign_non_tensor(
+        data,
+        mini_batch_size=MINI_BATCH,
+        global_batch_size=MINI_BATCH,
+        epochs=EPOCHS,
+        seed=0,
+        dataloader_kwargs={"shuffle": False},
+        calculate_entropy=False,
+    )
     return tu.get(worker.train_mini_batch(data), "metrics")
 
 
@@ -232,18 +278,24 @@ def rank_main(rank: int, world_size: int, port: int, out_dir: str):
 
     worker = make_worker(dist.group.WORLD, tiny_qwen2())
     metrics = train(worker, no_padding(shards[rank]))
-    result = {"solved": worker.solved, "probe_micro_batch_counts": worker.engine.probe_micro_batch_counts,
-              "all_reduces": all_reduces.count,
-              "metrics": {k: v for k, v in metrics.items() if k.startswith("actor/") or k in ("loss", "grad_norm")}}
+    result = {
+        "solved": worker.solved,
+        "probe_micro_batch_counts": worker.engine.probe_micro_batch_counts,
+        "all_reduces": all_reduces.count,
+        "metrics": {k: v for k, v in metrics.items() if k.startswith("actor/") or k in ("loss", "grad_norm")},
+    }
 
     # scope micro_batch: no pre-pass; CPUEngine gives every rank the same micro-batch count in
     # training (as FSDPEngine does), which a run without dynamic batch sizes guarantees
     micro_worker = make_worker(dist.group.WORLD, tiny_qwen2(), scope="micro_batch", dynamic_batch_size=False)
     before = all_reduces.count
     micro_metrics = train(micro_worker, no_padding(shards[rank]))
-    result["micro"] = {"metrics": {k: v for k, v in micro_metrics.items() if k.startswith("actor/bapo/search/")},
-                       "all_reduces": all_reduces.count - before, "probes": len(micro_worker.engine.probe_micro_batch_counts),
-                       "solved": micro_worker.solved}
+    result["micro"] = {
+        "metrics": {k: v for k, v in micro_metrics.items() if k.startswith("actor/bapo/search/")},
+        "all_reduces": all_reduces.count - before,
+        "probes": len(micro_worker.engine.probe_micro_batch_counts),
+        "solved": micro_worker.solved,
+    }
     try:
         train(make_worker(dist.group.WORLD, tiny_qwen2(), scope="micro_batch"), no_padding(shards[rank]))
     except ValueError as error:

@@ -9,8 +9,9 @@ CPU launcher needs MPI for more.)
 
 Writes OUT_DIR/rank{R}.json with, per optimizer step:
 - "fixed": two optimizer steps (micro-batches 1 and 2 of a generation, so TRL's search really
-  compares ratios: at micro-batch 0 it takes them as 1) on one fixed global batch (8 sequences, off-policy old log-probs),
-  each process taking its rows; the loss through `_compute_loss`, gradients averaged by DDP, SGD.
+  compares ratios: at micro-batch 0 it takes them as 1) on one fixed global batch (8 sequences,
+  off-policy old log-probs), each process taking its rows; the loss through `_compute_loss`,
+  gradients averaged by DDP, SGD.
   Bounds, step loss (mean over ranks) and a parameter fingerprint: equal for 1 and 2 processes.
 - "train": `trainer.train()` for 2 optimizer steps (TRL's own generation, off-policy: 2 micro-batches
   per generation, 1 per step): the bounds each rank used at every step.
@@ -34,14 +35,34 @@ GLOBAL_ROWS, GROUP, COMPLETION = 8, 4, 6
 
 
 def make_trainer(model_dir: str, out: Path, per_device: int, **overrides) -> BAPOGRPOTrainer:
-    settings = dict(output_dir=str(out / "trl"), use_cpu=True, bf16=False, report_to="none", save_strategy="no",
-                    beta=0.0, temperature=1.0, num_generations=GROUP, per_device_train_batch_size=per_device,
-                    gradient_accumulation_steps=1, steps_per_generation=2, num_iterations=1,
-                    max_completion_length=8, learning_rate=3e-3, logging_steps=1, seed=0,
-                    dataloader_num_workers=0, disable_tqdm=True, bapo_target=0.55)
+    settings = dict(
+        output_dir=str(out / "trl"),
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        beta=0.0,
+        temperature=1.0,
+        num_generations=GROUP,
+        per_device_train_batch_size=per_device,
+        gradient_accumulation_steps=1,
+        steps_per_generation=2,
+        num_iterations=1,
+        max_completion_length=8,
+        learning_rate=3e-3,
+        logging_steps=1,
+        seed=0,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+        bapo_target=0.55,
+    )
     settings.update(overrides)
-    return BAPOGRPOTrainer(model=model_dir, reward_funcs=digit_match_reward, args=BAPOGRPOConfig(**settings),
-                           train_dataset=Dataset.from_list(addition_prompts(64)))
+    return BAPOGRPOTrainer(
+        model=model_dir,
+        reward_funcs=digit_match_reward,
+        args=BAPOGRPOConfig(**settings),
+        train_dataset=Dataset.from_list(addition_prompts(64)),
+    )
 
 
 def global_buffer(trainer, steps: int = 2) -> list[dict]:
@@ -54,10 +75,13 @@ def global_buffer(trainer, steps: int = 2) -> list[dict]:
         prompt_ids = torch.randint(3, vocab, (GLOBAL_ROWS, 4), generator=generator)
         completion_ids = torch.randint(3, vocab, (GLOBAL_ROWS, COMPLETION), generator=generator)
         lengths = torch.randint(2, COMPLETION + 1, (GLOBAL_ROWS, 1), generator=generator)
-        batch = {"prompt_ids": prompt_ids, "prompt_mask": torch.ones_like(prompt_ids),
-                 "completion_ids": completion_ids,
-                 "completion_mask": (torch.arange(COMPLETION) < lengths).long(),
-                 "advantages": torch.randn(GLOBAL_ROWS, generator=generator)}
+        batch = {
+            "prompt_ids": prompt_ids,
+            "prompt_mask": torch.ones_like(prompt_ids),
+            "completion_ids": completion_ids,
+            "completion_mask": (torch.arange(COMPLETION) < lengths).long(),
+            "advantages": torch.randn(GLOBAL_ROWS, generator=generator),
+        }
         with torch.no_grad():
             log_prob = trainer._completion_log_probs(trainer.model, batch)[0]
         batch["old_per_token_logps"] = log_prob + 0.4 * torch.randn(log_prob.shape, generator=generator)
@@ -93,9 +117,17 @@ def fixed_batch_steps(model_dir: str, out: Path) -> list[dict]:
             total /= world
         search = trainer._step_search
         params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
-        steps.append({"lower": search.lower, "upper": search.upper, "positive_share": search.positive_share,
-                      "loss": float(total), "param_sum": float(params.double().sum()),
-                      "param_abs_sum": float(params.double().abs().sum()), "param_head": params[:64].tolist()})
+        steps.append(
+            {
+                "lower": search.lower,
+                "upper": search.upper,
+                "positive_share": search.positive_share,
+                "loss": float(total),
+                "param_sum": float(params.double().sum()),
+                "param_abs_sum": float(params.double().abs().sum()),
+                "param_head": params[:64].tolist(),
+            }
+        )
     return steps
 
 

@@ -25,8 +25,14 @@ from bapo.lab.run import Cell, LabConfig, run_cell
 from bapo.train.buffer import minibatch_order
 from bapo.train.config import ConfigError
 
-TINY = LabConfig(task=GuessTask(prompts=3, vocab=6, budget=4, answer_prob=(0.05, 0.2)), group_size=4, steps=3,
-                 seeds=3, lr=100.0, check_cells=("grpo E=2",))
+TINY = LabConfig(
+    task=GuessTask(prompts=3, vocab=6, budget=4, answer_prob=(0.05, 0.2)),
+    group_size=4,
+    steps=3,
+    seeds=3,
+    lr=100.0,
+    check_cells=("grpo E=2",),
+)
 
 
 def test_instance_sets_the_answer_probability_exactly():
@@ -155,8 +161,9 @@ def test_no_signal_updates_have_no_share():
 
 
 def test_runs_are_deterministic_per_seed():
-    both = run_cell(Cell("bapo", staleness=1), LabConfig(**{**TINY.__dict__, "seeds": 2, "first_seed": 0,
-                                                            "group_size": 4}))
+    both = run_cell(
+        Cell("bapo", staleness=1), LabConfig(**{**TINY.__dict__, "seeds": 2, "first_seed": 0, "group_size": 4})
+    )
     alone = run_cell(Cell("bapo", staleness=1), LabConfig(**{**TINY.__dict__, "seeds": 1, "first_seed": 1}))
     for key, series in alone.updates.items():
         assert torch.allclose(both.updates[key][1], series[0], equal_nan=True), key
@@ -180,8 +187,9 @@ def test_claims_come_from_the_runs():
     cells = [Cell("grpo", 0), Cell("grpo", 2)]
     longer = _claims(TINY, cells)
     assert longer["3-negative-dominate"].verdict == "held"
-    equal = _claims(LabConfig(**{**TINY.__dict__, "task": GuessTask(prompts=3, vocab=6, budget=1,
-                                                                       answer_prob=(0.2, 0.5))}), cells)
+    equal = _claims(
+        LabConfig(**{**TINY.__dict__, "task": GuessTask(prompts=3, vocab=6, budget=1, answer_prob=(0.2, 0.5))}), cells
+    )
     assert equal["3-negative-dominate"].verdict == "mixed"
     assert equal["3-negative-dominate"].effect == 0.0  # exactly 0.5, up to float rounding
     # no learning at all: no entropy difference between E = 0 and E = 2
@@ -195,8 +203,9 @@ def test_bapo_lab_quick_json_runs(tmp_path):
 
     from bapo.cli.main import app
 
-    result = CliRunner().invoke(app, ["lab", "--quick", "--json", "--seeds", "2", "--jobs", "1", "--no-plots",
-                                      "--out", str(tmp_path)])
+    result = CliRunner().invoke(
+        app, ["lab", "--quick", "--json", "--seeds", "2", "--jobs", "1", "--no-plots", "--out", str(tmp_path)]
+    )
     assert result.exit_code == 0, result.output
     rows = json.loads(result.output)
     assert {"id", "verdict", "effect", "interval", "seeds", "held"} <= set(rows[0])

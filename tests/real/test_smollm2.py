@@ -28,8 +28,14 @@ CONFIG = ROOT / "examples" / "configs" / "smollm2_cpu.yaml"
 DATA = ROOT / "examples" / "data" / "math_small.jsonl"
 # small sizes: 2 prompts x 8 responses of <= 12 tokens per rollout step (8: SmolLM2 is right ~10% of
 # the time here, so a group of 8 has reward variance far more often than one of 4)
-SMALL = ["rollout.prompts_per_batch=2", "rollout.group_size=8", "rollout.max_new_tokens=12",
-         "optim.micro_batch_size=8", "run.checkpoint_every=1", "run.tensorboard=off"]
+SMALL = [
+    "rollout.prompts_per_batch=2",
+    "rollout.group_size=8",
+    "rollout.max_new_tokens=12",
+    "optim.micro_batch_size=8",
+    "run.checkpoint_every=1",
+    "run.tensorboard=off",
+]
 
 
 @pytest.fixture(scope="module")
@@ -59,8 +65,9 @@ def test_converted_folder_has_aligned_special_tokens(smollm2_dir):
     gen = GenerationConfig.from_pretrained(smollm2_dir)
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == gen.eos_token_id == 2
     assert special_token_warnings(tok, gen) == []
-    assert "<|im_start|>assistant" in tok.apply_chat_template([{"role": "user", "content": "1+1?"}], tokenize=False,
-                                                              add_generation_prompt=True)
+    assert "<|im_start|>assistant" in tok.apply_chat_template(
+        [{"role": "user", "content": "1+1?"}], tokenize=False, add_generation_prompt=True
+    )
 
 
 def test_train_resume_eval_on_the_real_model(smollm2_dir, tmp_path):
@@ -68,15 +75,35 @@ def test_train_resume_eval_on_the_real_model(smollm2_dir, tmp_path):
     runner = CliRunner()
     # zero_variance=drop: every trained group has reward variance, so every non-empty update must
     # move the weights; staleness 1: the first update trains the warm-up batch (off-policy by one).
-    args = ["train", str(CONFIG), f"model.path={smollm2_dir}", f"data.path={DATA}", f"run.output_dir={run}",
-            "run.steps=2", "loss.zero_variance=drop", *SMALL]
+    args = [
+        "train",
+        str(CONFIG),
+        f"model.path={smollm2_dir}",
+        f"data.path={DATA}",
+        f"run.output_dir={run}",
+        "run.steps=2",
+        "loss.zero_variance=drop",
+        *SMALL,
+    ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     rows = read_metrics(run)
     assert [r["step"] for r in rows] == [1, 2]
-    expected = {"reward/mean", "accuracy", "entropy", "lower", "upper", "positive_share", "grad_norm",
-                "batch/version_min", "batch/version_max", "staleness/mean", "tokens_per_s",
-                "groups/zero_variance", "rollout/passes"}
+    expected = {
+        "reward/mean",
+        "accuracy",
+        "entropy",
+        "lower",
+        "upper",
+        "positive_share",
+        "grad_norm",
+        "batch/version_min",
+        "batch/version_max",
+        "staleness/mean",
+        "tokens_per_s",
+        "groups/zero_variance",
+        "rollout/passes",
+    }
     trained = [r for r in rows if not r.get("empty_batch")]
     assert trained, "no rollout group had reward variance in 3 rollout steps: the prompts or the verifier broke"
     for r in trained:
@@ -124,15 +151,38 @@ def test_bapo_grpo_trainer_two_off_policy_steps_on_the_real_model(smollm2_dir, t
 
     system = "Start your reply with 'The answer is' and the number."
     rows = [json.loads(line) for line in DATA.read_text().splitlines()]
-    dataset = Dataset.from_list([{"prompt": [{"role": "system", "content": system},
-                                             {"role": "user", "content": r["prompt"]}], "answer": r["answer"]}
-                                 for r in rows])
+    dataset = Dataset.from_list(
+        [
+            {
+                "prompt": [{"role": "system", "content": system}, {"role": "user", "content": r["prompt"]}],
+                "answer": r["answer"],
+            }
+            for r in rows
+        ]
+    )
     args = BAPOGRPOConfig(
-        output_dir=str(tmp_path / "trl"), bapo_method="bapo", bapo_target=0.4, use_cpu=True, bf16=False,
-        report_to="none", save_strategy="no", beta=0.0, temperature=1.0, num_generations=4,
-        per_device_train_batch_size=4, gradient_accumulation_steps=1, steps_per_generation=2,  # 2 > 1: stale
-        num_iterations=1, max_completion_length=12, learning_rate=2e-6, max_steps=2, logging_steps=1,
-        seed=0, disable_tqdm=True, dataloader_num_workers=0)
+        output_dir=str(tmp_path / "trl"),
+        bapo_method="bapo",
+        bapo_target=0.4,
+        use_cpu=True,
+        bf16=False,
+        report_to="none",
+        save_strategy="no",
+        beta=0.0,
+        temperature=1.0,
+        num_generations=4,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=1,
+        steps_per_generation=2,  # 2 > 1: stale
+        num_iterations=1,
+        max_completion_length=12,
+        learning_rate=2e-6,
+        max_steps=2,
+        logging_steps=1,
+        seed=0,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
     trainer = BAPOGRPOTrainer(model=str(smollm2_dir), reward_funcs=math_reward, args=args, train_dataset=dataset)
     trainer.train()
     logged = [entry for entry in trainer.state.log_history if "bapo/lower" in entry]

@@ -4,10 +4,17 @@ from bapo.train import read_metrics, train
 from tests.helpers import arithmetic_examples, digit_share, make_config
 from tests.train.test_resume import check_resume_is_exact
 
-ENTROPY_TARGET = {"offpolicy.staleness": 1, "loss.method": "bapo", "optim.micro_batch_size": 6,
-                  "loss.bapo.target_mode": "entropy", "loss.bapo.target_hold_updates": 2,
-                  "loss.bapo.target_gain": 5.0, "loss.bapo.target_min": 0.05, "loss.bapo.target_max": 0.95,
-                  "loss.bapo.target": 0.4}
+ENTROPY_TARGET = {
+    "offpolicy.staleness": 1,
+    "loss.method": "bapo",
+    "optim.micro_batch_size": 6,
+    "loss.bapo.target_mode": "entropy",
+    "loss.bapo.target_hold_updates": 2,
+    "loss.bapo.target_gain": 5.0,
+    "loss.bapo.target_min": 0.05,
+    "loss.bapo.target_max": 0.95,
+    "loss.bapo.target": 0.4,
+}
 
 
 def test_resume_is_exact_with_the_entropy_controller(tiny_model, tmp_path):

@@ -24,8 +24,7 @@ DATA = {"examples": arithmetic_examples(), "verifier": digit_share}
 def finished_run(tiny_model, tmp_path_factory):
     """A 2-step run with a checkpoint after each step, optimizer state in both."""
     run_dir = tmp_path_factory.mktemp("finished") / "run"
-    cfg = make_config(tiny_model, run_dir, **{"run.steps": 2, "run.checkpoint_every": 1,
-                                               "run.save_optimizer": "all"})
+    cfg = make_config(tiny_model, run_dir, **{"run.steps": 2, "run.checkpoint_every": 1, "run.save_optimizer": "all"})
     train(cfg, **DATA)
     return cfg, run_dir
 
@@ -54,7 +53,8 @@ CORRUPTIONS = {
     "flipped-byte-weights": lambda c: flip_byte(c / "model" / "model.safetensors"),
     "flipped-byte-state": lambda c: flip_byte(c / "state.pt"),
     "truncated-safetensors": lambda c: (c / "model" / "model.safetensors").write_bytes(
-        (c / "model" / "model.safetensors").read_bytes()[:1000]),
+        (c / "model" / "model.safetensors").read_bytes()[:1000]
+    ),
     "missing-config": lambda c: (c / "model" / "config.json").unlink(),
     "missing-tokenizer": lambda c: (c / "model" / "tokenizer.json").unlink(),
     "empty-state": lambda c: (c / "state.pt").write_bytes(b""),
@@ -109,8 +109,10 @@ def test_disk_full_names_the_last_good_checkpoint_and_keeps_it(tiny_model, tmp_p
 
     monkeypatch.setattr(checkpoint.torch, "save", save_until_disk_full)
     cfg = make_config(tiny_model, tmp_path / "run", **{"run.steps": 3, "run.checkpoint_every": 1})
-    with pytest.raises(TrainingStopped, match="no space left on device while writing checkpoint 2 .*"
-                                              "the last good checkpoint is step_000001"):
+    with pytest.raises(
+        TrainingStopped,
+        match="no space left on device while writing checkpoint 2 .*the last good checkpoint is step_000001",
+    ):
         train(cfg, **DATA)
     root = tmp_path / "run" / "checkpoints"
     assert not list(root.glob(".tmp_*"))  # the partial save is cleaned up
@@ -152,28 +154,43 @@ def test_deleted_metrics_warn_on_resume(run_copy):
         resumed_version(cfg, run_dir)
 
 
-@pytest.mark.parametrize("field,value", [("offpolicy.staleness", 1), ("offpolicy.mode", "replay"),
-                                         ("rollout.group_size", 8), ("rollout.prompts_per_batch", 2),
-                                         ("loss.method", "bapo"), ("optim.lr", 0.1)])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("offpolicy.staleness", 1),
+        ("offpolicy.mode", "replay"),
+        ("rollout.group_size", 8),
+        ("rollout.prompts_per_batch", 2),
+        ("loss.method", "bapo"),
+        ("optim.lr", 0.1),
+    ],
+)
 def test_resume_refuses_overrides_that_change_the_run(run_copy, field, value):
     cfg, run_dir = run_copy
-    changed = make_config(cfg.model.path, run_dir, **{"run.steps": 2, "run.checkpoint_every": 1,
-                                                       "run.save_optimizer": "all", field: value})
+    changed = make_config(
+        cfg.model.path,
+        run_dir,
+        **{"run.steps": 2, "run.checkpoint_every": 1, "run.save_optimizer": "all", field: value},
+    )
     with pytest.raises(ConfigError, match=f"{field} was .* now"):
         resumed_version(changed, run_dir)
 
 
 def test_resume_accepts_more_steps_and_records_them(run_copy):
     cfg, run_dir = run_copy
-    longer = make_config(cfg.model.path, run_dir, **{"run.steps": 5, "run.checkpoint_every": 2,
-                                                      "run.save_optimizer": "all", "run.progress": True})
+    longer = make_config(
+        cfg.model.path,
+        run_dir,
+        **{"run.steps": 5, "run.checkpoint_every": 2, "run.save_optimizer": "all", "run.progress": True},
+    )
     assert resumed_version(longer, run_dir) == 2
     assert "steps: 5" in (run_dir / "config.yaml").read_text()
 
 
 def test_save_optimizer_latest_keeps_it_only_in_the_newest(tiny_model, tmp_path):
-    cfg = make_config(tiny_model, tmp_path / "run", **{"run.steps": 3, "run.checkpoint_every": 1,
-                                                        "run.keep_checkpoints": 3})
+    cfg = make_config(
+        tiny_model, tmp_path / "run", **{"run.steps": 3, "run.checkpoint_every": 1, "run.keep_checkpoints": 3}
+    )
     run_dir = train(cfg, **DATA)
     newest, *older = checkpoints(run_dir)
     assert load_state(newest)["optimizer"] is not None

@@ -12,10 +12,13 @@ from tests.helpers import arithmetic_examples
 def write_setup(tiny_model, tmp_path):
     data = tmp_path / "train.jsonl"
     data.write_text("".join(json.dumps(row) + "\n" for row in arithmetic_examples(16)))
-    config = {"model": {"path": tiny_model, "device": "cpu"}, "data": {"path": str(data)},
-              "rollout": {"prompts_per_batch": 2, "group_size": 4, "max_new_tokens": 6},
-              "reward": {"verifier": "format", "format_pattern": "[0-4]"},
-              "run": {"output_dir": str(tmp_path / "run"), "steps": 2, "progress": True, "tensorboard": "on"}}
+    config = {
+        "model": {"path": tiny_model, "device": "cpu"},
+        "data": {"path": str(data)},
+        "rollout": {"prompts_per_batch": 2, "group_size": 4, "max_new_tokens": 6},
+        "reward": {"verifier": "format", "format_pattern": "[0-4]"},
+        "run": {"output_dir": str(tmp_path / "run"), "steps": 2, "progress": True, "tensorboard": "on"},
+    }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
@@ -95,19 +98,27 @@ def train_on_data(model: str, tmp_path, text: str) -> tuple[str, str]:
     """`bapo train model.path=M data.path=F` on a data file holding `text` -> (F, its one error line)."""
     data = tmp_path / "data.jsonl"
     data.write_text(text)
-    result = CliRunner().invoke(app, ["train", f"model.path={model}", f"data.path={data}",
-                                      f"run.output_dir={tmp_path / 'run'}"])
+    result = CliRunner().invoke(
+        app, ["train", f"model.path={model}", f"data.path={data}", f"run.output_dir={tmp_path / 'run'}"]
+    )
     return str(data), one_line_error(result)
 
 
-@pytest.mark.parametrize("text, expected", [
-    ('{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": "2+2=", "answer": "4"\n',
-     "{data} line 3: not valid JSON"),                                          # 1-based, blank lines count
-    ("\n", "{data}: the file holds no rows; add one object per line"),
-    ('{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n',
-     "{data} line 2: no key 'prompt' (data.prompt_key); the row has ['answer', 'question']"),
-    ('["1+1=", "2"]\n', "{data} line 1: a row must be a JSON object, got list"),
-])
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        (
+            '{"prompt": "1+1=", "answer": "2"}\n\n{"prompt": "2+2=", "answer": "4"\n',
+            "{data} line 3: not valid JSON",
+        ),  # 1-based, blank lines count
+        ("\n", "{data}: the file holds no rows; add one object per line"),
+        (
+            '{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n',
+            "{data} line 2: no key 'prompt' (data.prompt_key); the row has ['answer', 'question']",
+        ),
+        ('["1+1=", "2"]\n', "{data} line 1: a row must be a JSON object, got list"),
+    ],
+)
 def test_bad_data_file_names_file_and_1_based_line(tiny_model, tmp_path, text, expected):
     data, line = train_on_data(tiny_model, tmp_path, text)
     assert expected.format(data=f"data.path={data}") in line
@@ -148,14 +159,18 @@ def test_python_m_bapo_and_help_describe_the_tool():
     from pathlib import Path
 
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2] / "src"))
-    out = subprocess.run([sys.executable, "-m", "bapo", "--help"], capture_output=True, text=True, env=env, check=False, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "bapo", "--help"], capture_output=True, text=True, env=env, check=False, timeout=120
+    )
     assert out.returncode == 0, out.stderr
     assert "Stable off-policy RL for language models" in out.stdout and "--print-config" in out.stdout
 
 
 def test_print_config_resolves_file_and_overrides(tmp_path):
-    result = CliRunner().invoke(app, ["train", "--print-config", "examples/configs/bapo_math.yaml",
-                                      "run.tensorboard=off", "loss.bapo.target=0.5"])
+    result = CliRunner().invoke(
+        app,
+        ["train", "--print-config", "examples/configs/bapo_math.yaml", "run.tensorboard=off", "loss.bapo.target=0.5"],
+    )
     assert result.exit_code == 0, result.output
     assert "  tensorboard: 'off'" in result.output and "    target: 0.5" in result.output
     assert "(default 0.4)" in result.output and "positive share to reach" in result.output
@@ -166,18 +181,62 @@ def test_print_config_resolves_file_and_overrides(tmp_path):
 def test_eval_of_a_run_dir_uses_its_latest_checkpoint_and_settings(tiny_model, tmp_path):
     config = write_setup(tiny_model, tmp_path)
     runner = CliRunner()
-    assert runner.invoke(app, ["train", str(config), "run.progress=false", "rollout.temperature=0.7",
-                               "rollout.top_k=5", "data.system_prompt=q: "]).exit_code == 0
-    result = runner.invoke(app, ["eval", "--model", str(tmp_path / "run"), "--data", str(tmp_path / "train.jsonl"),
-                                 "--k", "2", "--limit", "3", "--seed", "1"])
+    assert (
+        runner.invoke(
+            app,
+            [
+                "train",
+                str(config),
+                "run.progress=false",
+                "rollout.temperature=0.7",
+                "rollout.top_k=5",
+                "data.system_prompt=q: ",
+            ],
+        ).exit_code
+        == 0
+    )
+    result = runner.invoke(
+        app,
+        [
+            "eval",
+            "--model",
+            str(tmp_path / "run"),
+            "--data",
+            str(tmp_path / "train.jsonl"),
+            "--k",
+            "2",
+            "--limit",
+            "3",
+            "--seed",
+            "1",
+        ],
+    )
     assert result.exit_code == 0, result.output
     scores = json.loads(result.output.strip().splitlines()[-1])
     assert scores["model"].endswith("checkpoints/step_000002/model") or scores["model"].endswith("/model")
     assert scores["sampling/temperature"] == 0.7 and scores["sampling/top_k"] == 5
     assert scores["sampling/system_prompt"] == "q: " and scores["sampling/max_new_tokens"] == 6
     assert 0 < scores["response_length/mean_tokens"] <= 6 and scores["seed"] == 1
-    again = runner.invoke(app, ["eval", "--model", str(tmp_path / "run"), "--data", str(tmp_path / "train.jsonl"),
-                                "--k", "2", "--limit", "3", "--seed", "1", "--temperature", "0"])
+    again = runner.invoke(
+        app,
+        [
+            "eval",
+            "--model",
+            str(tmp_path / "run"),
+            "--data",
+            str(tmp_path / "train.jsonl"),
+            "--k",
+            "2",
+            "--limit",
+            "3",
+            "--seed",
+            "1",
+            "--temperature",
+            "0",
+        ],
+    )
     assert json.loads(again.output.strip().splitlines()[-1])["sampling/temperature"] == 0.0
-    missing = runner.invoke(app, ["eval", "--model", str(tmp_path / "nope" / "x"), "--data", str(tmp_path / "train.jsonl")])
+    missing = runner.invoke(
+        app, ["eval", "--model", str(tmp_path / "nope" / "x"), "--data", str(tmp_path / "train.jsonl")]
+    )
     assert "--model " in one_line_error(missing)

@@ -7,33 +7,41 @@ from tests.helpers import arithmetic_examples, make_config
 
 
 def test_example_config_loads_and_overrides_apply():
-    cfg = load_config("examples/configs/bapo_math.yaml", ["loss.method=grpo", "offpolicy.staleness=0",
-                                                          'rollout.stop=["\\n"]', "optim.lr=3e-6"])
+    cfg = load_config(
+        "examples/configs/bapo_math.yaml",
+        ["loss.method=grpo", "offpolicy.staleness=0", 'rollout.stop=["\\n"]', "optim.lr=3e-6"],
+    )
     assert cfg.loss.method == "grpo" and cfg.offpolicy.staleness == 0
     assert cfg.rollout.stop == ["\n"] and cfg.optim.lr == 3e-6
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("rollout.grup_size=2", "did you mean 'rollout.group_size'"),
-    ("rolout.group_size=2", "did you mean 'rollout'"),
-    ("loss.bapo.targte=0.5", "did you mean 'loss.bapo.target'"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("rollout.grup_size=2", "did you mean 'rollout.group_size'"),
+        ("rolout.group_size=2", "did you mean 'rollout'"),
+        ("loss.bapo.targte=0.5", "did you mean 'loss.bapo.target'"),
+    ],
+)
 def test_unknown_key_names_the_nearest_valid_one(tmp_path, override, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config("examples/configs/bapo_math.yaml", [override])
 
 
-@pytest.mark.parametrize("override, expected", [
-    ("rollout.temperature=-1", "rollout.temperature"),
-    ("loss.method=bappo", "did you mean 'bapo'"),
-    ("loss.agg_mode=token_mean", "did you mean 'token-mean'"),
-    ("offpolicy.mini_batches=3", "offpolicy.mini_batches=3 must divide"),
-    ("loss.bapo.lower_max=1.5", "loss.bapo.lower_start/lower_max"),
-    ("loss.params={uper: 2}", "loss.params.uper"),
-    ("rollout.group_size=1", "rollout.group_size=1"),
-    ("model.dtype=fp8", "model.dtype"),
-    ("data.path=train.csv", "data.path"),
-])
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("rollout.temperature=-1", "rollout.temperature"),
+        ("loss.method=bappo", "did you mean 'bapo'"),
+        ("loss.agg_mode=token_mean", "did you mean 'token-mean'"),
+        ("offpolicy.mini_batches=3", "offpolicy.mini_batches=3 must divide"),
+        ("loss.bapo.lower_max=1.5", "loss.bapo.lower_start/lower_max"),
+        ("loss.params={uper: 2}", "loss.params.uper"),
+        ("rollout.group_size=1", "rollout.group_size=1"),
+        ("model.dtype=fp8", "model.dtype"),
+        ("data.path=train.csv", "data.path"),
+    ],
+)
 def test_bad_value_names_the_field(override, expected):
     with pytest.raises(ConfigError, match=expected):
         load_config("examples/configs/bapo_math.yaml", [override])
@@ -68,24 +76,30 @@ def test_vllm_backend_is_refused_with_the_routes_that_have_it():
         load_config("examples/configs/bapo_math.yaml", ["rollout.backend=vllm"])
 
 
-@pytest.mark.parametrize("override, field, expected", [
-    ("run.tensorboard=off", ("run", "tensorboard"), "off"),     # YAML 1.1 would give False
-    ("run.tensorboard=on", ("run", "tensorboard"), "on"),
-    ("data.system_prompt=Answer: 42", ("data", "system_prompt"), "Answer: 42"),  # YAML: a mapping
-    ("data.system_prompt=null", ("data", "system_prompt"), None),
-    ("model.device=0", ("model", "device"), "0"),
-    ("reward.verifier=yes", ("reward", "verifier"), "yes"),
-    ("run.progress=off", ("run", "progress"), False),           # a bool field still takes off/on
-    ("optim.lr=3.0e-6", ("optim", "lr"), 3e-6),
-    ("optim.max_grad_norm=null", ("optim", "max_grad_norm"), None),
-])
+@pytest.mark.parametrize(
+    "override, field, expected",
+    [
+        ("run.tensorboard=off", ("run", "tensorboard"), "off"),  # YAML 1.1 would give False
+        ("run.tensorboard=on", ("run", "tensorboard"), "on"),
+        ("data.system_prompt=Answer: 42", ("data", "system_prompt"), "Answer: 42"),  # YAML: a mapping
+        ("data.system_prompt=null", ("data", "system_prompt"), None),
+        ("model.device=0", ("model", "device"), "0"),
+        ("reward.verifier=yes", ("reward", "verifier"), "yes"),
+        ("run.progress=off", ("run", "progress"), False),  # a bool field still takes off/on
+        ("optim.lr=3.0e-6", ("optim", "lr"), 3e-6),
+        ("optim.max_grad_norm=null", ("optim", "max_grad_norm"), None),
+    ],
+)
 def test_an_override_stays_a_string_where_the_field_takes_one(override, field, expected):
     cfg = load_config("examples/configs/bapo_math.yaml", [override])
     assert getattr(getattr(cfg, field[0]), field[1]) == expected
 
 
-@given(st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc")), min_size=1, max_size=40)
-       .filter(lambda t: t.strip() == t and t not in ("null", "Null", "NULL", "~")))
+@given(
+    st.text(alphabet=st.characters(blacklist_categories=("Cs", "Cc")), min_size=1, max_size=40).filter(
+        lambda t: t.strip() == t and t not in ("null", "Null", "NULL", "~")
+    )
+)
 @settings(max_examples=60, deadline=None)
 def test_any_text_override_of_a_string_field_arrives_unchanged(text):
     from bapo.train import config_from_dict
@@ -132,6 +146,7 @@ def test_print_config_lists_every_key_with_default_and_description():
             yield indent + name + ":"
             if isinstance(info.annotation, type) and issubclass(info.annotation, BaseModel):
                 yield from keys(info.annotation, indent + "  ")
+
     lines = text.splitlines()
     for key in keys(TrainConfig):
         assert any(line.startswith(key) for line in lines), key

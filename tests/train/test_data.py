@@ -8,8 +8,10 @@ from bapo.train.data import PromptSampler, load_examples, tokenize_prompts
 def test_parquet_rows_load(tmp_path):
     path = tmp_path / "rows.parquet"
     pq.write_table(pa.table({"prompt": ["1+1=", "2+2="], "answer": ["2", "4"]}), path)
-    assert load_examples(DataSection(path=str(path))) == [{"prompt": "1+1=", "answer": "2"},
-                                                          {"prompt": "2+2=", "answer": "4"}]
+    assert load_examples(DataSection(path=str(path))) == [
+        {"prompt": "1+1=", "answer": "2"},
+        {"prompt": "2+2=", "answer": "4"},
+    ]
 
 
 def test_prompts_tokenized_once_long_ones_dropped_chat_template_applied(tiny_model):

@@ -12,8 +12,7 @@ DATA = {"examples": arithmetic_examples(), "verifier": digit_share}
 
 
 def test_exploding_weights_stop_with_a_checkpoint(tiny_model, tmp_path):
-    cfg = make_config(tiny_model, tmp_path / "run", **{"optim.lr": 1e30, "optim.max_grad_norm": "null",
-                                                       "run.steps": 5})
+    cfg = make_config(tiny_model, tmp_path / "run", **{"optim.lr": 1e30, "optim.max_grad_norm": "null", "run.steps": 5})
     with pytest.raises(TrainingStopped, match="a weight reached .* run.divergence.max_abs_weight=10000"):
         train(cfg, **DATA)
     assert latest_checkpoint(tmp_path / "run").name == "step_000001"
@@ -43,13 +42,27 @@ def test_dropped_groups_never_lose_update_slots(tiny_model, tmp_path):
     """Fewer rows than mini-batches after dropping zero-variance groups: every rollout step still
     counts exactly mini_batches x epochs updates (empty ones skipped) and the version is derived."""
     examples = arithmetic_examples(2)
-    flat_but_one = lambda response, example: float(len(response) % 2) if example is examples[0] else 0.0
-    cfg = make_config(tiny_model, tmp_path / "run", **{
-        "rollout.prompts_per_batch": 2, "rollout.group_size": 4, "loss.zero_variance": "drop",
-        "offpolicy.mini_batches": 8, "offpolicy.epochs": 2, "offpolicy.staleness": 1, "run.steps": 3})
+
+    def flat_but_one(response, example):
+        return float(len(response) % 2) if example is examples[0] else 0.0
+
+    cfg = make_config(
+        tiny_model,
+        tmp_path / "run",
+        **{
+            "rollout.prompts_per_batch": 2,
+            "rollout.group_size": 4,
+            "loss.zero_variance": "drop",
+            "offpolicy.mini_batches": 8,
+            "offpolicy.epochs": 2,
+            "offpolicy.staleness": 1,
+            "run.steps": 3,
+        },
+    )
     seen = []
-    rows = read_metrics(train(cfg, lambda version, model, tok: seen.append(version),
-                              examples=examples, verifier=flat_but_one))
+    rows = read_metrics(
+        train(cfg, lambda version, model, tok: seen.append(version), examples=examples, verifier=flat_but_one)
+    )
     assert seen == [16, 32, 48]
     assert [r["step"] for r in rows] == list(range(1, 49))
     assert any(r.get("empty_batch") for r in rows) and any(not r["skipped"] for r in rows)

@@ -27,8 +27,8 @@ KILL_SEED = 20261202  # fixed so CI is reproducible; the kill points differ per 
 @pytest.fixture(scope="module")
 def demo_setup(tmp_path_factory):
     """The demo's random-init Llama and char tokenizer, its arithmetic prompts, a config."""
-    from bapo.train.tiny import ModelConfig, build_model, build_tokenizer
     from bapo.demo.task import TaskConfig, make_split
+    from bapo.train.tiny import ModelConfig, build_model, build_tokenizer
 
     root = tmp_path_factory.mktemp("fault")
     tokenizer = build_tokenizer()
@@ -39,13 +39,24 @@ def demo_setup(tmp_path_factory):
     data.write_text("".join(json.dumps(row) + "\n" for row in train_rows[:64]))
 
     def config(run_dir: Path) -> Path:
-        cfg = {"model": {"path": str(root / "model"), "device": "cpu"}, "data": {"path": str(data)},
-               "rollout": {"prompts_per_batch": 4, "group_size": 4, "max_new_tokens": 8, "segment_tokens": 4},
-               "reward": {"verifier": "format", "format_pattern": "[0-4]"},  # dense, so weights move
-               "loss": {"method": "bapo"}, "optim": {"lr": 1e-3},
-               "offpolicy": {"staleness": 1, "mini_batches": 2},
-               "run": {"output_dir": str(run_dir), "steps": STEPS, "checkpoint_every": 1, "keep_checkpoints": 2,
-                       "save_optimizer": "all", "progress": False, "tensorboard": "off"}}
+        cfg = {
+            "model": {"path": str(root / "model"), "device": "cpu"},
+            "data": {"path": str(data)},
+            "rollout": {"prompts_per_batch": 4, "group_size": 4, "max_new_tokens": 8, "segment_tokens": 4},
+            "reward": {"verifier": "format", "format_pattern": "[0-4]"},  # dense, so weights move
+            "loss": {"method": "bapo"},
+            "optim": {"lr": 1e-3},
+            "offpolicy": {"staleness": 1, "mini_batches": 2},
+            "run": {
+                "output_dir": str(run_dir),
+                "steps": STEPS,
+                "checkpoint_every": 1,
+                "keep_checkpoints": 2,
+                "save_optimizer": "all",
+                "progress": False,
+                "tensorboard": "off",
+            },
+        }
         path = run_dir.parent / f"{run_dir.name}.yaml"
         path.write_text(yaml.safe_dump(cfg))
         return path
@@ -56,8 +67,13 @@ def demo_setup(tmp_path_factory):
 def launch(config: Path, run_dir: Path) -> subprocess.Popen:
     args = ["--resume", str(run_dir)] if (run_dir / "config.yaml").exists() else [str(config)]
     env = {**os.environ, "PYTHONPATH": str(SRC), "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "default"}
-    return subprocess.Popen([sys.executable, "-m", "bapo.cli.main", "train", *args], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, "-m", "bapo.cli.main", "train", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def rows_written(run_dir: Path) -> int:
@@ -104,8 +120,9 @@ def test_killed_interrupted_and_corrupted_runs_resume_bit_exactly(demo_setup, tm
     events = [("kill in save", code, mid_save)]
     # then SIGKILLs at random points (mid-update, mid-rollout, at start-up: wherever they land)
     for _ in range(2):
-        code, err = interrupt(launch(config, run_dir), run_dir, rng.randrange(1, updates - 2), rng.uniform(0, 0.4),
-                              signal.SIGKILL)
+        code, err = interrupt(
+            launch(config, run_dir), run_dir, rng.randrange(1, updates - 2), rng.uniform(0, 0.4), signal.SIGKILL
+        )
         events.append(("kill", code, rows_written(run_dir)))
         assert code in (-signal.SIGKILL, 0), err
     # a SIGTERM: the step finishes, a checkpoint is written, exit 143 with the resume command

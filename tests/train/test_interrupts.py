@@ -20,6 +20,7 @@ def send_at(update: int, *signals):
         if version == update:
             for sig in signals:
                 os.kill(os.getpid(), sig)
+
     return on_update
 
 
@@ -30,8 +31,11 @@ def test_first_signal_checkpoints_and_resume_is_exact(tiny_model, tmp_path, sig,
     rows_straight = read_metrics(train(straight, **DATA))
 
     cfg = make_config(tiny_model, tmp_path / "run", **{"run.steps": 4, "offpolicy.staleness": 1})
-    with pytest.raises(TrainingInterrupted, match=r"interrupted after update 2; resume with: "
-                                                  rf"bapo train --resume {tmp_path / 'run'}") as err:
+    with pytest.raises(
+        TrainingInterrupted,
+        match=r"interrupted after update 2; resume with: "
+        rf"bapo train --resume {tmp_path / 'run'}",
+    ) as err:
         train(cfg, on_update=send_at(2, sig), **DATA)
     assert err.value.exit_code == code
     assert signal.getsignal(sig) is before  # restored after train()

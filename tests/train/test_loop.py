@@ -59,8 +59,11 @@ def test_replay_mixes_several_ages(tiny_model, tmp_path):
 
 def test_partial_rollout_keeps_version_and_logprob_of_every_token(tiny_model, tmp_path):
     L, max_new = 3, 8
-    cfg = make_config(tiny_model, tmp_path / "run", **{"rollout.segment_tokens": L, "rollout.max_new_tokens": max_new,
-                                                       "rollout.prompts_per_batch": 2})
+    cfg = make_config(
+        tiny_model,
+        tmp_path / "run",
+        **{"rollout.segment_tokens": L, "rollout.max_new_tokens": max_new, "rollout.prompts_per_batch": 2},
+    )
     trainer = Trainer(cfg, examples=arithmetic_examples(), verifier=digit_share)
     snapshots = {0: copy.deepcopy(trainer.model.state_dict())}
     batches, passes = [], {}
@@ -88,8 +91,14 @@ def test_partial_rollout_keeps_version_and_logprob_of_every_token(tiny_model, tm
         for version in batch.versions[batch.response_mask].unique().tolist():
             probe.load_state_dict(snapshots[version])
             with torch.no_grad():
-                lp, _ = token_log_probs(probe, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                        batch.response_mask, cfg.rollout.temperature)
+                lp, _ = token_log_probs(
+                    probe,
+                    batch.prompt_ids,
+                    batch.prompt_mask,
+                    batch.response_ids,
+                    batch.response_mask,
+                    cfg.rollout.temperature,
+                )
             at = batch.response_mask & (batch.versions == version)
             torch.testing.assert_close(lp[at], batch.old_log_prob[at], atol=1e-4, rtol=0)
 
@@ -99,8 +108,9 @@ def test_stop_strings_end_responses(tiny_model, tmp_path):
     trainer = Trainer(cfg, examples=arithmetic_examples(), verifier=digit_share)
     batch, _ = trainer.rollout_step()
     trainer.close()
-    texts = trainer.tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(batch.response_ids, batch.response_mask)],
-                                           skip_special_tokens=True)
+    texts = trainer.tokenizer.batch_decode(
+        [ids[m].tolist() for ids, m in zip(batch.response_ids, batch.response_mask)], skip_special_tokens=True
+    )
     ended = [t for t, cut in zip(texts, batch.truncated.tolist()) if not cut]
     assert ended, "some response should hit a stop string or EOS"
     for text in texts:
@@ -109,7 +119,9 @@ def test_stop_strings_end_responses(tiny_model, tmp_path):
 
 
 def test_zero_variance_groups_dropped_or_kept(tiny_model, tmp_path):
-    constant = lambda response, example: 1.0
+    def constant(response, example):
+        return 1.0
+
     cfg = make_config(tiny_model, tmp_path / "a", **{"loss.zero_variance": "drop", "run.steps": 2})
     rows = read_metrics(train(cfg, examples=arithmetic_examples(), verifier=constant))
     assert all(r["groups/dropped"] == 4 and r.get("empty_batch") == 1 and r["skipped"] == 1 for r in rows)
@@ -127,8 +139,11 @@ def test_kl_entropy_and_callback(tiny_model, tmp_path):
         torch.rand(100)  # consumes RNG: must not change the run
         return {"eval/accuracy": 0.5}
 
-    cfg = make_config(tiny_model, tmp_path / "run", **{"loss.kl_coef": 0.1, "loss.entropy_coef": 0.01,
-                                                       "loss.method": "clip-higher", "run.steps": 2})
+    cfg = make_config(
+        tiny_model,
+        tmp_path / "run",
+        **{"loss.kl_coef": 0.1, "loss.entropy_coef": 0.01, "loss.method": "clip-higher", "run.steps": 2},
+    )
     rows = read_metrics(train(cfg, on_update, examples=arithmetic_examples(), verifier=digit_share))
     assert seen == [1, 2] and all(r["eval/accuracy"] == 0.5 for r in rows)
     assert rows[0]["kl_loss"] == pytest.approx(0.0, abs=1e-6) and rows[1]["kl_loss"] > 0
@@ -149,13 +164,27 @@ def test_step_rows_join_rollout_metrics_to_every_update_and_the_hook_to_the_last
     from bapo.train.trainer import _step_rows
 
     mask = torch.tensor([[True, True, False], [True, False, False]])
-    fresh = Batch(torch.ones(2, 1, dtype=torch.long), torch.ones(2, 1, dtype=torch.bool),
-                  torch.ones(2, 3, dtype=torch.long), mask, torch.zeros(2, 3), torch.where(mask, 4, -1),
-                  torch.tensor([1.0, 0.0]), torch.tensor([1.0, -1.0]), torch.tensor([False, True]),
-                  torch.tensor([0, 0]))
+    fresh = Batch(
+        torch.ones(2, 1, dtype=torch.long),
+        torch.ones(2, 1, dtype=torch.bool),
+        torch.ones(2, 3, dtype=torch.long),
+        mask,
+        torch.zeros(2, 3),
+        torch.where(mask, 4, -1),
+        torch.tensor([1.0, 0.0]),
+        torch.tensor([1.0, -1.0]),
+        torch.tensor([False, True]),
+        torch.tensor([0, 0]),
+    )
     updates = [{"step": 5, "tokens/update": 30}, {"step": 6, "tokens/update": 10}]
-    rows = _step_rows(updates, {"tokens/rollout": 50, "groups/dropped": 0}, fresh, correct_threshold=1.0,
-                      step_seconds=2.0, hook_metrics={"eval/accuracy": 0.25})
+    rows = _step_rows(
+        updates,
+        {"tokens/rollout": 50, "groups/dropped": 0},
+        fresh,
+        correct_threshold=1.0,
+        step_seconds=2.0,
+        hook_metrics={"eval/accuracy": 0.25},
+    )
     assert [row["tokens_per_s"] for row in rows] == [40.0, 30.0]  # (rollout + this update's tokens) / step time
     assert all(row["time/step_s"] == 2.0 and row["groups/dropped"] == 0 for row in rows)
     assert rows[0]["rollout/accuracy"] == 0.5 and rows[0]["rollout/response_length/max"] == 2.0

@@ -16,12 +16,23 @@ def strip_timing(rows):
     return [{k: v for k, v in r.items() if not is_timing(k)} for r in rows]
 
 
-@pytest.mark.parametrize("extra", [
-    {"offpolicy.staleness": 2},
-    {"offpolicy.staleness": 1, "rollout.segment_tokens": 3, "loss.method": "bapo", "optim.micro_batch_size": 6,
-     "offpolicy.mini_batches": 2, "optim.schedule": "cosine", "optim.warmup_updates": 2},
-    {"offpolicy.mode": "replay", "offpolicy.replay_batches": 2},
-], ids=["fifo", "partial-bapo-minibatch", "replay"])
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"offpolicy.staleness": 2},
+        {
+            "offpolicy.staleness": 1,
+            "rollout.segment_tokens": 3,
+            "loss.method": "bapo",
+            "optim.micro_batch_size": 6,
+            "offpolicy.mini_batches": 2,
+            "optim.schedule": "cosine",
+            "optim.warmup_updates": 2,
+        },
+        {"offpolicy.mode": "replay", "offpolicy.replay_batches": 2},
+    ],
+    ids=["fifo", "partial-bapo-minibatch", "replay"],
+)
 def test_resume_is_exact(tiny_model, tmp_path, extra):
     check_resume_is_exact(tiny_model, tmp_path, extra)
 
@@ -30,9 +41,17 @@ def test_resume_is_exact(tiny_model, tmp_path, extra):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_resume_is_exact_on_cuda(tiny_model, tmp_path, monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    check_resume_is_exact(tiny_model, tmp_path, {"model.device": "cuda", "run.deterministic": True,
-                                                 "offpolicy.staleness": 1, "loss.method": "bapo",
-                                                 "optim.micro_batch_size": 6})
+    check_resume_is_exact(
+        tiny_model,
+        tmp_path,
+        {
+            "model.device": "cuda",
+            "run.deterministic": True,
+            "offpolicy.staleness": 1,
+            "loss.method": "bapo",
+            "optim.micro_batch_size": 6,
+        },
+    )
 
 
 def check_resume_is_exact(tiny_model, tmp_path, extra):
@@ -57,8 +76,9 @@ def check_resume_is_exact(tiny_model, tmp_path, extra):
 
 
 def test_checkpoint_is_atomic_and_pruned(tiny_model, tmp_path):
-    cfg = make_config(tiny_model, tmp_path / "run", **{"run.steps": 4, "run.checkpoint_every": 1,
-                                                       "run.keep_checkpoints": 2})
+    cfg = make_config(
+        tiny_model, tmp_path / "run", **{"run.steps": 4, "run.checkpoint_every": 1, "run.keep_checkpoints": 2}
+    )
     run_dir = train(cfg, examples=arithmetic_examples(), verifier=digit_share)
     root = run_dir / "checkpoints"
     assert sorted(p.name for p in root.glob("step_*")) == ["step_000003", "step_000004"]

@@ -14,7 +14,7 @@ def test_builtin_verifiers():
     exact, math, fmt = resolve_verifier("exact"), resolve_verifier("math"), resolve_verifier("format")
     assert exact(" 42\n", {"answer": "42"}) == 1.0 and exact("41", {"answer": "42"}) == 0.0
     assert math("so the answer is \\boxed{\\frac{1}{2}}", {"answer": "0.5"}) == 1.0
-    assert math("first 3, then 7 apples", {"answer": "7"}) == 1.0   # last number
+    assert math("first 3, then 7 apples", {"answer": "7"}) == 1.0  # last number
     assert math("first 7, then 3 apples", {"answer": "7"}) == 0.0
     assert math("no number here", {"answer": "7"}) == 0.0
     assert fmt("x \\boxed{3}", {}) == 1.0 and fmt("3", {}) == 0.0
@@ -108,10 +108,17 @@ def test_a_verifier_that_never_returns_does_not_block_exit(tmp_path):
         "import threading\n"
         "from bapo.train.rewards import score\n"
         "rewards, failures = score(lambda r, e: threading.Event().wait(), ['a', 'b'], [{}, {}], timeout_s=0.2)\n"
-        "print('failures', failures)\n")
+        "print('failures', failures)\n"
+    )
     start = time.perf_counter()
-    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=False,
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")})
+    out = subprocess.run(
+        [sys.executable, str(script)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[2] / "src")},
+    )
     assert out.returncode == 0, out.stderr
     assert "failures 2" in out.stdout
     assert time.perf_counter() - start < 50

@@ -14,11 +14,14 @@ from bapo.train.sampling import (
     lean_supported,
     resolve_sampler,
 )
-
 from tests.helpers import arithmetic_examples, make_config
 
-PARAMS = [SamplingParams(), SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
-          SamplingParams(temperature=1.3, top_p=0.8), SamplingParams(temperature=0.5, top_k=3)]
+PARAMS = [
+    SamplingParams(),
+    SamplingParams(temperature=0.7, top_k=5, top_p=0.9),
+    SamplingParams(temperature=1.3, top_p=0.8),
+    SamplingParams(temperature=0.5, top_k=3),
+]
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +81,17 @@ def test_row_budget_and_stop_end_rows(loaded):
         return torch.full((sequences.shape[0],), sequences.shape[1] - ids.shape[1] >= 3)
 
     torch.manual_seed(0)
-    out = lean_sample(model, ids, mask, 10, SamplingParams(), [tokenizer.eos_token_id], tokenizer.pad_token_id,
-                      row_budget=budget, stop=stop_after_three)
+    out = lean_sample(
+        model,
+        ids,
+        mask,
+        10,
+        SamplingParams(),
+        [tokenizer.eos_token_id],
+        tokenizer.pad_token_id,
+        row_budget=budget,
+        stop=stop_after_three,
+    )
     assert out.tokens.shape[1] == 3 and len(calls) == 3
     sampled = out.tokens != tokenizer.pad_token_id
     assert (sampled.sum(1) <= budget).all()
@@ -105,13 +117,15 @@ def test_rollout_batches_match_between_samplers(tiny_model, tmp_path):
     """Same seed, same config: the lean rollout and the generate rollout give the same batch
     (tokens exactly, behaviour log-probs to fp32 rounding)."""
     from bapo.train import Trainer
-
     from tests.helpers import digit_share
 
     batches = {}
     for sampler in ("lean", "hf"):
-        cfg = make_config(tiny_model, tmp_path / sampler, **{"rollout.sampler": sampler, "rollout.top_k": 6,
-                                                            "rollout.temperature": 0.9})
+        cfg = make_config(
+            tiny_model,
+            tmp_path / sampler,
+            **{"rollout.sampler": sampler, "rollout.top_k": 6, "rollout.temperature": 0.9},
+        )
         trainer = Trainer(cfg, examples=arithmetic_examples(), verifier=digit_share, progress=False)
         batches[sampler], _ = trainer.rollout_step()
         trainer.close()

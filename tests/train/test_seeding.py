@@ -17,12 +17,17 @@ def test_streams_keep_the_seeds_runs_were_made_with(seed, step, epoch):
     # the formulas runs used before the helper existed: a change here breaks bit-identical resumes
     split = torch.Generator().manual_seed(seed * 7919 + step * 101 + epoch)
     replay = torch.Generator().manual_seed(seed * 1_000_003 + step)
-    assert torch.equal(torch.randperm(50, generator=seeded_generator(seed, step, epoch, weights=MINIBATCH_SPLIT)),
-                       torch.randperm(50, generator=split))
-    assert torch.equal(torch.randperm(50, generator=seeded_generator(seed, step, weights=REPLAY_DRAW)),
-                       torch.randperm(50, generator=replay))
-    assert torch.equal(torch.rand(5, generator=seeded_generator(seed)),
-                       torch.rand(5, generator=torch.Generator().manual_seed(seed)))
+    assert torch.equal(
+        torch.randperm(50, generator=seeded_generator(seed, step, epoch, weights=MINIBATCH_SPLIT)),
+        torch.randperm(50, generator=split),
+    )
+    assert torch.equal(
+        torch.randperm(50, generator=seeded_generator(seed, step, weights=REPLAY_DRAW)),
+        torch.randperm(50, generator=replay),
+    )
+    assert torch.equal(
+        torch.rand(5, generator=seeded_generator(seed)), torch.rand(5, generator=torch.Generator().manual_seed(seed))
+    )
 
 
 def test_streams_ignore_the_global_rng_and_differ_by_key():

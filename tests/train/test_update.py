@@ -15,9 +15,11 @@ from tests.helpers import arithmetic_examples, digit_share, make_config
 @pytest.fixture(scope="module")
 def stale_setup(tiny_model, tmp_path_factory):
     """A model three updates past the policy that generated `batch` (ratios far from 1)."""
-    cfg = make_config(tiny_model, tmp_path_factory.mktemp("run"), **{"optim.lr": 2e-2, "rollout.prompts_per_batch": 6,
-                                                                    "loss.method": "bapo",
-                                                                    "loss.bapo.target": 0.6})
+    cfg = make_config(
+        tiny_model,
+        tmp_path_factory.mktemp("run"),
+        **{"optim.lr": 2e-2, "rollout.prompts_per_batch": 6, "loss.method": "bapo", "loss.bapo.target": 0.6},
+    )
     trainer = Trainer(cfg, examples=arithmetic_examples(), verifier=digit_share)
     old, _ = trainer.rollout_step()
     for _ in range(3):
@@ -43,17 +45,36 @@ def test_micro_batches_give_the_same_update(stale_setup, method):
     (full, d_full), (split, d_split) = results
     assert split["lower"] == full["lower"] and split["upper"] == full["upper"]
     assert split["loss"] == pytest.approx(full["loss"], abs=1e-5)
-    for key in ("tokens", "clip_frac", "clip_frac/dual", "positive_share", "quadrant/low_pos/loss_share",
-                "quadrant/high_neg/count", "entropy_change_estimate", "ratio/max", "entropy"):  # additive diagnostics
+    for key in (
+        "tokens",
+        "clip_frac",
+        "clip_frac/dual",
+        "positive_share",
+        "quadrant/low_pos/loss_share",
+        "quadrant/high_neg/count",
+        "entropy_change_estimate",
+        "ratio/max",
+        "entropy",
+    ):  # additive diagnostics
         assert split[key] == pytest.approx(full[key], rel=1e-4, abs=1e-6), key
     assert split["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-4)
     torch.testing.assert_close(d_split, d_full, atol=1e-5, rtol=1e-4)
     if method == "bapo":  # bounds of the whole update, not of any one micro-batch
         with torch.no_grad():
-            lp, _ = token_log_probs(trainer.model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                    batch.response_mask, trainer.cfg.rollout.temperature)
-        found = search_bounds(token_ratio(lp, batch.old_log_prob), batch.advantages, batch.response_mask,
-                              BAPOConfig(**trainer.cfg.loss.bapo.model_dump()))
+            lp, _ = token_log_probs(
+                trainer.model,
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.response_ids,
+                batch.response_mask,
+                trainer.cfg.rollout.temperature,
+            )
+        found = search_bounds(
+            token_ratio(lp, batch.old_log_prob),
+            batch.advantages,
+            batch.response_mask,
+            BAPOConfig(**trainer.cfg.loss.bapo.model_dump()),
+        )
         assert (split["lower"], split["upper"]) == (found.lower, found.upper)
         assert (found.lower, found.upper) != (0.6, 1.2)  # the search moved
         assert split["bapo/search/share"] == pytest.approx(found.positive_share)
@@ -100,13 +121,22 @@ def test_micro_batch_scope_solves_each_micro_batch_alone(stale_setup):
     found_all, tokens = [], []
     for start in range(0, len(batch), 5):
         mb = batch.select(torch.arange(start, min(start + 5, len(batch))))
-        lp, _ = token_log_probs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                                cfg.rollout.temperature)
+        lp, _ = token_log_probs(
+            model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, cfg.rollout.temperature
+        )
         found = search_bounds(token_ratio(lp.detach(), mb.old_log_prob), mb.advantages, mb.response_mask, bapo_cfg)
         found_all.append(found)
         tokens.append(mb.tokens)
-        loss, _ = policy_loss(lp, mb.old_log_prob, mb.advantages, mb.response_mask, "bapo",
-                              normalizer=float(batch.tokens), bounds=(found.lower, found.upper), dual_clip=cfg.loss.dual_clip)
+        loss, _ = policy_loss(
+            lp,
+            mb.old_log_prob,
+            mb.advantages,
+            mb.response_mask,
+            "bapo",
+            normalizer=float(batch.tokens),
+            bounds=(found.lower, found.upper),
+            dual_clip=cfg.loss.dual_clip,
+        )
         loss.backward()
     expected = -torch.cat([p.grad.flatten() for p in model.parameters()])
     torch.testing.assert_close(delta, expected, atol=1e-5, rtol=1e-4)
@@ -139,8 +169,14 @@ def test_step_scope_skips_the_forward_on_a_fresh_batch(fresh_setup):
     torch.testing.assert_close(delta_skipped, delta_forward)
     # the ratio-1 search is the search on the recomputed ratios
     with torch.no_grad():
-        lp, _ = token_log_probs(trainer.model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                batch.response_mask, cfg.rollout.temperature)
+        lp, _ = token_log_probs(
+            trainer.model,
+            batch.prompt_ids,
+            batch.prompt_mask,
+            batch.response_ids,
+            batch.response_mask,
+            cfg.rollout.temperature,
+        )
     ratio = token_ratio(lp, batch.old_log_prob)
     assert (ratio[batch.response_mask] - 1).abs().max() < 1e-4
     found = search_bounds(ratio, batch.advantages, batch.response_mask, BAPOConfig(**cfg.loss.bapo.model_dump()))

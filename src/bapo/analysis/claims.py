@@ -11,13 +11,42 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Sequence
 
 # two-sided 95% Student t quantiles t_{0.975, df} for df = 1..30; above 30 the normal 1.96 is used
-_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160,
-         2.145, 2.131, 2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056,
-         2.052, 2.048, 2.045, 2.042)
+_T975 = (
+    12.706,
+    4.303,
+    3.182,
+    2.776,
+    2.571,
+    2.447,
+    2.365,
+    2.306,
+    2.262,
+    2.228,
+    2.201,
+    2.179,
+    2.160,
+    2.145,
+    2.131,
+    2.120,
+    2.110,
+    2.101,
+    2.093,
+    2.086,
+    2.080,
+    2.074,
+    2.069,
+    2.064,
+    2.060,
+    2.056,
+    2.052,
+    2.048,
+    2.045,
+    2.042,
+)
 VERDICTS = ("held", "not held", "mixed")
 
 
@@ -67,7 +96,7 @@ class Claim:
     detail: str = ""
 
     @classmethod
-    def from_effects(cls, id: str, text: str, setting: str, effects: Sequence[float], detail: str = "") -> "Claim":
+    def from_effects(cls, id: str, text: str, setting: str, effects: Sequence[float], detail: str = "") -> Claim:
         """A claim judged from one effect per seed."""
         mean, low, high = mean_interval(effects)
         seeds = sum(1 for v in effects if v is not None and math.isfinite(float(v)))
@@ -84,6 +113,8 @@ def claims_markdown(claims: Sequence[Claim]) -> str:
     """The claims table as Markdown: claim, setting, verdict, effect [95% interval], seeds, numbers."""
     lines = ["| claim | setting | verdict | effect [95% interval] | seeds | numbers |", "|---|---|---|---|---|---|"]
     for c in claims:
-        lines.append(f"| {c.id}: {c.text} | {c.setting} | **{c.verdict}** | {c.effect:+.4g} "
-                     f"[{c.low:+.4g}, {c.high:+.4g}] | {c.seeds} | {c.detail} |")
+        lines.append(
+            f"| {c.id}: {c.text} | {c.setting} | **{c.verdict}** | {c.effect:+.4g} "
+            f"[{c.low:+.4g}, {c.high:+.4g}] | {c.seeds} | {c.detail} |"
+        )
     return "\n".join(lines)

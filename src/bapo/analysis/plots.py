@@ -17,11 +17,19 @@ FIGURES = {
     "positive_share": ("positive-advantage share of the loss", [("positive_share", "-")]),
     "grad_norm": ("gradient norm (before clipping)", [("grad_norm", "-")]),
     "bounds": ("clip bounds: upper (solid), lower (dashed)", [("upper", "-"), ("lower", "--")]),
-    "clip_fraction": ("clipped tokens: upper (solid), lower (dashed)",
-                      [("clip_frac/upper", "-"), ("clip_frac/lower", "--")]),
+    "clip_fraction": (
+        "clipped tokens: upper (solid), lower (dashed)",
+        [("clip_frac/upper", "-"), ("clip_frac/lower", "--")],
+    ),
 }
-COLORS = {"grpo": "tab:blue", "clip-higher": "tab:orange", "bapo": "tab:green",
-          "topr": "tab:purple", "dcpo": "tab:brown", "dual-clip": "tab:gray"}
+COLORS = {
+    "grpo": "tab:blue",
+    "clip-higher": "tab:orange",
+    "bapo": "tab:green",
+    "topr": "tab:purple",
+    "dcpo": "tab:brown",
+    "dual-clip": "tab:gray",
+}
 
 
 def _smooth(values: list[float], window: int) -> list[float]:
@@ -47,8 +55,9 @@ def _seed_band(runs: list[Run], key: str, window: int):
     return steps, *([b[j] for b in bands] for j in range(3))
 
 
-def plot_runs(runs: list[Run], out_dir: Path, target_share: float | None = None,
-              smooth: int | None = None) -> list[Path]:
+def plot_runs(
+    runs: list[Run], out_dir: Path, target_share: float | None = None, smooth: int | None = None
+) -> list[Path]:
     """Write one PNG per entry of FIGURES that has data into `out_dir`; returns their paths."""
     import matplotlib
 
@@ -66,8 +75,7 @@ def plot_runs(runs: list[Run], out_dir: Path, target_share: float | None = None,
             continue  # nothing logs this quantity (e.g. no held-out checks)
         # logged but never finite (positive share without any learning signal): an empty panel says so
         no_values = not any(r.series(k)[0] for r in runs for k, _ in keys)
-        fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 3.4),
-                                 sharey=True, squeeze=False)
+        fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 3.4), sharey=True, squeeze=False)
         for ax, (setting, by_method) in zip(axes[0], groups.items()):
             for rank, (method, method_runs) in enumerate(by_method.items()):
                 color = COLORS.get(method)
@@ -78,12 +86,20 @@ def plot_runs(runs: list[Run], out_dir: Path, target_share: float | None = None,
                         continue
                     steps, mean, low, high = band
                     label = method if style == "-" or len(keys) == 1 else None
-                    line, = ax.plot(steps, mean, style, color=color, label=label, lw=width)
+                    (line,) = ax.plot(steps, mean, style, color=color, label=label, lw=width)
                     if len(method_runs) > 1:
                         ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15, lw=0)
             if no_values:
-                ax.text(0.5, 0.5, "no finite values\n(no learning signal)", ha="center", va="center",
-                        transform=ax.transAxes, fontsize=9, color="gray")
+                ax.text(
+                    0.5,
+                    0.5,
+                    "no finite values\n(no learning signal)",
+                    ha="center",
+                    va="center",
+                    transform=ax.transAxes,
+                    fontsize=9,
+                    color="gray",
+                )
             if name == "positive_share" and target_share is not None:
                 ax.axhline(target_share, color="k", ls=":", lw=1, label="bapo target")
             ax.set_title(setting)
@@ -95,9 +111,15 @@ def plot_runs(runs: list[Run], out_dir: Path, target_share: float | None = None,
             for handle, label in zip(*ax.get_legend_handles_labels()):
                 legend.setdefault(label, handle)
         axes[0][-1].legend(legend.values(), legend.keys(), fontsize=8, loc="best")
-        fig.suptitle(title + (f"  (moving average over {window} rollout steps)"
-                              if window > 1 and not name.startswith("heldout") else ""),
-                     fontsize=10)
+        fig.suptitle(
+            title
+            + (
+                f"  (moving average over {window} rollout steps)"
+                if window > 1 and not name.startswith("heldout")
+                else ""
+            ),
+            fontsize=10,
+        )
         fig.tight_layout()
         path = out_dir / f"{name}.png"
         fig.savefig(path, dpi=110)

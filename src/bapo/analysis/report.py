@@ -8,8 +8,8 @@ then the per-run table (mean [95% interval] over seeds per setting and method).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from bapo.analysis.claims import Claim, claims_markdown, mean_interval
 from bapo.analysis.run_claims import grad_spike
@@ -27,12 +27,14 @@ RUN_COLUMNS: dict[str, Callable[[Run], float]] = {
     "upper": lambda r: r.mean("upper"),
     "lower": lambda r: r.mean("lower"),
 }
-COLUMN_NOTES = ("held-out avg@k / pass@k: the final policy, k samples per held-out prompt at "
-                "temperature 1; entropy, train reward: mean of the last 20% of updates; positive "
-                "share, clip upper / lower (share of positive tokens above the upper bound / "
-                "negative tokens below the lower bound), upper / lower (the bounds): mean over all "
-                "updates; grad max/median: the largest gradient norm over the run's median (spikes); "
-                "ratio max: the largest token ratio of the run. Cells: mean [95% interval] over seeds.")
+COLUMN_NOTES = (
+    "held-out avg@k / pass@k: the final policy, k samples per held-out prompt at "
+    "temperature 1; entropy, train reward: mean of the last 20% of updates; positive "
+    "share, clip upper / lower (share of positive tokens above the upper bound / "
+    "negative tokens below the lower bound), upper / lower (the bounds): mean over all "
+    "updates; grad max/median: the largest gradient norm over the run's median (spikes); "
+    "ratio max: the largest token ratio of the run. Cells: mean [95% interval] over seeds."
+)
 
 
 def format_cell(mean: float, low: float, high: float) -> str:
@@ -81,8 +83,7 @@ def table_columns(rows: list[dict]) -> list[str]:
 def markdown_table(rows: list[dict], start: dict | None = None) -> str:
     """The summary as a markdown table; `start` (the start policy's scores) as a first row."""
     cols = table_columns(rows)
-    lines = ["| setting | method | seeds | " + " | ".join(cols) + " |",
-             "|---|---|---|" + "---|" * len(cols)]
+    lines = ["| setting | method | seeds | " + " | ".join(cols) + " |", "|---|---|---|" + "---|" * len(cols)]
     if start:
         cells = [f"{start[c]:.3f}" if c in start else "-" for c in cols]
         lines.append("| start policy | sft | - | " + " | ".join(cells) + " |")
@@ -92,22 +93,44 @@ def markdown_table(rows: list[dict], start: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-def write_report(path: Path, runs: list[Run], claims: list[Claim], plots: list[Path],
-                 target_share: float | None, header: list[str], lab_claims: list[Claim] = ()) -> Path:
+def write_report(
+    path: Path,
+    runs: list[Run],
+    claims: list[Claim],
+    plots: list[Path],
+    target_share: float | None,
+    header: list[str],
+    lab_claims: list[Claim] = (),
+) -> Path:
     """report.md: `header` lines, the claims tables, the plots (relative links), the run table."""
     path = Path(path)
     verdicts = {v: sum(c.verdict == v for c in claims) for v in ("held", "not held", "mixed")}
-    parts = ["# bapo demo report", "", *header, "", "## Claims of the paper, judged from these runs", "",
-             "Effect > 0 is the direction the paper claims; the verdict is read from the 95% interval "
-             "over seeds: held (all above 0), not held (all below 0), mixed (contains 0).", ""]
+    parts = [
+        "# bapo demo report",
+        "",
+        *header,
+        "",
+        "## Claims of the paper, judged from these runs",
+        "",
+        "Effect > 0 is the direction the paper claims; the verdict is read from the 95% interval "
+        "over seeds: held (all above 0), not held (all below 0), mixed (contains 0).",
+        "",
+    ]
     if lab_claims:
         parts += ["### Mechanism lab (tabular softmax, exact)", "", claims_markdown(lab_claims), ""]
-    parts += ["### Tiny LLM", "",
-              f"{verdicts['held']} held, {verdicts['not held']} not held, {verdicts['mixed']} mixed.", "",
-              claims_markdown(claims) if claims else "(no claim has its runs here)", "",
-              "## Plots", "",
-              "One panel per setting, one line per method: mean over seeds, shaded 95% interval."
-              + (f" Dotted line: bapo's target share {target_share}." if target_share is not None else ""), ""]
+    parts += [
+        "### Tiny LLM",
+        "",
+        f"{verdicts['held']} held, {verdicts['not held']} not held, {verdicts['mixed']} mixed.",
+        "",
+        claims_markdown(claims) if claims else "(no claim has its runs here)",
+        "",
+        "## Plots",
+        "",
+        "One panel per setting, one line per method: mean over seeds, shaded 95% interval."
+        + (f" Dotted line: bapo's target share {target_share}." if target_share is not None else ""),
+        "",
+    ]
     parts += [f"![{p.stem}]({p.relative_to(path.parent).as_posix()})" for p in plots]
     parts += ["", "## Per-run table", "", markdown_table(summary(runs), start_row(runs)), "", COLUMN_NOTES]
     path.write_text("\n".join(parts) + "\n")

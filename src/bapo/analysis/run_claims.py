@@ -74,9 +74,15 @@ def run_claims(runs: list[Run], target: float) -> list[Claim]:
         final, start = [final_accuracy(r) for r in base], [start_accuracy(r) for r in base]
         diff = [f - s for f, s in zip(final, start)]
         k = base[0].final.get("k", "k")
-        claims.append(Claim.from_effects(
-            "0-rl-improves", f"on-policy GRPO raises held-out avg@{k} over the start policy", f"{where}, E=0", diff,
-            f"avg@{k} start {_fmt(start)} -> {_fmt(final)}"))
+        claims.append(
+            Claim.from_effects(
+                "0-rl-improves",
+                f"on-policy GRPO raises held-out avg@{k} over the start policy",
+                f"{where}, E=0",
+                diff,
+                f"avg@{k} start {_fmt(start)} -> {_fmt(final)}",
+            )
+        )
 
     # 1. growing E: GRPO's entropy falls faster; gradient norm less steady
     for e, setting in e_settings:
@@ -84,17 +90,35 @@ def run_claims(runs: list[Run], target: float) -> list[Claim]:
         if not e or not base or not stale:
             continue
         a, b, d = _paired(stale, base, entropy_fall)
-        claims.append(Claim.from_effects(
-            f"1-entropy-E{e}-samples", "GRPO entropy falls faster as staleness E grows",
-            f"{where}, equal samples, E=0 vs E={e}", d, f"entropy fall E={e} {_fmt(a)} vs E=0 {_fmt(b)}"))
+        claims.append(
+            Claim.from_effects(
+                f"1-entropy-E{e}-samples",
+                "GRPO entropy falls faster as staleness E grows",
+                f"{where}, equal samples, E=0 vs E={e}",
+                d,
+                f"entropy fall E={e} {_fmt(a)} vs E=0 {_fmt(b)}",
+            )
+        )
         a, b, d = _paired(base, stale, final_accuracy)
-        claims.append(Claim.from_effects(
-            f"1-heldout-E{e}-samples", "GRPO held-out accuracy is lower as staleness E grows",
-            f"{where}, equal samples, E=0 vs E={e}", d, f"avg@k E=0 {_fmt(a)} vs E={e} {_fmt(b)}"))
+        claims.append(
+            Claim.from_effects(
+                f"1-heldout-E{e}-samples",
+                "GRPO held-out accuracy is lower as staleness E grows",
+                f"{where}, equal samples, E=0 vs E={e}",
+                d,
+                f"avg@k E=0 {_fmt(a)} vs E={e} {_fmt(b)}",
+            )
+        )
         a, b, d = _paired(stale, base, grad_spike)
-        claims.append(Claim.from_effects(
-            f"1-gradnorm-unstable-E{e}-samples", "GRPO grad norm less steady as E grows (max / median)",
-            f"{where}, equal samples, E=0 vs E={e}", d, f"max/median E={e} {_fmt(a)} vs E=0 {_fmt(b)}"))
+        claims.append(
+            Claim.from_effects(
+                f"1-gradnorm-unstable-E{e}-samples",
+                "GRPO grad norm less steady as E grows (max / median)",
+                f"{where}, equal samples, E=0 vs E={e}",
+                d,
+                f"max/median E={e} {_fmt(a)} vs E=0 {_fmt(b)}",
+            )
+        )
 
     for setting, by_method in groups.items():
         e = _e(setting)
@@ -104,32 +128,61 @@ def run_claims(runs: list[Run], target: float) -> list[Claim]:
         # 2. raising c_high (clip-higher: 1.28 vs grpo's 1.2) slows the entropy fall
         if "clip-higher" in by_method:
             a, b, d = _paired(by_method["clip-higher"], grpo, lambda r: r.tail_mean("entropy"))
-            claims.append(Claim.from_effects(
-                f"2-c_high-{setting}", "raising c_high slows the entropy fall (clip-higher vs grpo)",
-                f"{where}, {setting}", d, f"entropy clip-higher {_fmt(a)} vs grpo {_fmt(b)}"))
+            claims.append(
+                Claim.from_effects(
+                    f"2-c_high-{setting}",
+                    "raising c_high slows the entropy fall (clip-higher vs grpo)",
+                    f"{where}, {setting}",
+                    d,
+                    f"entropy clip-higher {_fmt(a)} vs grpo {_fmt(b)}",
+                )
+            )
         # 4. BAPO: share nearer its target, more entropy, better held-out accuracy than GRPO
         if "bapo" in by_method:
             bapo = by_method["bapo"]
             a, b, d = _paired(grpo, bapo, lambda r: abs(r.mean("positive_share") - target))
-            claims.append(Claim.from_effects(
-                f"4-share-{setting}", f"BAPO holds the positive share nearer its target {target} than GRPO",
-                f"{where}, {setting}", d,
-                f"share BAPO {_fmt([r.mean('positive_share') for r in bapo])} vs GRPO "
-                f"{_fmt([r.mean('positive_share') for r in grpo])}"))
+            claims.append(
+                Claim.from_effects(
+                    f"4-share-{setting}",
+                    f"BAPO holds the positive share nearer its target {target} than GRPO",
+                    f"{where}, {setting}",
+                    d,
+                    f"share BAPO {_fmt([r.mean('positive_share') for r in bapo])} vs GRPO "
+                    f"{_fmt([r.mean('positive_share') for r in grpo])}",
+                )
+            )
             a, b, d = _paired(bapo, grpo, lambda r: r.tail_mean("entropy"))
-            claims.append(Claim.from_effects(
-                f"4-entropy-{setting}", "BAPO keeps more entropy than GRPO", f"{where}, {setting}", d,
-                f"entropy BAPO {_fmt(a)} vs GRPO {_fmt(b)}"))
+            claims.append(
+                Claim.from_effects(
+                    f"4-entropy-{setting}",
+                    "BAPO keeps more entropy than GRPO",
+                    f"{where}, {setting}",
+                    d,
+                    f"entropy BAPO {_fmt(a)} vs GRPO {_fmt(b)}",
+                )
+            )
             a, b, d = _paired(bapo, grpo, final_accuracy)
-            claims.append(Claim.from_effects(
-                f"4-heldout-{setting}", "BAPO beats GRPO on held-out accuracy", f"{where}, {setting}", d,
-                f"avg@k BAPO {_fmt(a)} vs GRPO {_fmt(b)}"))
+            claims.append(
+                Claim.from_effects(
+                    f"4-heldout-{setting}",
+                    "BAPO beats GRPO on held-out accuracy",
+                    f"{where}, {setting}",
+                    d,
+                    f"avg@k BAPO {_fmt(a)} vs GRPO {_fmt(b)}",
+                )
+            )
 
     # 3. negative tokens dominate the loss early (positive share < 0.5 on the first updates)
     if base:
         share = [r.head_mean("positive_share") for r in base]
-        claims.append(Claim.from_effects(
-            "3-negative-dominate", "negative tokens dominate the loss early (positive share < 0.5)",
-            f"{where}, first 10% of updates, on-policy GRPO", [0.5 - s for s in share], f"share {_fmt(share)}"))
+        claims.append(
+            Claim.from_effects(
+                "3-negative-dominate",
+                "negative tokens dominate the loss early (positive share < 0.5)",
+                f"{where}, first 10% of updates, on-policy GRPO",
+                [0.5 - s for s in share],
+                f"share {_fmt(share)}",
+            )
+        )
     order = {c: i for i, c in enumerate("01234")}
     return sorted(claims, key=lambda c: order.get(c.id[0], 9))

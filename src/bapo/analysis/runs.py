@@ -40,8 +40,11 @@ class Run:
     def series(self, key: str, x: str = "step") -> tuple[list[float], list[float]]:
         """(x values, values) of every row that has a finite `key`; x "step" is the optimizer
         update, "rollout_step" the rollout step (rows of one rollout step share it)."""
-        pts = [(r.get(x, i), r[key]) for i, r in enumerate(self.rows)
-               if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])]
+        pts = [
+            (r.get(x, i), r[key])
+            for i, r in enumerate(self.rows)
+            if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+        ]
         return [p[0] for p in pts], [p[1] for p in pts]
 
     def values(self, key: str) -> list[float]:
@@ -52,14 +55,15 @@ class Run:
         values = self.values(key)
         if not values:
             return math.nan
-        tail = values[-max(1, int(len(values) * share)):]
+        tail = values[-max(1, int(len(values) * share)) :]
         return sum(tail) / len(tail)
 
     def head_mean(self, key: str, share: float = 0.1) -> float:
         """Mean of `key` over the first `share` of the rows that have it (nan when none)."""
         values = self.values(key)
-        return sum(values[:max(1, int(len(values) * share))]) / max(1, int(len(values) * share)) \
-            if values else math.nan
+        return (
+            sum(values[: max(1, int(len(values) * share))]) / max(1, int(len(values) * share)) if values else math.nan
+        )
 
     def mean(self, key: str) -> float:
         values = self.values(key)
@@ -69,7 +73,7 @@ class Run:
         """{"k", "avg@k", "pass@k"} from the last metrics row that has `prefix`avg@k ({} if none);
         prefix "heldout/start/" gives the start policy's scores the demo writes on the first row."""
         for row in reversed(self.rows):
-            keys = [k for k in row if k.startswith(prefix + "avg@") and "/" not in k[len(prefix):]]
+            keys = [k for k in row if k.startswith(prefix + "avg@") and "/" not in k[len(prefix) :]]
             if keys:
                 k = int(keys[0].rsplit("@", 1)[1])
                 return {"k": k, f"avg@{k}": row[keys[0]], f"pass@{k}": row.get(f"{prefix}pass@{k}", math.nan)}
@@ -92,8 +96,11 @@ def _identity(run_dir: Path) -> tuple[str, str, int]:
         cfg = yaml.safe_load(config_file.read_text()) or {}
         method = cfg.get("loss", {}).get("method", run_dir.name)
         off = cfg.get("offpolicy", {})
-        setting = setting_name(off.get("mini_batches", 1) * off.get("epochs", 1) - 1, off.get("staleness", 0),
-                               bool(cfg.get("rollout", {}).get("segment_tokens")))
+        setting = setting_name(
+            off.get("mini_batches", 1) * off.get("epochs", 1) - 1,
+            off.get("staleness", 0),
+            bool(cfg.get("rollout", {}).get("segment_tokens")),
+        )
         return method, setting, int(cfg.get("run", {}).get("seed", 0))
     return run_dir.name, "runs", 0
 
@@ -108,8 +115,7 @@ def find_runs(paths: list[Path]) -> list[Run]:
     """Every run under `paths`: a path is a run (has metrics.jsonl) or holds runs below it."""
     found = []
     for p in map(Path, paths):
-        files = [p / "metrics.jsonl"] if (p / "metrics.jsonl").exists() \
-            else sorted(p.rglob("metrics.jsonl"))
+        files = [p / "metrics.jsonl"] if (p / "metrics.jsonl").exists() else sorted(p.rglob("metrics.jsonl"))
         found += [load_run(f.parent) for f in files]
     if not found:
         raise FileNotFoundError(f"no metrics.jsonl under {', '.join(map(str, paths))}")
@@ -125,8 +131,13 @@ def _setting_key(setting: str):
 
     e = re.match(r"E=(\d+)", setting)
     delay = re.search(r"async delay (\d+)", setting)
-    return (0 if e else 1, int(e.group(1)) if e else 0, int(delay.group(1)) if delay else 0,
-            "partial rollout" in setting, setting)
+    return (
+        0 if e else 1,
+        int(e.group(1)) if e else 0,
+        int(delay.group(1)) if delay else 0,
+        "partial rollout" in setting,
+        setting,
+    )
 
 
 def _method_key(method: str):
@@ -139,6 +150,3 @@ def group_runs(runs: list[Run]) -> dict[str, dict[str, list[Run]]]:
     for run in sorted(runs, key=lambda r: (_setting_key(r.setting), _method_key(r.method), r.seed)):
         groups.setdefault(run.setting, {}).setdefault(run.method, []).append(run)
     return groups
-
-
-

@@ -8,11 +8,12 @@ import typer
 
 
 def demo(
-    quick: bool = typer.Option(False, "--quick", help="a glance: quick lab, grpo and bapo at E=0 and 4, 20 rollout steps"),
+    quick: bool = typer.Option(
+        False, "--quick", help="a glance: quick lab, grpo and bapo at E=0 and 4, 20 rollout steps"
+    ),
     full: bool = typer.Option(False, "--full", help="adds topr, dcpo, E=7, async delay 4, partial rollout, 5 seeds"),
     out: Path | None = typer.Option(None, "--out", help="output dir (default runs/demo-<timestamp>)"),
-    jobs: int | None = typer.Option(None, "--jobs", help="runs in parallel processes "
-                                       "(default: one per CPU core)"),
+    jobs: int | None = typer.Option(None, "--jobs", help="runs in parallel processes (default: one per CPU core)"),
     threads: int = typer.Option(1, "--threads", help="torch threads per process"),
     steps: int | None = typer.Option(None, "--steps", help="rollout steps per run (profile default)"),
     sft_steps: int | None = typer.Option(None, "--sft-steps", help="warm-start SFT steps"),
@@ -27,8 +28,13 @@ def demo(
 
     if quick and full:
         raise typer.BadParameter("choose one of --quick and --full")
-    plan = plan_for("quick" if quick else "full" if full else "default", steps=steps,
-                    sft_steps=sft_steps, lr=lr, lab=None if lab else "off")
+    plan = plan_for(
+        "quick" if quick else "full" if full else "default",
+        steps=steps,
+        sft_steps=sft_steps,
+        lr=lr,
+        lab=None if lab else "off",
+    )
     demo_dir = run_demo(plan, out, jobs=jobs, threads=threads, show_progress=progress and not as_json)
     if as_json:
         typer.echo((demo_dir / "claims.json").read_text().rstrip())
@@ -54,8 +60,9 @@ def plot(
 def compare(
     run_dirs: list[Path] = typer.Argument(..., help="run directories, or folders of runs"),
     markdown: bool = typer.Option(False, "--markdown", help="print a markdown table"),
-    claims: float | None = typer.Option(None, "--claims", metavar="TARGET",
-                                           help="also judge the paper's claims (bapo target share TARGET)"),
+    claims: float | None = typer.Option(
+        None, "--claims", metavar="TARGET", help="also judge the paper's claims (bapo target share TARGET)"
+    ),
 ):
     """Print the per-run table (held-out avg@k / pass@k, entropy, shares, clipping; mean [95%
     interval] over seeds) of several runs, and optionally the claims table."""

@@ -20,8 +20,10 @@ def resolve_model(model: str) -> tuple[str, Path | None]:
     if (path / "checkpoints").is_dir():
         checkpoint = latest_checkpoint(path)
         if checkpoint is None:
-            raise ConfigError(f"--model {model}: the run has no checkpoint yet under {path / 'checkpoints'}; "
-                              "wait for run.checkpoint_every, or give a model folder")
+            raise ConfigError(
+                f"--model {model}: the run has no checkpoint yet under {path / 'checkpoints'}; "
+                "wait for run.checkpoint_every, or give a model folder"
+            )
         config = path / "config.yaml"
         return str(checkpoint / "model"), config if config.exists() else None
     if (path / "model" / "config.json").exists():  # a checkpoint directory
@@ -30,13 +32,23 @@ def resolve_model(model: str) -> tuple[str, Path | None]:
 
 
 def evaluate_command(
-    model: str = typer.Option(..., "--model", help="a run directory (its latest checkpoint), a model folder or a hub id"),
-    data: Path = typer.Option(..., "--data", help="JSONL of {prompt, answer} (keys: the config's data.prompt_key/answer_key)"),
-    config: Path | None = typer.Option(None, "--config", help="a training config (default RUN_DIR/config.yaml): "
-                                          "prompt format, sampling and verifier as in training"),
+    model: str = typer.Option(
+        ..., "--model", help="a run directory (its latest checkpoint), a model folder or a hub id"
+    ),
+    data: Path = typer.Option(
+        ..., "--data", help="JSONL of {prompt, answer} (keys: the config's data.prompt_key/answer_key)"
+    ),
+    config: Path | None = typer.Option(
+        None,
+        "--config",
+        help="a training config (default RUN_DIR/config.yaml): prompt format, sampling and verifier as in training",
+    ),
     k: int = typer.Option(8, "--k", help="samples per prompt"),
-    verifier: str | None = typer.Option(None, "--verifier", help="auto | demo | math | exact | pkg.module:attr "
-                                           "(default: the config's reward.verifier, else auto)"),
+    verifier: str | None = typer.Option(
+        None,
+        "--verifier",
+        help="auto | demo | math | exact | pkg.module:attr (default: the config's reward.verifier, else auto)",
+    ),
     max_new_tokens: int | None = typer.Option(None, "--max-new-tokens", help="default: the config's, else 48"),
     temperature: float | None = typer.Option(None, "--temperature", help="0 = greedy; default: the config's, else 1"),
     top_p: float | None = typer.Option(None, "--top-p", help="default: the config's, else 1"),
@@ -62,10 +74,12 @@ def evaluate_command(
             check_model_path(model_path)
         except ConfigError as err:
             raise ConfigError(str(err).replace("model.path=", "--model ")) from None
-        section = DataSection(path=str(data), **({"prompt_key": cfg.data.prompt_key, "answer_key": cfg.data.answer_key}
-                                                 if cfg else {}))
-        rows = [dict(r, prompt=r[section.prompt_key], answer=r.get(section.answer_key))
-                for r in load_examples(section)][:limit]
+        section = DataSection(
+            path=str(data), **({"prompt_key": cfg.data.prompt_key, "answer_key": cfg.data.answer_key} if cfg else {})
+        )
+        rows = [
+            dict(r, prompt=r[section.prompt_key], answer=r.get(section.answer_key)) for r in load_examples(section)
+        ][:limit]
         rollout = cfg.rollout if cfg else None
         settings = dict(
             max_new_tokens=max_new_tokens or (rollout.max_new_tokens if rollout else 48),
@@ -73,7 +87,8 @@ def evaluate_command(
             top_p=top_p if top_p is not None else (rollout.top_p if rollout else 1.0),
             top_k=top_k if top_k is not None else (rollout.top_k if rollout else 0),
             chat=chat if chat is not None else bool(cfg and cfg.data.chat_template),
-            system_prompt=system_prompt if system_prompt is not None else (cfg.data.system_prompt if cfg else None))
+            system_prompt=system_prompt if system_prompt is not None else (cfg.data.system_prompt if cfg else None),
+        )
         verifier = verifier or (cfg.reward.verifier if cfg else "auto")
 
     import torch

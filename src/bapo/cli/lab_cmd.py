@@ -40,8 +40,14 @@ def _print_table(claims) -> None:
         table.add_column(column, overflow="fold")
     colors = {"held": "green", "not held": "red", "mixed": "yellow"}
     for c in claims:
-        table.add_row(c.id, c.setting, f"[{colors[c.verdict]}]{c.verdict}[/]",
-                      f"{c.effect:+.3g} [{c.low:+.3g}, {c.high:+.3g}]", str(c.seeds), c.detail)
+        table.add_row(
+            c.id,
+            c.setting,
+            f"[{colors[c.verdict]}]{c.verdict}[/]",
+            f"{c.effect:+.3g} [{c.low:+.3g}, {c.high:+.3g}]",
+            str(c.seeds),
+            c.detail,
+        )
     Console(width=200).print(table)
 
 

@@ -19,19 +19,24 @@ def split_arguments(arguments: list[str]) -> tuple[str | None, list[str]]:
         config, overrides = overrides[0], overrides[1:]
     for item in overrides:
         if "=" not in item:
-            raise ConfigError(f"argument {item!r} is not key=value: give the config file first, then "
-                              "dotted overrides such as loss.method=bapo")
+            raise ConfigError(
+                f"argument {item!r} is not key=value: give the config file first, then "
+                "dotted overrides such as loss.method=bapo"
+            )
     return config, overrides
 
 
 def train_command(
     arguments: list[str] | None = typer.Argument(
-        None, metavar="[CONFIG.yaml] [KEY=VALUE]...",
+        None,
+        metavar="[CONFIG.yaml] [KEY=VALUE]...",
         help="a YAML config (optional: with --resume it is RUN_DIR/config.yaml) and dotted overrides, "
-             "e.g. loss.method=bapo offpolicy.staleness=2"),
+        "e.g. loss.method=bapo offpolicy.staleness=2",
+    ),
     resume: Path | None = typer.Option(None, "--resume", help="continue RUN_DIR exactly from its latest checkpoint"),
-    print_config: bool = typer.Option(False, "--print-config",
-                                      help="print the resolved config (every key, default, meaning) and exit"),
+    print_config: bool = typer.Option(
+        False, "--print-config", help="print the resolved config (every key, default, meaning) and exit"
+    ),
 ) -> None:
     """Train a causal LM with GRPO / BAPO (and baselines) on verifier rewards."""
     from bapo.train import TrainingStopped, load_config, train
@@ -52,10 +57,10 @@ def train_command(
             run_dir = train(cfg, resume=resume)
         except (TrainingInterrupted, TrainingAborted) as err:  # SIGINT/SIGTERM: 130 / 143
             typer.echo(str(err), err=True)
-            raise typer.Exit(err.exit_code)
+            raise typer.Exit(err.exit_code) from None
         except TrainingStopped as err:
             typer.echo(f"error: {err}", err=True)
-            raise typer.Exit(1)
+            raise typer.Exit(1) from None
     typer.echo(f"done: {run_dir} (metrics.jsonl, checkpoints/)")
 
 

@@ -142,13 +142,25 @@ def bapo_loss(
     metrics: dict[str, float] = {}
     if bounds is None:
         # policy_loss has validated the inputs already.
-        found = BoundStats(bapo or BAPOConfig()).add(batch.ratio, batch.advantages, batch.mask,
-                                                     weights=batch.importance_weights, validate=False,
-                                                     behaviour_log_prob=batch.old_log_prob).solve(sync=False)
+        found = (
+            BoundStats(bapo or BAPOConfig())
+            .add(
+                batch.ratio,
+                batch.advantages,
+                batch.mask,
+                weights=batch.importance_weights,
+                validate=False,
+                behaviour_log_prob=batch.old_log_prob,
+            )
+            .solve(sync=False)
+        )
         bounds = (found.lower, found.upper)
         # Missing values (no signal: NaN reached; pos/neg inf when neg == 0) are left out, not faked.
-        metrics = {f"bapo/{name}": value for name, value in found.metrics().items()
-                   if name in ("reached", "steps", "pos_neg", "no_signal") and math.isfinite(value)}
+        metrics = {
+            f"bapo/{name}": value
+            for name, value in found.metrics().items()
+            if name in ("reached", "steps", "pos_neg", "no_signal") and math.isfinite(value)
+        }
     lower, upper = bounds
     check_ratio_bounds(lower, upper)
     check_dual_clip(dual_clip)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -32,15 +33,35 @@ STEPPINGS = ("grid", "add_clamped")
 TARGET_MODES = ("fixed", "entropy")
 # arXiv 2510.18927: Eq. 8 literally, Algorithm 1's order, the paper's rho0 and ranges.
 PAPER_SETTINGS = {
-    "target": 0.4, "target_kind": "share", "contribution": "clamped", "weighting": "behaviour_prob",
-    "lower_start": 0.6, "lower_max": 0.9, "lower_step": 0.02, "upper_start": 1.2, "upper_max": 3.0, "upper_step": 0.05,
-    "order": "upper-first", "stepping": "grid", "pos_neg_eps": 0.0,
+    "target": 0.4,
+    "target_kind": "share",
+    "contribution": "clamped",
+    "weighting": "behaviour_prob",
+    "lower_start": 0.6,
+    "lower_max": 0.9,
+    "lower_step": 0.02,
+    "upper_start": 1.2,
+    "upper_max": 3.0,
+    "upper_step": 0.05,
+    "order": "upper-first",
+    "stepping": "grid",
+    "pos_neg_eps": 0.0,
 }
 # The public verl recipe: recipe/bapo/policy_loss.py (loop, pos/(neg + eps)) and config/bapo_trainer.yaml.
 RECIPE_SETTINGS = {
-    "target": 1.0, "target_kind": "pos_neg", "contribution": "clamped", "weighting": "none",
-    "lower_start": 0.6, "lower_max": 0.8, "lower_step": 0.05, "upper_start": 1.2, "upper_max": 2.0, "upper_step": 0.05,
-    "order": "lower-first", "stepping": "add_clamped", "pos_neg_eps": 1e-8,
+    "target": 1.0,
+    "target_kind": "pos_neg",
+    "contribution": "clamped",
+    "weighting": "none",
+    "lower_start": 0.6,
+    "lower_max": 0.8,
+    "lower_step": 0.05,
+    "upper_start": 1.2,
+    "upper_max": 2.0,
+    "upper_step": 0.05,
+    "order": "lower-first",
+    "stepping": "add_clamped",
+    "pos_neg_eps": 1e-8,
 }
 
 
@@ -98,9 +119,15 @@ class BAPOConfig:
     target_integral_gain: float = 0.1
 
     def __post_init__(self) -> None:
-        for name, allowed in (("scope", SCOPES), ("target_kind", TARGET_KINDS), ("order", ORDERS),
-                              ("contribution", CONTRIBUTIONS), ("weighting", WEIGHTINGS),
-                              ("stepping", STEPPINGS), ("target_mode", TARGET_MODES)):
+        for name, allowed in (
+            ("scope", SCOPES),
+            ("target_kind", TARGET_KINDS),
+            ("order", ORDERS),
+            ("contribution", CONTRIBUTIONS),
+            ("weighting", WEIGHTINGS),
+            ("stepping", STEPPINGS),
+            ("target_mode", TARGET_MODES),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {allowed}")
         if self.target_kind == "share" and not 0.0 < self.target < 1.0:
@@ -113,7 +140,13 @@ class BAPOConfig:
         if not self.pos_neg_eps >= 0.0:
             raise ValueError(f"pos_neg_eps: {self.pos_neg_eps} must be >= 0 (the recipe uses 1e-8)")
         for side, start, maximum, step, ok in (
-            ("lower", self.lower_start, self.lower_max, self.lower_step, 0.0 <= self.lower_start <= self.lower_max < 1.0),
+            (
+                "lower",
+                self.lower_start,
+                self.lower_max,
+                self.lower_step,
+                0.0 <= self.lower_start <= self.lower_max < 1.0,
+            ),
             ("upper", self.upper_start, self.upper_max, self.upper_step, 1.0 < self.upper_start <= self.upper_max),
         ):
             if not ok:
@@ -123,27 +156,34 @@ class BAPOConfig:
                 raise ValueError(f"{side}_step: {step} must be > 0")
         if self.target_mode == "entropy":
             if not self.target_min <= self.target <= self.target_max:
-                raise ValueError(f"target_min/target_max: [{self.target_min}, {self.target_max}] must contain "
-                                 f"target {self.target} (the controller starts there)")
+                raise ValueError(
+                    f"target_min/target_max: [{self.target_min}, {self.target_max}] must contain "
+                    f"target {self.target} (the controller starts there)"
+                )
             if self.target_kind == "share" and not 0.0 < self.target_min <= self.target_max < 1.0:
-                raise ValueError(f"target_min/target_max: ({self.target_min}, {self.target_max}) must lie in (0, 1) "
-                                 f"for target_kind='share'")
+                raise ValueError(
+                    f"target_min/target_max: ({self.target_min}, {self.target_max}) must lie in (0, 1) "
+                    f"for target_kind='share'"
+                )
             if not (self.target_gain >= 0.0 and self.target_integral_gain >= 0.0):
-                raise ValueError(f"target_gain/target_integral_gain: ({self.target_gain}, "
-                                 f"{self.target_integral_gain}) must be >= 0")
+                raise ValueError(
+                    f"target_gain/target_integral_gain: ({self.target_gain}, {self.target_integral_gain}) must be >= 0"
+                )
             if self.target_entropy <= 0.0 and not self.target_hold_updates >= 1:
-                raise ValueError(f"target_hold_updates: {self.target_hold_updates} must be >= 1 when "
-                                 f"target_entropy <= 0 (hold the entropy of the first updates)")
+                raise ValueError(
+                    f"target_hold_updates: {self.target_hold_updates} must be >= 1 when "
+                    f"target_entropy <= 0 (hold the entropy of the first updates)"
+                )
 
     @classmethod
-    def paper(cls, **overrides) -> BAPOConfig:
+    def paper(cls, **overrides: Any) -> BAPOConfig:
         """arXiv 2510.18927 taken literally: Eq. 8's share (clamped clipped-surrogate magnitudes,
         each token weighted by pi_behaviour(y_t)), rho0 0.4, lower [0.6, 0.9] step 0.02, upper
         [1.2, 3.0] step 0.05, Algorithm 1's upper-first order on the grid start + k*step."""
         return cls(**{**PAPER_SETTINGS, **overrides})
 
     @classmethod
-    def recipe(cls, **overrides) -> BAPOConfig:
+    def recipe(cls, **overrides: Any) -> BAPOConfig:
         """The public verl recipe (recipe/bapo: policy_loss.py and config/bapo_trainer.yaml):
         pos/(neg + 1e-8) >= 1.0 of clamped contributions without probability weight, lower
         [0.6, 0.8] then upper [1.2, 2.0], steps 0.05, each step min(current + step, max).
@@ -199,14 +239,27 @@ class SearchResult:
 
     def metrics(self) -> dict[str, float]:
         """Floats under the names bapo logs them (prefix them, e.g. "bapo/search/")."""
-        return {"lower": self.lower, "upper": self.upper, "positive_share": self.positive_share,
-                "pos_neg": self.pos_neg, "reached": self.reached, "steps": float(self.steps),
-                "no_signal": float(self.no_signal)}
+        return {
+            "lower": self.lower,
+            "upper": self.upper,
+            "positive_share": self.positive_share,
+            "pos_neg": self.pos_neg,
+            "reached": self.reached,
+            "steps": float(self.steps),
+            "no_signal": float(self.no_signal),
+        }
 
 
-def _signed_magnitudes(ratio: Tensor, advantages: Tensor, mask: Tensor, *, weighting: str,
-                       weights: Tensor | None, behaviour_log_prob: Tensor | None,
-                       device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+def _signed_magnitudes(
+    ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    weighting: str,
+    weights: Tensor | None,
+    behaviour_log_prob: Tensor | None,
+    device: torch.device | None = None,
+) -> tuple[Tensor, Tensor]:
     """(ratio, s) in the compute dtype (float64 for float64 ratios, else float32), both [B, T]:
     s = A * weights * pi_behaviour (as configured), 0 for masked tokens; sign(s) is the token's
     side and |s| the a of BAPOConfig's contribution definitions."""
@@ -218,16 +271,25 @@ def _signed_magnitudes(ratio: Tensor, advantages: Tensor, mask: Tensor, *, weigh
         signed = signed * weights.detach().to(device, compute)
     if weighting == "behaviour_prob":
         if behaviour_log_prob is None:
-            raise ValueError("behaviour_log_prob: required with weighting='behaviour_prob' (paper Eq. 8 weighs "
-                             "each token by pi_behaviour(y_t)); pass the behaviour (old) log-probs [B, T]")
+            raise ValueError(
+                "behaviour_log_prob: required with weighting='behaviour_prob' (paper Eq. 8 weighs "
+                "each token by pi_behaviour(y_t)); pass the behaviour (old) log-probs [B, T]"
+            )
         signed = signed * behaviour_log_prob.detach().to(device, compute).exp()
     return ratio, torch.where(mask.to(device, torch.bool), signed, 0.0)
 
 
-def token_contributions(ratio: Tensor, advantages: Tensor, mask: Tensor, lower: float | Tensor,
-                        upper: float | Tensor, config: BAPOConfig | None = None, *,
-                        weights: Tensor | None = None, behaviour_log_prob: Tensor | None = None
-                        ) -> tuple[Tensor, Tensor]:
+def token_contributions(
+    ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    lower: float | Tensor,
+    upper: float | Tensor,
+    config: BAPOConfig | None = None,
+    *,
+    weights: Tensor | None = None,
+    behaviour_log_prob: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
     """Each token's contribution to pos and to neg at bounds (lower, upper), float64 [B, T] each
     (zero off its side), under `config`'s contribution and weighting (default BAPOConfig()).
 
@@ -237,8 +299,9 @@ def token_contributions(ratio: Tensor, advantages: Tensor, mask: Tensor, lower: 
     decides as it does against the float64 grid.
     """
     config = config or BAPOConfig()
-    ratio, signed = _signed_magnitudes(ratio, advantages, mask, weighting=config.weighting, weights=weights,
-                                       behaviour_log_prob=behaviour_log_prob)
+    ratio, signed = _signed_magnitudes(
+        ratio, advantages, mask, weighting=config.weighting, weights=weights, behaviour_log_prob=behaviour_log_prob
+    )
     magnitude = signed.abs()
     unclamped = (ratio * magnitude).double()  # r*a in the compute dtype, then float64, as BoundStats sums it
     ratio64, magnitude64 = ratio.double(), magnitude.double()
@@ -253,32 +316,56 @@ def token_contributions(ratio: Tensor, advantages: Tensor, mask: Tensor, lower: 
     return torch.where(signed > 0, positive, 0.0), torch.where(signed < 0, negative, 0.0)
 
 
-def _check_search_inputs(ratio: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor | None = None,
-                         behaviour_log_prob: Tensor | None = None) -> None:
+def _check_search_inputs(
+    ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    weights: Tensor | None = None,
+    behaviour_log_prob: Tensor | None = None,
+) -> None:
     named = {"ratio": ratio, "advantages": advantages}
-    checks = [(lambda named: ~((named["ratio"] >= 0) & (named["ratio"] < math.inf)).all(),
-               "ratio: must be finite and >= 0; compute it as exp(clamp(log_prob - old_log_prob, -20, 20))")]
+    checks = [
+        (
+            lambda named: ~((named["ratio"] >= 0) & (named["ratio"] < math.inf)).all(),
+            "ratio: must be finite and >= 0; compute it as exp(clamp(log_prob - old_log_prob, -20, 20))",
+        )
+    ]
     if weights is not None:
         named["weights"] = weights
-        checks.append((lambda named: (named["weights"] < 0).any(), "weights: must be >= 0 (per-token loss multipliers)"))
+        checks.append(
+            (lambda named: (named["weights"] < 0).any(), "weights: must be >= 0 (per-token loss multipliers)")
+        )
     if behaviour_log_prob is not None:
         named["behaviour_log_prob"] = behaviour_log_prob
-        checks.append((lambda named: (named["behaviour_log_prob"] > 0).any(),
-                       "behaviour_log_prob: must be <= 0 (log-probabilities of the sampled tokens)"))
+        checks.append(
+            (
+                lambda named: (named["behaviour_log_prob"] > 0).any(),
+                "behaviour_log_prob: must be <= 0 (log-probabilities of the sampled tokens)",
+            )
+        )
     check_token_inputs(named, mask, reference="ratio", allow_row_vector=("advantages",), extra_checks=tuple(checks))
 
 
-def positive_share(ratio: Tensor, advantages: Tensor, mask: Tensor, lower: float, upper: float,
-                   config: BAPOConfig | None = None, *, weights: Tensor | None = None,
-                   behaviour_log_prob: Tensor | None = None) -> float:
+def positive_share(
+    ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    lower: float,
+    upper: float,
+    config: BAPOConfig | None = None,
+    *,
+    weights: Tensor | None = None,
+    behaviour_log_prob: Tensor | None = None,
+) -> float:
     """rho(lower, upper) = pos / (pos + neg) under `config`'s definition (default: gradient share).
 
     ratio, advantages ([B, T] or [B]), mask, weights, behaviour_log_prob: [B, T]. A == 0 and
     masked tokens count nowhere. NaN when nothing contributes (0/0).
     """
     _check_search_inputs(ratio, advantages, mask, weights, behaviour_log_prob)
-    positive_tokens, negative_tokens = token_contributions(ratio, advantages, mask, lower, upper, config,
-                                                           weights=weights, behaviour_log_prob=behaviour_log_prob)
+    positive_tokens, negative_tokens = token_contributions(
+        ratio, advantages, mask, lower, upper, config, weights=weights, behaviour_log_prob=behaviour_log_prob
+    )
     positive, negative = float(positive_tokens.sum()), float(negative_tokens.sum())
     total = positive + negative
     return math.nan if total == 0.0 else positive / total
@@ -321,29 +408,38 @@ class BoundStats:
     def _side_size(self) -> int:
         return len(self._upper_grid) + len(self._lower_grid) + 2
 
+    def _filled(self) -> Tensor:
+        """The sums buffer, which exists once add, all_reduce or solve has run."""
+        if self.sums is None:
+            raise RuntimeError("BoundStats holds no sums yet: call add, all_reduce or solve first")
+        return self.sums
+
     @property
     def positive_sums(self) -> Tensor:
         """sum r*a of positive tokens per bucket, [len(upper_grid) + 1]."""
-        return self.sums[: len(self._upper_grid) + 1]
+        return self._filled()[: len(self._upper_grid) + 1]
 
     @property
     def negative_sums(self) -> Tensor:
         """sum r*a of negative tokens per bucket, [len(lower_grid) + 1]."""
-        return self.sums[len(self._upper_grid) + 1: self._side_size]
+        return self._filled()[len(self._upper_grid) + 1 : self._side_size]
 
     @property
     def magnitude_sums(self) -> tuple[Tensor, Tensor] | None:
         """(sum a of positive tokens per bucket, of negative ones) for contribution="clamped", else None."""
         if self.config.contribution != "clamped":
             return None
-        return self.sums[self._side_size: self._side_size + len(self._upper_grid) + 1], \
-            self.sums[self._side_size + len(self._upper_grid) + 1:]
+        sums = self._filled()
+        positive_end = self._side_size + len(self._upper_grid) + 1
+        return sums[self._side_size : positive_end], sums[positive_end:]
 
-    def _ensure(self, device: torch.device) -> None:
+    def _ensure(self, device: torch.device) -> Tensor:
+        """The sums buffer, created (zeros) on self.device, else on `device`, if there is none yet."""
         if self.sums is None:
             self.device = self.device or device
             sides = 2 if self.config.contribution == "clamped" else 1
             self.sums = torch.zeros(sides * self._side_size, dtype=torch.float64, device=self.device)
+        return self.sums
 
     def _tables_for(self, dtype: torch.dtype) -> tuple[Tensor, tuple[Tensor, ...], tuple[Tensor, ...]]:
         """Per compute dtype: the regular edges laid out by bucket, [U'..., +inf, L...] (the upper
@@ -357,18 +453,27 @@ class BoundStats:
             upper = torch.nextafter(upper, torch.full_like(upper, math.inf))
             n_lower, n_upper = self._regular_counts
             gap = torch.full((len(self._upper_grid) + 1 - n_upper,), math.inf, dtype=dtype)
-            self._tables[dtype] = (torch.cat([upper[:n_upper], gap, lower[:n_lower]]).to(self.device),
-                                   tuple(lower[n_lower:].to(self.device)), tuple(upper[n_upper:].to(self.device)))
+            self._tables[dtype] = (
+                torch.cat([upper[:n_upper], gap, lower[:n_lower]]).to(self.device),
+                tuple(lower[n_lower:].to(self.device)),
+                tuple(upper[n_upper:].to(self.device)),
+            )
         return self._tables[dtype]
 
     @property
     def _regular_counts(self) -> tuple[int, int]:
         """How many leading points of the lower and of the upper grid lie on start + k*step."""
         if not hasattr(self, "_regular"):
+
             def regular(grid: list[float], start: float, step: float) -> int:
-                return next((k for k, value in enumerate(grid) if abs(value - (start + k * step)) > step / 4), len(grid))
-            self._regular = (regular(self._lower_grid, self.config.lower_start, self.config.lower_step),
-                             regular(self._upper_grid, self.config.upper_start, self.config.upper_step))
+                return next(
+                    (k for k, value in enumerate(grid) if abs(value - (start + k * step)) > step / 4), len(grid)
+                )
+
+            self._regular = (
+                regular(self._lower_grid, self.config.lower_start, self.config.lower_step),
+                regular(self._upper_grid, self.config.upper_start, self.config.upper_step),
+            )
         return self._regular
 
     def _buckets(self, ratio: Tensor, positive: Tensor) -> Tensor:
@@ -397,8 +502,16 @@ class BoundStats:
             bucket += ~positive & (ratio >= edge)
         return bucket
 
-    def add(self, ratio: Tensor, advantages: Tensor, mask: Tensor, *, weights: Tensor | None = None,
-            behaviour_log_prob: Tensor | None = None, validate: bool = True) -> BoundStats:
+    def add(
+        self,
+        ratio: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        *,
+        weights: Tensor | None = None,
+        behaviour_log_prob: Tensor | None = None,
+        validate: bool = True,
+    ) -> BoundStats:
         """Accumulate one micro-batch. ratio, mask: [B, T]; advantages: [B, T] or [B].
 
         weights: optional [B, T] per-token loss multipliers >= 0 (rollout importance weights, TRL's
@@ -407,27 +520,37 @@ class BoundStats:
         (ignored otherwise).
         """
         if validate:
-            _check_search_inputs(ratio, advantages, mask, weights,
-                                 behaviour_log_prob if self.config.weighting == "behaviour_prob" else None)
-        self._ensure(ratio.device)
-        ratio, signed = _signed_magnitudes(ratio, advantages, mask, weighting=self.config.weighting, weights=weights,
-                                           behaviour_log_prob=behaviour_log_prob, device=self.device)
+            _check_search_inputs(
+                ratio,
+                advantages,
+                mask,
+                weights,
+                behaviour_log_prob if self.config.weighting == "behaviour_prob" else None,
+            )
+        sums = self._ensure(ratio.device)
+        ratio, signed = _signed_magnitudes(
+            ratio,
+            advantages,
+            mask,
+            weighting=self.config.weighting,
+            weights=weights,
+            behaviour_log_prob=behaviour_log_prob,
+            device=self.device,
+        )
         bucket = self._buckets(ratio, signed > 0)
         magnitude = signed.abs().flatten()
-        self.sums.index_add_(0, bucket, (ratio.flatten() * magnitude).to(torch.float64))
+        sums.index_add_(0, bucket, (ratio.flatten() * magnitude).to(torch.float64))
         if self.config.contribution == "clamped":
-            self.sums.index_add_(0, bucket + self._side_size, magnitude.to(torch.float64))
+            sums.index_add_(0, bucket + self._side_size, magnitude.to(torch.float64))
         return self
 
     def all_reduce(self, process_group: dist.ProcessGroup | None = None) -> None:
         """Sum the bucket sums over ranks with exactly one collective (every rank must call it)."""
-        self._require_data()
-        dist.all_reduce(self.sums, op=dist.ReduceOp.SUM, group=process_group)
+        dist.all_reduce(self._require_data(), op=dist.ReduceOp.SUM, group=process_group)
 
-    def _require_data(self) -> None:
-        if self.sums is None:
-            # No tokens seen: an empty histogram on CPU still lets ranks join the collective.
-            self._ensure(self.device or torch.device("cpu"))
+    def _require_data(self) -> Tensor:
+        # No tokens seen: an empty histogram on CPU still lets ranks join the collective.
+        return self._ensure(self.device or torch.device("cpu"))
 
     def solve(self, process_group: dist.ProcessGroup | None = None, sync: bool | None = None) -> SearchResult:
         """Run the search on the accumulated sums.
@@ -443,8 +566,12 @@ class BoundStats:
         return solve_from_sums(self.positive_sums, self.negative_sums, self.config, self.magnitude_sums)
 
 
-def candidate_sums(positive_sums: Tensor, negative_sums: Tensor, config: BAPOConfig,
-                   magnitude_sums: tuple[Tensor, Tensor] | None = None) -> tuple[Tensor, Tensor]:
+def candidate_sums(
+    positive_sums: Tensor,
+    negative_sums: Tensor,
+    config: BAPOConfig,
+    magnitude_sums: tuple[Tensor, Tensor] | None = None,
+) -> tuple[Tensor, Tensor]:
     """pos at every upper candidate [n_upper] and neg at every lower candidate [n_lower], from
     BoundStats' bucket sums (magnitude_sums: required for contribution="clamped")."""
     n_upper, n_lower = len(config.upper_grid), len(config.lower_grid)
@@ -471,8 +598,12 @@ def search_path(config: BAPOConfig) -> list[tuple[int, int]]:
     return [(k, 0) for k in range(lower_moves + 1)] + [(lower_moves, j) for j in range(1, upper_moves + 1)]
 
 
-def solve_from_sums(positive_sums: Tensor, negative_sums: Tensor, config: BAPOConfig,
-                    magnitude_sums: tuple[Tensor, Tensor] | None = None) -> SearchResult:
+def solve_from_sums(
+    positive_sums: Tensor,
+    negative_sums: Tensor,
+    config: BAPOConfig,
+    magnitude_sums: tuple[Tensor, Tensor] | None = None,
+) -> SearchResult:
     """Walk the candidate path on bucket sums (see BoundStats) in one vectorised step, one host sync."""
     positive_at_upper, negative_at_lower = candidate_sums(positive_sums, negative_sums, config, magnitude_sums)
     path = search_path(config)
@@ -482,8 +613,9 @@ def solve_from_sums(positive_sums: Tensor, negative_sums: Tensor, config: BAPOCo
     total = positive + negative
     nan = torch.full_like(total, math.nan)
     share = torch.where(total > 0, positive / total.clamp_min(torch.finfo(torch.float64).tiny), nan)
-    pos_neg = torch.where(negative > 0, positive / (negative + config.pos_neg_eps),
-                          torch.where(positive > 0, math.inf, nan))
+    pos_neg = torch.where(
+        negative > 0, positive / (negative + config.pos_neg_eps), torch.where(positive > 0, math.inf, nan)
+    )
     if config.target_kind == "share":
         reached = (total == 0) | (share >= config.target)  # 0/0: nothing to balance
     else:
@@ -509,12 +641,22 @@ def solve_from_sums(positive_sums: Tensor, negative_sums: Tensor, config: BAPOCo
     )
 
 
-def search_bounds(ratio: Tensor, advantages: Tensor, mask: Tensor, config: BAPOConfig, *,
-                  weights: Tensor | None = None, behaviour_log_prob: Tensor | None = None) -> SearchResult:
+def search_bounds(
+    ratio: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    config: BAPOConfig,
+    *,
+    weights: Tensor | None = None,
+    behaviour_log_prob: Tensor | None = None,
+) -> SearchResult:
     """Bounds of the search on this batch alone (no cross-rank sync; use BoundStats for that).
 
     ratio, mask: [B, T]; advantages: [B, T] or [B]; weights, behaviour_log_prob: optional
     [B, T] (see BoundStats.add).
     """
-    return BoundStats(config, device=ratio.device).add(
-        ratio, advantages, mask, weights=weights, behaviour_log_prob=behaviour_log_prob).solve(sync=False)
+    return (
+        BoundStats(config, device=ratio.device)
+        .add(ratio, advantages, mask, weights=weights, behaviour_log_prob=behaviour_log_prob)
+        .solve(sync=False)
+    )

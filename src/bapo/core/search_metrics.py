@@ -3,7 +3,7 @@ trainer and the verl worker (verl prefixes `actor/`)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from bapo.core.search import SCOPES, SearchResult
 
@@ -24,7 +24,7 @@ def search_metrics(searches: Sequence[tuple[SearchResult, int]], scope: str) -> 
     tokens = sum(count for _, count in searches)
     weights = [count / tokens if tokens else 1.0 / len(searches) for _, count in searches]
 
-    def mean(value) -> float:
+    def mean(value: Callable[[SearchResult], float]) -> float:
         return sum(weight * float(value(result)) for weight, (result, _) in zip(weights, searches))
 
     return {

@@ -74,16 +74,27 @@ class EntropyTargetController:
         return dataclasses.replace(self.config, target=self.target)
 
     def state_dict(self) -> dict:
-        return {"target": self.target, "integral": self.integral, "set_point": self.set_point,
-                "held_sum": self.held_sum, "held_count": self.held_count, "updates": self.updates}
+        return {
+            "target": self.target,
+            "integral": self.integral,
+            "set_point": self.set_point,
+            "held_sum": self.held_sum,
+            "held_count": self.held_count,
+            "updates": self.updates,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.target, self.integral, self.set_point = state["target"], state["integral"], state["set_point"]
         self.held_sum, self.held_count, self.updates = state["held_sum"], state["held_count"], state["updates"]
 
 
-def token_mean_over_ranks(total: float, count: float, *, device: torch.device | str | None = None,
-                          process_group: dist.ProcessGroup | None = None) -> float:
+def token_mean_over_ranks(
+    total: float,
+    count: float,
+    *,
+    device: torch.device | str | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> float:
     """sum / count over every rank (one all-reduce when torch.distributed is initialised, every
     rank must call it); NaN when no rank has a token. total: e.g. sum of entropy over masked tokens."""
     values = torch.tensor([total, count], dtype=torch.float64, device=device)

@@ -19,12 +19,12 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Callable
 
-from bapo.demo.task import TaskConfig, make_split, write_jsonl
-from bapo.demo.warmstart import SFTConfig, WarmStartConfig, warm_start, warmstart_info
+from bapo.demo.task import make_split, write_jsonl
+from bapo.demo.warmstart import WarmStartConfig, warm_start, warmstart_info
 
 VERIFIER = "bapo.demo.task:verify"
 # methods whose loss is the same clipped surrogate: on-policy (E=0, no delay) every ratio is
@@ -65,21 +65,21 @@ class DemoPlan:
     accuracy on the built-in task within `steps` rollout steps (measured, see the README)."""
 
     methods: tuple[str, ...] = CLIPPED_SURROGATES
-    staleness_e: tuple[int, ...] = (0, 2, 4)   # the paper's E: E+1 updates per rollout batch
-    async_delays: tuple[int, ...] = ()         # FIFO delays k (at E=0), the second axis
-    partial_rollout: bool = False              # at E=0
+    staleness_e: tuple[int, ...] = (0, 2, 4)  # the paper's E: E+1 updates per rollout batch
+    async_delays: tuple[int, ...] = ()  # FIFO delays k (at E=0), the second axis
+    partial_rollout: bool = False  # at E=0
     seeds: tuple[int, ...] = (0, 1, 2)
-    steps: int = 30                # rollout steps per run (optimizer updates = steps x (E+1))
-    prompts_per_batch: int = 15    # 15 x 8 = 120 responses: divisible by E+1 = 1, 2, 3, 4, 5, 6, 8
+    steps: int = 30  # rollout steps per run (optimizer updates = steps x (E+1))
+    prompts_per_batch: int = 15  # 15 x 8 = 120 responses: divisible by E+1 = 1, 2, 3, 4, 5, 6, 8
     group_size: int = 8
-    segment_tokens: int = 8        # partial rollout: new tokens per generation pass
-    lr: float = 1e-4                # 3e-4 and 1e-3 lowered held-out accuracy on-policy (measured, README)
-    bapo_target: float = 0.4       # the paper's rho0, not tuned here
-    eval_every: int = 10           # rollout steps between held-out checks during training
-    eval_prompts: int = 64         # held-out prompts in those checks ...
-    eval_k_during: int = 4         # ... with this many samples each
-    final_k: int = 8               # final held-out avg@k / pass@k on every held-out prompt
-    lab: str = "default"           # bapo lab profile run first: default | quick | off
+    segment_tokens: int = 8  # partial rollout: new tokens per generation pass
+    lr: float = 1e-4  # 3e-4 and 1e-3 lowered held-out accuracy on-policy (measured, README)
+    bapo_target: float = 0.4  # the paper's rho0, not tuned here
+    eval_every: int = 10  # rollout steps between held-out checks during training
+    eval_prompts: int = 64  # held-out prompts in those checks ...
+    eval_k_during: int = 4  # ... with this many samples each
+    final_k: int = 8  # final held-out avg@k / pass@k on every held-out prompt
+    lab: str = "default"  # bapo lab profile run first: default | quick | off
     warmstart: WarmStartConfig = field(default_factory=WarmStartConfig)
 
     @property
@@ -103,12 +103,18 @@ class DemoPlan:
 
 
 PROFILES = {
-    "quick": DemoPlan(methods=("grpo", "bapo"), staleness_e=(0, 4), steps=20, lab="quick",
-                      eval_every=20, eval_prompts=32),
+    "quick": DemoPlan(
+        methods=("grpo", "bapo"), staleness_e=(0, 4), steps=20, lab="quick", eval_every=20, eval_prompts=32
+    ),
     "default": DemoPlan(),
-    "full": DemoPlan(methods=("grpo", "clip-higher", "dual-clip", "topr", "dcpo", "bapo"),
-                     staleness_e=(0, 2, 4, 7), async_delays=(4,), partial_rollout=True,
-                     seeds=(0, 1, 2, 3, 4), steps=40),
+    "full": DemoPlan(
+        methods=("grpo", "clip-higher", "dual-clip", "topr", "dcpo", "bapo"),
+        staleness_e=(0, 2, 4, 7),
+        async_delays=(4,),
+        partial_rollout=True,
+        seeds=(0, 1, 2, 3, 4),
+        steps=40,
+    ),
 }
 
 
@@ -118,7 +124,8 @@ def train_config(plan: DemoPlan, spec: RunSpec, model_path: Path, data_path: Pat
 
     overrides = {
         # cpu even where a GPU exists: for 0.4M parameters kernel launches cost more than math
-        "model.path": str(model_path), "model.device": "cpu",
+        "model.path": str(model_path),
+        "model.device": "cpu",
         "data.path": str(data_path),
         "rollout.prompts_per_batch": plan.prompts_per_batch,
         "rollout.group_size": plan.group_size,
@@ -131,9 +138,13 @@ def train_config(plan: DemoPlan, spec: RunSpec, model_path: Path, data_path: Pat
         "offpolicy.staleness": spec.async_delay,
         "optim.lr": plan.lr,
         "optim.micro_batch_size": plan.prompts_per_batch * plan.group_size,
-        "run.output_dir": str(run_dir), "run.steps": plan.steps, "run.seed": spec.seed,
-        "run.checkpoint_every": 0, "run.keep_checkpoints": 1,
-        "run.tensorboard": "off", "run.progress": False,
+        "run.output_dir": str(run_dir),
+        "run.steps": plan.steps,
+        "run.seed": spec.seed,
+        "run.checkpoint_every": 0,
+        "run.keep_checkpoints": 1,
+        "run.tensorboard": "off",
+        "run.progress": False,
     }
     if spec.partial_rollout:
         overrides["rollout.segment_tokens"] = plan.segment_tokens
@@ -159,12 +170,17 @@ class HeldOutHook:
         if rollout_steps == 1:
             out.update({f"heldout/start/{k}": v for k, v in self.start.items() if "@" in k})
         if rollout_steps % p.eval_every == 0 and rollout_steps < p.steps:
-            scores = evaluate(model, tokenizer, self.heldout[:p.eval_prompts], verify,
-                              k=p.eval_k_during, max_new_tokens=p.max_new_tokens)
+            scores = evaluate(
+                model,
+                tokenizer,
+                self.heldout[: p.eval_prompts],
+                verify,
+                k=p.eval_k_during,
+                max_new_tokens=p.max_new_tokens,
+            )
             out["heldout/accuracy"] = scores[f"avg@{p.eval_k_during}"]
         if rollout_steps == p.steps:
-            final = evaluate(model, tokenizer, self.heldout, verify, k=p.final_k,
-                             max_new_tokens=p.max_new_tokens)
+            final = evaluate(model, tokenizer, self.heldout, verify, k=p.final_k, max_new_tokens=p.max_new_tokens)
             out.update({f"heldout/{k}": v for k, v in final.items() if "@" in k})
             out["heldout/accuracy"] = final[f"avg@{p.final_k}"]
         return out
@@ -179,8 +195,15 @@ def _quiet_hf() -> None:
     datasets.disable_progress_bars()
 
 
-def run_one(plan: DemoPlan, spec: RunSpec, model_path: Path, demo_dir: Path, start: dict,
-            tick: Callable[[int], None] | None = None, threads: int | None = None) -> tuple[float, float]:
+def run_one(
+    plan: DemoPlan,
+    spec: RunSpec,
+    model_path: Path,
+    demo_dir: Path,
+    start: dict,
+    tick: Callable[[int], None] | None = None,
+    threads: int | None = None,
+) -> tuple[float, float]:
     """Train one run into demo_dir/spec.name; returns (wall seconds, CPU seconds of this process)."""
     import torch
 
@@ -193,8 +216,9 @@ def run_one(plan: DemoPlan, spec: RunSpec, model_path: Path, demo_dir: Path, sta
     wall, cpu = time.time(), time.process_time()
     run_dir = demo_dir / spec.name
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "demo_run.json").write_text(json.dumps(
-        {"method": spec.method, "setting": spec.setting, "seed": spec.seed, **asdict(spec)}))
+    (run_dir / "demo_run.json").write_text(
+        json.dumps({"method": spec.method, "setting": spec.setting, "seed": spec.seed, **asdict(spec)})
+    )
     cfg = train_config(plan, spec, model_path, demo_dir / "data" / "train.jsonl", run_dir)
     heldout = read_jsonl(demo_dir / "data" / "heldout.jsonl")
     progress = (lambda update, total, row: tick(row["rollout_step"] + 1)) if tick else False
@@ -205,8 +229,9 @@ def run_one(plan: DemoPlan, spec: RunSpec, model_path: Path, demo_dir: Path, sta
 def _worker(args) -> tuple[str, float, float]:
     """Process-pool entry (one run, `threads` torch threads); progress goes through a queue."""
     plan, spec, model_path, demo_dir, start, queue, threads = args
-    wall, cpu = run_one(plan, spec, model_path, demo_dir, start,
-                        tick=lambda done: queue.put((spec.name, done)), threads=threads)
+    wall, cpu = run_one(
+        plan, spec, model_path, demo_dir, start, tick=lambda done: queue.put((spec.name, done)), threads=threads
+    )
     return spec.name, wall, cpu
 
 
@@ -218,8 +243,14 @@ def evaluate_start(plan: DemoPlan, model_path: Path, heldout: list[dict]) -> dic
     from bapo.demo.task import verify
 
     model = AutoModelForCausalLM.from_pretrained(model_path)
-    return evaluate(model, AutoTokenizer.from_pretrained(model_path), heldout, verify, k=plan.final_k,
-                    max_new_tokens=plan.max_new_tokens)
+    return evaluate(
+        model,
+        AutoTokenizer.from_pretrained(model_path),
+        heldout,
+        verify,
+        k=plan.final_k,
+        max_new_tokens=plan.max_new_tokens,
+    )
 
 
 def _run_lab(plan: DemoPlan, demo_dir: Path) -> tuple[list, Path | None]:
@@ -236,8 +267,9 @@ def _run_lab(plan: DemoPlan, demo_dir: Path) -> tuple[list, Path | None]:
     return run_lab(demo_dir / "lab", quick=plan.lab == "quick")
 
 
-def run_demo(plan: DemoPlan, out: Path | None = None, jobs: int | None = None, threads: int = 1,
-             show_progress: bool = True) -> Path:
+def run_demo(
+    plan: DemoPlan, out: Path | None = None, jobs: int | None = None, threads: int = 1, show_progress: bool = True
+) -> Path:
     """Run the whole demo; returns the demo directory (report.md inside).
 
     jobs: runs in parallel processes (default: one per CPU core, at most one per run);
@@ -271,8 +303,9 @@ def run_demo(plan: DemoPlan, out: Path | None = None, jobs: int | None = None, t
         timings["warm start"], cpu["warm start"] = time.time() - t, time.process_time() - c
         info = warmstart_info(model_path)
         train_rows, heldout = make_split(plan.warmstart.task)
-        write_jsonl([{"prompt": r["prompt"], "answer": r["answer"]} for r in train_rows],
-                    demo_dir / "data" / "train.jsonl")
+        write_jsonl(
+            [{"prompt": r["prompt"], "answer": r["answer"]} for r in train_rows], demo_dir / "data" / "train.jsonl"
+        )
         write_jsonl(heldout, demo_dir / "data" / "heldout.jsonl")
         start_scores = evaluate_start(plan, model_path, heldout)
         progress.sft_done()
@@ -280,11 +313,12 @@ def run_demo(plan: DemoPlan, out: Path | None = None, jobs: int | None = None, t
             for spec in specs:
                 progress.start_run(spec)
                 timings[spec.name], cpu[spec.name] = run_one(
-                    plan, spec, model_path, demo_dir, start_scores,
-                    tick=lambda d, s=spec: progress.run_step(s.name, d))
+                    plan, spec, model_path, demo_dir, start_scores, tick=lambda d, s=spec: progress.run_step(s.name, d)
+                )
         else:
-            for name, wall, cpu_s in _run_parallel(plan, specs, model_path, demo_dir, start_scores,
-                                                   jobs, threads, progress):
+            for name, wall, cpu_s in _run_parallel(
+                plan, specs, model_path, demo_dir, start_scores, jobs, threads, progress
+            ):
                 timings[name], cpu[name] = wall, cpu_s
         progress.finishing()
         runs = find_runs([demo_dir / s.name for s in specs])
@@ -292,15 +326,26 @@ def run_demo(plan: DemoPlan, out: Path | None = None, jobs: int | None = None, t
         plots = plot_runs(runs, demo_dir / "plots", target_share=plan.bapo_target)
         timings["total"] = time.time() - t0
         header = _report_header(plan, info, timings, cpu, jobs, threads, lab_dir, demo_dir)
-        write_report(demo_dir / "report.md", runs, claims, plots, plan.bapo_target, header,
-                     lab_claims=lab_claims)
+        write_report(demo_dir / "report.md", runs, claims, plots, plan.bapo_target, header, lab_claims=lab_claims)
         from bapo.analysis.claims import claims_json
 
         (demo_dir / "claims.json").write_text(claims_json(list(lab_claims) + claims) + "\n")
-        (demo_dir / "demo.json").write_text(json.dumps(
-            {"plan": asdict(plan), "warmstart": str(model_path), "start_policy": start_scores,
-             "timings_s": timings, "cpu_s": cpu, "jobs": jobs, "threads": threads,
-             "lab": str(lab_dir) if lab_dir else None}, indent=2, default=str))
+        (demo_dir / "demo.json").write_text(
+            json.dumps(
+                {
+                    "plan": asdict(plan),
+                    "warmstart": str(model_path),
+                    "start_policy": start_scores,
+                    "timings_s": timings,
+                    "cpu_s": cpu,
+                    "jobs": jobs,
+                    "threads": threads,
+                    "lab": str(lab_dir) if lab_dir else None,
+                },
+                indent=2,
+                default=str,
+            )
+        )
     return demo_dir
 
 
@@ -314,8 +359,7 @@ def _run_parallel(plan, specs, model_path, demo_dir, start, jobs, threads, progr
     with ctx.Manager() as manager:
         q = manager.Queue()
         with cf.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            futures = [pool.submit(_worker, (plan, s, model_path, demo_dir, start, q, threads))
-                       for s in specs]
+            futures = [pool.submit(_worker, (plan, s, model_path, demo_dir, start, q, threads)) for s in specs]
             pending = set(futures)
             while pending:
                 try:
@@ -328,12 +372,17 @@ def _run_parallel(plan, specs, model_path, demo_dir, start, jobs, threads, progr
                     yield f.result()  # re-raises a worker's error here
 
 
-def _report_header(plan: DemoPlan, info: dict, timings: dict, cpu: dict, jobs: int, threads: int,
-                   lab_dir: Path | None, demo_dir: Path) -> list[str]:
+def _report_header(
+    plan: DemoPlan, info: dict, timings: dict, cpu: dict, jobs: int, threads: int, lab_dir: Path | None, demo_dir: Path
+) -> list[str]:
     task, m = plan.warmstart.task, plan.warmstart.model
     run_cpu = [v for k, v in cpu.items() if k != "warm start"]
-    lab = (f"Lab: [{lab_dir.relative_to(demo_dir)}/report.md]({lab_dir.relative_to(demo_dir)}/report.md) "
-           f"({timings['lab']:.0f} s)." if lab_dir else "Lab: not run (bapo.lab absent or --no-lab).")
+    lab = (
+        f"Lab: [{lab_dir.relative_to(demo_dir)}/report.md]({lab_dir.relative_to(demo_dir)}/report.md) "
+        f"({timings['lab']:.0f} s)."
+        if lab_dir
+        else "Lab: not run (bapo.lab absent or --no-lab)."
+    )
     return [
         f"Task: countdown-style guess-and-check, {task.n_numbers} numbers in 1-{task.max_number}, "
         f"one attempt per line, stop at the first hit; a {task.max_new_tokens}-token budget "
@@ -365,6 +414,5 @@ def plan_for(profile: str, **changes) -> DemoPlan:
     changes = {k: v for k, v in changes.items() if v is not None}
     if "sft_steps" in changes:
         ws = plan.warmstart
-        plan = replace(plan, warmstart=replace(ws, sft=replace(ws.sft,
-                                                                steps=changes.pop("sft_steps"))))
+        plan = replace(plan, warmstart=replace(ws, sft=replace(ws.sft, steps=changes.pop("sft_steps"))))
     return replace(plan, **changes)

@@ -26,13 +26,17 @@ class DemoProgress:
     # -- rich plumbing ----------------------------------------------------------------------
     def __enter__(self):
         if self.enabled:
-            from rich.progress import (BarColumn, Progress, TextColumn, TimeElapsedColumn,
-                                       TimeRemainingColumn)
+            from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-            self.bar = Progress(TextColumn("[bold]bapo demo"), BarColumn(),
-                                TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
-                                TextColumn("eta"), TimeRemainingColumn(),
-                                TextColumn("{task.fields[label]}"))
+            self.bar = Progress(
+                TextColumn("[bold]bapo demo"),
+                BarColumn(),
+                TextColumn("{task.percentage:>3.0f}%"),
+                TimeElapsedColumn(),
+                TextColumn("eta"),
+                TimeRemainingColumn(),
+                TextColumn("{task.fields[label]}"),
+            )
             total = self.sft_total * SFT_STEP_COST + len(self.updates) * self.steps_per_run
             self.task = self.bar.add_task("demo", total=total, label=self.label)
             self.bar.start()

@@ -132,8 +132,10 @@ def _unique_problems(rng: random.Random, cfg: TaskConfig, n: int, exclude: set[s
     while n > 0:
         attempts += 1
         if attempts > 200 * (n + len(seen)):
-            raise ValueError(f"TaskConfig(max_number={cfg.max_number}) has too few distinct "
-                             "problems: raise max_number or lower n_train / n_heldout")
+            raise ValueError(
+                f"TaskConfig(max_number={cfg.max_number}) has too few distinct "
+                "problems: raise max_number or lower n_train / n_heldout"
+            )
         numbers, target = sample_problem(rng, cfg)
         prompt = format_prompt(numbers, target)
         if prompt in seen:
@@ -149,15 +151,14 @@ def make_split(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
     The held-out rows depend only on (n_numbers, max_number, n_heldout, heldout_seed), and no
     training prompt equals a held-out prompt.
     """
+
     def row(numbers, target, prompt):
         hit = next(c for c in candidates(numbers) if evaluate_attempt(c) == target)
         return {"prompt": prompt, "answer": hit}
 
-    heldout = [row(*p) for p in _unique_problems(random.Random(cfg.heldout_seed), cfg,
-                                                  cfg.n_heldout, set())]
+    heldout = [row(*p) for p in _unique_problems(random.Random(cfg.heldout_seed), cfg, cfg.n_heldout, set())]
     taken = {r["prompt"] for r in heldout}
-    train = [row(*p) for p in _unique_problems(random.Random(cfg.train_seed), cfg,
-                                                cfg.n_train, taken)]
+    train = [row(*p) for p in _unique_problems(random.Random(cfg.train_seed), cfg, cfg.n_train, taken)]
     return train, heldout
 
 

@@ -16,12 +16,12 @@ import math
 import os
 import shutil
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
 
-from bapo.train.tiny import ModelConfig, build_model, build_tokenizer
 from bapo.demo.task import TaskConfig, demonstrations, make_split, verify
+from bapo.train.tiny import ModelConfig, build_model, build_tokenizer
 
 CACHE_VERSION = 3  # bump when the code below changes what a cached model is
 
@@ -59,8 +59,14 @@ def _response_labels(input_ids, prompt_lengths, pad_id):
     return labels
 
 
-def supervised_finetune(model, tokenizer, prompts: list[str], texts: list[str], cfg: SFTConfig,
-                        on_step: Callable[[int, float], None] | None = None) -> list[float]:
+def supervised_finetune(
+    model,
+    tokenizer,
+    prompts: list[str],
+    texts: list[str],
+    cfg: SFTConfig,
+    on_step: Callable[[int, float], None] | None = None,
+) -> list[float]:
     """Next-token cross-entropy on the response part of `texts` (= prompt + solution + eos).
 
     Right-padded batches [batch_size, T]; AdamW, linear warmup then cosine decay.
@@ -71,17 +77,16 @@ def supervised_finetune(model, tokenizer, prompts: list[str], texts: list[str], 
     gen = torch.Generator().manual_seed(cfg.seed)
     prompt_lengths = [len(tokenizer(p)["input_ids"]) for p in prompts]
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.01)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / cfg.warmup)
-                                              * 0.5 * (1 + math.cos(math.pi * s / cfg.steps)))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / cfg.warmup) * 0.5 * (1 + math.cos(math.pi * s / cfg.steps))
+    )
     tokenizer.padding_side = "right"
     model.train()
     losses = []
     for step in range(cfg.steps):
         idx = torch.randint(len(texts), (cfg.batch_size,), generator=gen).tolist()
-        batch = tokenizer([texts[i] + tokenizer.eos_token for i in idx], return_tensors="pt",
-                          padding=True)
-        labels = _response_labels(batch["input_ids"], [prompt_lengths[i] for i in idx],
-                                  tokenizer.pad_token_id)
+        batch = tokenizer([texts[i] + tokenizer.eos_token for i in idx], return_tensors="pt", padding=True)
+        labels = _response_labels(batch["input_ids"], [prompt_lengths[i] for i in idx], tokenizer.pad_token_id)
         loss = model(**batch, labels=labels).loss
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -95,8 +100,9 @@ def supervised_finetune(model, tokenizer, prompts: list[str], texts: list[str], 
     return losses
 
 
-def warm_start(cfg: WarmStartConfig, root: Path | None = None, eval_k: int = 8,
-               on_step: Callable[[int, float], None] | None = None) -> Path:
+def warm_start(
+    cfg: WarmStartConfig, root: Path | None = None, eval_k: int = 8, on_step: Callable[[int, float], None] | None = None
+) -> Path:
     """Path of the warm-started model for `cfg`: from the cache, or trained and saved now."""
     from bapo.analysis.evaluate import evaluate
 
@@ -108,15 +114,19 @@ def warm_start(cfg: WarmStartConfig, root: Path | None = None, eval_k: int = 8,
     model = build_model(cfg.model, tokenizer)
     train_rows, heldout = make_split(cfg.task)
     texts = demonstrations(train_rows, cfg.sft.seed)
-    losses = supervised_finetune(model, tokenizer, [r["prompt"] for r in train_rows], texts,
-                                 cfg.sft, on_step)
+    losses = supervised_finetune(model, tokenizer, [r["prompt"] for r in train_rows], texts, cfg.sft, on_step)
     sft_s = time.time() - t0
     scores = evaluate(model, tokenizer, heldout, verify, k=eval_k, max_new_tokens=cfg.task.max_new_tokens)
     tmp = target.with_name(target.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    info = {"settings": asdict(cfg), "key": cfg.key(), "sft_seconds": round(sft_s, 1),
-            "final_loss": sum(losses[-20:]) / len(losses[-20:]), "heldout": scores}
+    info = {
+        "settings": asdict(cfg),
+        "key": cfg.key(),
+        "sft_seconds": round(sft_s, 1),
+        "final_loss": sum(losses[-20:]) / len(losses[-20:]),
+        "heldout": scores,
+    }
     (tmp / "warmstart.json").write_text(json.dumps(info, indent=2))
     if target.exists():  # another process finished first: keep theirs
         shutil.rmtree(tmp)

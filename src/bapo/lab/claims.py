@@ -90,11 +90,16 @@ class _Runs:
         """exact/<key> at the start and after each rollout step's last update: [S, steps + 1]."""
         per_update = run.updates[f"exact/{key}"]
         every = per_update.shape[1] // self.steps
-        return torch.cat([run.start[key][:, None], per_update[:, every - 1::every]], 1)
+        return torch.cat([run.start[key][:, None], per_update[:, every - 1 :: every]], 1)
 
 
-def judge_claims(runs: list[CellRun], steps: int, staleness: tuple[int, ...], delays: tuple[int, ...],
-                 claim2_staleness: tuple[int, ...]) -> list[Claim]:
+def judge_claims(
+    runs: list[CellRun],
+    steps: int,
+    staleness: tuple[int, ...],
+    delays: tuple[int, ...],
+    claim2_staleness: tuple[int, ...],
+) -> list[Claim]:
     """Every claim whose cells are present and that at least 2 seeds measure, in the order of the
     paper's claims 1-4, then the check of the entropy-change diagnostic."""
     R = _Runs(runs, steps)
@@ -115,37 +120,77 @@ def judge_claims(runs: list[CellRun], steps: int, staleness: tuple[int, ...], de
         if base is None or stale is None or e == 0:
             continue
         a, b = R.end(base, "entropy"), R.end(stale, "entropy")
-        add(f"1-entropy-E{e}-samples", "GRPO entropy falls faster as staleness E grows", f"equal samples, E=0 vs E={e}",
-            a - b, f"H(E=0) {_fmt(a)} vs H(E={e}) {_fmt(b)}")
+        add(
+            f"1-entropy-E{e}-samples",
+            "GRPO entropy falls faster as staleness E grows",
+            f"equal samples, E=0 vs E={e}",
+            a - b,
+            f"H(E=0) {_fmt(a)} vs H(E={e}) {_fmt(b)}",
+        )
         a, b = R.at_reward(base), R.at_reward(stale)
-        add(f"1-entropy-E{e}-at-reward", "GRPO entropy falls faster as staleness E grows",
-            f"matched reward {MATCHED_REWARD}, E=0 vs E={e}", a - b, f"H(E=0) {_fmt(a)} vs H(E={e}) {_fmt(b)}")
+        add(
+            f"1-entropy-E{e}-at-reward",
+            "GRPO entropy falls faster as staleness E grows",
+            f"matched reward {MATCHED_REWARD}, E=0 vs E={e}",
+            a - b,
+            f"H(E=0) {_fmt(a)} vs H(E={e}) {_fmt(b)}",
+        )
         a, b = R.at_update(base, "entropy", steps), R.at_update(stale, "entropy", steps)
-        add(f"1-entropy-E{e}-updates", "GRPO entropy falls faster as staleness E grows",
-            f"equal updates ({steps}), E=0 vs E={e}", a - b, f"H(E=0) {_fmt(a)} vs H(E={e}) {_fmt(b)}")
+        add(
+            f"1-entropy-E{e}-updates",
+            "GRPO entropy falls faster as staleness E grows",
+            f"equal updates ({steps}), E=0 vs E={e}",
+            a - b,
+            f"H(E=0) {_fmt(a)} vs H(E={e}) {_fmt(b)}",
+        )
     top = max((e for e in staleness if R.get("grpo", e) is not None and e > 0), default=None)
     if base is not None and top is not None:
         stale = R.get("grpo", top)
         a, b = _drawdown(R.per_step(base, "reward")), _drawdown(R.per_step(stale, "reward"))
-        add(f"1-reward-unstable-E{top}-samples", "GRPO reward less stable as E grows (reward drawdown)",
-            f"equal samples, E=0 vs E={top}", b - a, f"drawdown E=0 {_fmt(a)} vs E={top} {_fmt(b)}")
+        add(
+            f"1-reward-unstable-E{top}-samples",
+            "GRPO reward less stable as E grows (reward drawdown)",
+            f"equal samples, E=0 vs E={top}",
+            b - a,
+            f"drawdown E=0 {_fmt(a)} vs E={top} {_fmt(b)}",
+        )
         a = _drawdown(base.updates["exact/reward"])
         b = _drawdown(stale.updates["exact/reward"][:, :steps])
-        add(f"1-reward-unstable-E{top}-updates", "GRPO reward less stable as E grows (reward drawdown)",
-            f"equal updates ({steps}), E=0 vs E={top}", b - a, f"drawdown E=0 {_fmt(a)} vs E={top} {_fmt(b)}")
+        add(
+            f"1-reward-unstable-E{top}-updates",
+            "GRPO reward less stable as E grows (reward drawdown)",
+            f"equal updates ({steps}), E=0 vs E={top}",
+            b - a,
+            f"drawdown E=0 {_fmt(a)} vs E={top} {_fmt(b)}",
+        )
         a, b = _cv(base.updates["grad_norm"]), _cv(stale.updates["grad_norm"])
-        add(f"1-gradnorm-unstable-E{top}-samples", "GRPO grad norm less stable as E grows (CV over updates)",
-            f"equal samples, E=0 vs E={top}", b - a, f"CV E=0 {_fmt(a)} vs E={top} {_fmt(b)}")
+        add(
+            f"1-gradnorm-unstable-E{top}-samples",
+            "GRPO grad norm less stable as E grows (CV over updates)",
+            f"equal samples, E=0 vs E={top}",
+            b - a,
+            f"CV E=0 {_fmt(a)} vs E={top} {_fmt(b)}",
+        )
         b = _cv(stale.updates["grad_norm"][:, :steps])
-        add(f"1-gradnorm-unstable-E{top}-updates", "GRPO grad norm less stable as E grows (CV over updates)",
-            f"equal updates ({steps}), E=0 vs E={top}", b - a, f"CV E=0 {_fmt(a)} vs E={top} {_fmt(b)}")
+        add(
+            f"1-gradnorm-unstable-E{top}-updates",
+            "GRPO grad norm less stable as E grows (CV over updates)",
+            f"equal updates ({steps}), E=0 vs E={top}",
+            b - a,
+            f"CV E=0 {_fmt(a)} vs E={top} {_fmt(b)}",
+        )
     for k in delays:  # the second axis: async delay (each batch trained once, k rollout steps late)
         late = R.get("grpo", 0, k)
         if base is None or late is None:
             continue
         a, b = R.end(base, "entropy"), R.end(late, "entropy")
-        add(f"1-entropy-delay{k}", "GRPO entropy falls faster with an async delay",
-            f"delay 0 vs {k} (equal samples = equal updates)", a - b, f"H(0) {_fmt(a)} vs H(delay {k}) {_fmt(b)}")
+        add(
+            f"1-entropy-delay{k}",
+            "GRPO entropy falls faster with an async delay",
+            f"delay 0 vs {k} (equal samples = equal updates)",
+            a - b,
+            f"H(0) {_fmt(a)} vs H(delay {k}) {_fmt(b)}",
+        )
 
     # 2. raising c_high slows the entropy fall; lowering c_low speeds it
     for e in claim2_staleness:
@@ -155,27 +200,49 @@ def judge_claims(runs: list[CellRun], steps: int, staleness: tuple[int, ...], de
         g = R.end(grpo, "entropy")
         if high is not None:
             h = R.end(high, "entropy")
-            add(f"2-c_high-E{e}", "raising c_high slows the entropy fall", f"E={e}, c_high 1.2 -> 2.0 (c_low 0.8)",
-                h - g, f"H(c_high 2.0) {_fmt(h)} vs H(1.2) {_fmt(g)}")
+            add(
+                f"2-c_high-E{e}",
+                "raising c_high slows the entropy fall",
+                f"E={e}, c_high 1.2 -> 2.0 (c_low 0.8)",
+                h - g,
+                f"H(c_high 2.0) {_fmt(h)} vs H(1.2) {_fmt(g)}",
+            )
             h, g2 = R.at_reward(high), R.at_reward(grpo)
-            add(f"2-c_high-E{e}-at-reward", "raising c_high slows the entropy fall",
-                f"E={e}, c_high 1.2 -> 2.0, matched reward {MATCHED_REWARD}", h - g2,
-                f"H(c_high 2.0) {_fmt(h)} vs H(1.2) {_fmt(g2)}")
+            add(
+                f"2-c_high-E{e}-at-reward",
+                "raising c_high slows the entropy fall",
+                f"E={e}, c_high 1.2 -> 2.0, matched reward {MATCHED_REWARD}",
+                h - g2,
+                f"H(c_high 2.0) {_fmt(h)} vs H(1.2) {_fmt(g2)}",
+            )
         if low is not None:
             lo = R.end(low, "entropy")
-            add(f"2-c_low-E{e}", "lowering c_low speeds the entropy fall", f"E={e}, c_low 0.8 -> 0.6 (c_high 1.2)",
-                g - lo, f"H(c_low 0.8) {_fmt(g)} vs H(0.6) {_fmt(lo)}")
+            add(
+                f"2-c_low-E{e}",
+                "lowering c_low speeds the entropy fall",
+                f"E={e}, c_low 0.8 -> 0.6 (c_high 1.2)",
+                g - lo,
+                f"H(c_low 0.8) {_fmt(g)} vs H(0.6) {_fmt(lo)}",
+            )
             lo, g2 = R.at_reward(low), R.at_reward(grpo)
-            add(f"2-c_low-E{e}-at-reward", "lowering c_low speeds the entropy fall",
-                f"E={e}, c_low 0.8 -> 0.6, matched reward {MATCHED_REWARD}", g2 - lo,
-                f"H(c_low 0.8) {_fmt(g2)} vs H(0.6) {_fmt(lo)}")
+            add(
+                f"2-c_low-E{e}-at-reward",
+                "lowering c_low speeds the entropy fall",
+                f"E={e}, c_low 0.8 -> 0.6, matched reward {MATCHED_REWARD}",
+                g2 - lo,
+                f"H(c_low 0.8) {_fmt(g2)} vs H(0.6) {_fmt(lo)}",
+            )
 
     # 3. negative tokens dominate the loss early: positive share below 0.5 on the first batch
     if base is not None and "positive_share" in base.updates:
         first = base.updates["positive_share"][:, 0]
-        add("3-negative-dominate", "negative tokens dominate the loss early (positive share < 0.5)",
-            "first rollout batch, on-policy GRPO", 0.5 - first,
-            f"share {_fmt(first)}; over the whole run {_fmt(base.updates['positive_share'].nanmean(1))}")
+        add(
+            "3-negative-dominate",
+            "negative tokens dominate the loss early (positive share < 0.5)",
+            "first rollout batch, on-policy GRPO",
+            0.5 - first,
+            f"share {_fmt(first)}; over the whole run {_fmt(base.updates['positive_share'].nanmean(1))}",
+        )
 
     # 4. BAPO holds the share at its target and keeps entropy, beating GRPO at every staleness;
     #    the adaptive target (bapo-entropy, where present) on the same rows, plus its tracking
@@ -192,22 +259,42 @@ def judge_claims(runs: list[CellRun], steps: int, staleness: tuple[int, ...], de
                 sg, sb = grpo.updates["positive_share"], bapo.updates["positive_share"]
                 closer = (sg - TARGET).abs().nanmean(1) - (sb - TARGET).abs().nanmean(1)
                 reached = bapo.updates["bapo/reached"].nanmean(1)
-                add(f"4-share-{key}", f"{name} holds the positive share nearer its target {TARGET} than GRPO",
-                    where, closer, f"share BAPO {_fmt(sb.nanmean(1))} vs GRPO {_fmt(sg.nanmean(1))}; "
-                    f"target reached in {_fmt(reached)} of updates with signal")
+                add(
+                    f"4-share-{key}",
+                    f"{name} holds the positive share nearer its target {TARGET} than GRPO",
+                    where,
+                    closer,
+                    f"share BAPO {_fmt(sb.nanmean(1))} vs GRPO {_fmt(sg.nanmean(1))}; "
+                    f"target reached in {_fmt(reached)} of updates with signal",
+                )
             a, b = R.end(bapo, "entropy"), R.end(grpo, "entropy")
-            add(f"4-entropy-{key}", f"{name} keeps more entropy than GRPO", where + ", equal samples",
-                a - b, f"{name} {_fmt(a)} vs GRPO {_fmt(b)}")
+            add(
+                f"4-entropy-{key}",
+                f"{name} keeps more entropy than GRPO",
+                where + ", equal samples",
+                a - b,
+                f"{name} {_fmt(a)} vs GRPO {_fmt(b)}",
+            )
             if e or k or tag:  # at E=0 without delay, fixed-target BAPO and GRPO are the same run
                 a, b = R.at_reward(bapo), R.at_reward(grpo)
-                add(f"4-entropy-at-reward-{key}", f"{name} keeps more entropy than GRPO",
-                    f"{where}, matched reward {MATCHED_REWARD}", a - b, f"{name} {_fmt(a)} vs GRPO {_fmt(b)}")
+                add(
+                    f"4-entropy-at-reward-{key}",
+                    f"{name} keeps more entropy than GRPO",
+                    f"{where}, matched reward {MATCHED_REWARD}",
+                    a - b,
+                    f"{name} {_fmt(a)} vs GRPO {_fmt(b)}",
+                )
             # Mean over the run, not the end: off-policy cells reach the reward ceiling (~0.999)
             # before the end, where an end value can no longer tell two methods apart.
             a, b = R.per_step(bapo, "reward")[:, 1:].mean(1), R.per_step(grpo, "reward")[:, 1:].mean(1)
-            add(f"4-reward-{key}", f"{name} learns faster than GRPO (mean reward over the run)",
-                where + ", equal samples", a - b, f"{name} {_fmt(a)} vs GRPO {_fmt(b)}; at the end "
-                f"{_fmt(R.end(bapo, 'reward'))} vs GRPO {_fmt(R.end(grpo, 'reward'))}")
+            add(
+                f"4-reward-{key}",
+                f"{name} learns faster than GRPO (mean reward over the run)",
+                where + ", equal samples",
+                a - b,
+                f"{name} {_fmt(a)} vs GRPO {_fmt(b)}; at the end "
+                f"{_fmt(R.end(bapo, 'reward'))} vs GRPO {_fmt(R.end(grpo, 'reward'))}",
+            )
             fixed = R.get("bapo", e, k)
             if tag and fixed is not None and "bapo/set_point" in bapo.updates:
                 # Tracking: |batch entropy - set point| over the second half of the updates, the
@@ -216,10 +303,14 @@ def judge_claims(runs: list[CellRun], steps: int, staleness: tuple[int, ...], de
                 half = bapo.updates["entropy/batch"].shape[1] // 2
                 off_adaptive = (bapo.updates["entropy/batch"][:, half:] - set_point).abs().mean(1)
                 off_fixed = (fixed.updates["entropy/batch"][:, half:] - set_point).abs().mean(1)
-                add(f"4-tracks-{key}", "with the adaptive target, entropy tracks its set point (closer than "
-                    "fixed-target BAPO)", where + ", second half of the updates", off_fixed - off_adaptive,
+                add(
+                    f"4-tracks-{key}",
+                    "with the adaptive target, entropy tracks its set point (closer than fixed-target BAPO)",
+                    where + ", second half of the updates",
+                    off_fixed - off_adaptive,
                     f"|H - H*| adaptive {_fmt(off_adaptive)} vs fixed {_fmt(off_fixed)}; H* {_fmt(set_point[:, 0])}; "
-                    f"rho0 at the end {_fmt(bapo.updates['bapo/target'][:, -1])}")
+                    f"rho0 at the end {_fmt(bapo.updates['bapo/target'][:, -1])}",
+                )
 
     # The diagnostic: policy_loss's entropy_change_estimate vs the exact change of that update
     for run in runs:
@@ -229,8 +320,11 @@ def judge_claims(runs: list[CellRun], steps: int, staleness: tuple[int, ...], de
         correlation = _pearson(estimate, actual)
         signal = estimate.isfinite()
         agree = (((estimate > 0) == (actual > 0)) & signal).double().sum(1) / signal.double().sum(1)
-        add(f"D-estimate-{run.cell.name.replace(' ', '-')}", "entropy_change_estimate tracks the actual entropy "
-            "change of its update (correlation > 0)", run.cell.name, correlation,
-            f"correlation {_fmt(correlation)}; sign agreement {_fmt(agree)}")
+        add(
+            f"D-estimate-{run.cell.name.replace(' ', '-')}",
+            "entropy_change_estimate tracks the actual entropy change of its update (correlation > 0)",
+            run.cell.name,
+            correlation,
+            f"correlation {_fmt(correlation)}; sign agreement {_fmt(agree)}",
+        )
     return claims
-

@@ -28,7 +28,8 @@ class LabPlan:
 
     config: LabConfig = field(default_factory=LabConfig)
     methods: tuple[str, ...] = ("grpo", "clip-higher", "dual-clip", "bapo") + (
-        ("bapo-entropy",) if "bapo-entropy" in METHODS else ())
+        ("bapo-entropy",) if "bapo-entropy" in METHODS else ()
+    )
     staleness: tuple[int, ...] = (0, 2, 4, 8)
     delays: tuple[int, ...] = (2, 8)
     claim2_staleness: tuple[int, ...] = (4,)
@@ -44,8 +45,12 @@ def plan_for(quick: bool = False, seeds: int | None = None) -> LabPlan:
     """The default plan, or --quick: fewer seeds, steps and cells (E 0 and 4, delay 4)."""
     plan = LabPlan()
     if quick:
-        plan = LabPlan(replace(plan.config, seeds=6, steps=12, check_cells=("grpo E=4",)),
-                       methods=("grpo", "bapo"), staleness=(0, 4), delays=(4,))
+        plan = LabPlan(
+            replace(plan.config, seeds=6, steps=12, check_cells=("grpo E=4",)),
+            methods=("grpo", "bapo"),
+            staleness=(0, 4),
+            delays=(4,),
+        )
     if seeds is not None:
         if seeds < 2:
             raise ValueError(f"seeds: {seeds} gives no interval; use --seeds 2 or more (20 for the default)")
@@ -82,14 +87,33 @@ def write_metrics(run: CellRun, path: Path) -> None:
     with path.open("w") as f:
         for seed, per_seed in zip(run.seeds, values):
             for u, row in enumerate(per_seed):
-                f.write(json.dumps({"cell": run.cell.name, "method": run.cell.method, "E": run.cell.staleness,
-                                    "async_delay": run.cell.delay, "seed": seed, "step": u + 1,
-                                    "rollout_step": u // updates_per_batch, "batch_version": run.versions[u],
-                                    **dict(zip(keys, row))}) + "\n")
+                f.write(
+                    json.dumps(
+                        {
+                            "cell": run.cell.name,
+                            "method": run.cell.method,
+                            "E": run.cell.staleness,
+                            "async_delay": run.cell.delay,
+                            "seed": seed,
+                            "step": u + 1,
+                            "rollout_step": u // updates_per_batch,
+                            "batch_version": run.versions[u],
+                            **dict(zip(keys, row)),
+                        }
+                    )
+                    + "\n"
+                )
 
 
-def run_lab(out_dir: str | Path | None = None, *, quick: bool = False, seeds: int | None = None,
-            jobs: int | None = None, plots: bool = True, plan: LabPlan | None = None) -> tuple[list[Claim], Path]:
+def run_lab(
+    out_dir: str | Path | None = None,
+    *,
+    quick: bool = False,
+    seeds: int | None = None,
+    jobs: int | None = None,
+    plots: bool = True,
+    plan: LabPlan | None = None,
+) -> tuple[list[Claim], Path]:
     """Run the lab and write its folder; returns (claims, out_dir). `bapo demo` calls this first."""
     plan = plan or plan_for(quick, seeds)
     out = Path(out_dir) if out_dir is not None else Path("runs") / f"lab-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -101,8 +125,13 @@ def run_lab(out_dir: str | Path | None = None, *, quick: bool = False, seeds: in
     for run in runs:
         write_metrics(run, out / "cells" / run.cell.name.replace(" ", "_") / "metrics.jsonl")
     (out / "claims.json").write_text(claims_json(claims) + "\n")
-    info = {"plan": asdict(plan), "cells": [c.name for c in plan.cells()], "train_s": round(train_s, 2),
-            "jobs": jobs or os.cpu_count(), "torch": torch.__version__}
+    info = {
+        "plan": asdict(plan),
+        "cells": [c.name for c in plan.cells()],
+        "train_s": round(train_s, 2),
+        "jobs": jobs or os.cpu_count(),
+        "torch": torch.__version__,
+    }
     from bapo.lab.report import write_report  # matplotlib only when a report is written
 
     write_report(out, runs, claims, plan, info, plots=plots)

@@ -113,13 +113,15 @@ def exact_stats(logits: Tensor, answers: Tensor) -> dict[str, Tensor]:
     log_pi = torch.log_softmax(logits, -1)
     D = logits.shape[2]
     answer_prob = torch.gather(log_pi, 3, answers[:, :, None, None].expand(-1, -1, D, 1)).squeeze(-1).exp()
-    miss = (1.0 - answer_prob).clamp_min(0.0)                          # [S, P, D]
+    miss = (1.0 - answer_prob).clamp_min(0.0)  # [S, P, D]
     reach = torch.cumprod(torch.cat([torch.ones_like(miss[..., :1]), miss[..., :-1]], -1), -1)
     entropy = -(log_pi.exp() * log_pi).sum(-1)
-    tokens = reach.sum(-1)                                              # expected length [S, P]
-    return {"reward": (1.0 - reach[..., -1] * miss[..., -1]).mean(-1),
-            "length": tokens.mean(-1),
-            "entropy": (reach * entropy).sum((1, 2)) / tokens.sum(-1)}
+    tokens = reach.sum(-1)  # expected length [S, P]
+    return {
+        "reward": (1.0 - reach[..., -1] * miss[..., -1]).mean(-1),
+        "length": tokens.mean(-1),
+        "entropy": (reach * entropy).sum((1, 2)) / tokens.sum(-1),
+    }
 
 
 def sample(logits: Tensor, answers: Tensor, group_size: int, generators: list[torch.Generator]) -> dict[str, Tensor]:
@@ -129,14 +131,18 @@ def sample(logits: Tensor, answers: Tensor, group_size: int, generators: list[to
     S, P, D, V = logits.shape
     G = group_size
     uniform = torch.stack([torch.rand(P, G, D, generator=g, dtype=logits.dtype) for g in generators])
-    cdf = torch.softmax(logits, -1).cumsum(-1)                          # [S, P, D, V]
+    cdf = torch.softmax(logits, -1).cumsum(-1)  # [S, P, D, V]
     tokens = (uniform[..., None] > cdf[:, :, None]).sum(-1).clamp_max(V - 1)  # inverse CDF, [S, P, G, D]
     correct = tokens == answers[:, :, None, None]
     solved = correct.any(-1)
     first = torch.where(solved, correct.float().argmax(-1), torch.full_like(solved, D - 1, dtype=torch.long))
-    mask = torch.arange(D) <= first[..., None]                          # up to and including the stop
+    mask = torch.arange(D) <= first[..., None]  # up to and including the stop
     prompt = torch.arange(P)[None, :, None].expand(S, P, G).reshape(S, P * G)
     tokens = tokens.reshape(S, P * G, D)
-    return {"prompt": prompt, "tokens": tokens, "mask": mask.reshape(S, P * G, D),
-            "rewards": solved.reshape(S, P * G).to(torch.float64),
-            "log_prob": token_log_probs(logits, prompt, tokens)}
+    return {
+        "prompt": prompt,
+        "tokens": tokens,
+        "mask": mask.reshape(S, P * G, D),
+        "rewards": solved.reshape(S, P * G).to(torch.float64),
+        "log_prob": token_log_probs(logits, prompt, tokens),
+    }

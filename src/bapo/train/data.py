@@ -26,8 +26,10 @@ def load_examples(cfg: DataSection) -> list[dict]:
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise ConfigError(f"{where} line {number}: not valid JSON ({err.msg} at column {err.colno}); "
-                                      "each line must be one object like {\"prompt\": ..., \"answer\": ...}") from None
+                    raise ConfigError(
+                        f"{where} line {number}: not valid JSON ({err.msg} at column {err.colno}); "
+                        'each line must be one object like {"prompt": ..., "answer": ...}'
+                    ) from None
                 rows.append(row)
                 numbers.append(number)
     else:
@@ -37,20 +39,26 @@ def load_examples(cfg: DataSection) -> list[dict]:
             kind = "parquet" if path.suffix.lower() == ".parquet" else "json"
             rows = [dict(row) for row in datasets.load_dataset(kind, data_files=str(path), split="train")]
         except Exception as err:  # noqa: BLE001  (datasets wraps parse errors in several types)
-            raise ConfigError(f"{where}: cannot be read as {path.suffix} ({type(err).__name__}: "
-                              f"{str(err).splitlines()[0] if str(err) else ''}); a .json file must hold a list of "
-                              "objects (or use .jsonl, one object per line)") from None
+            raise ConfigError(
+                f"{where}: cannot be read as {path.suffix} ({type(err).__name__}: "
+                f"{str(err).splitlines()[0] if str(err) else ''}); a .json file must hold a list of "
+                "objects (or use .jsonl, one object per line)"
+            ) from None
         numbers = list(range(1, len(rows) + 1))
     if not rows:
-        raise ConfigError(f"{where}: the file holds no rows; add one object per line, e.g. "
-                          '{"prompt": "What is 2+3?", "answer": "5"}')
+        raise ConfigError(
+            f"{where}: the file holds no rows; add one object per line, e.g. "
+            '{"prompt": "What is 2+3?", "answer": "5"}'
+        )
     unit = "line" if path.suffix.lower() == ".jsonl" else "row"
     for row, number in zip(rows, numbers):
         if not isinstance(row, dict):
             raise ConfigError(f"{where} {unit} {number}: a row must be a JSON object, got {type(row).__name__}")
         if cfg.prompt_key not in row:
-            raise ConfigError(f"{where} {unit} {number}: no key {cfg.prompt_key!r} (data.prompt_key); the row has "
-                              f"{sorted(row)}: add it, or set data.prompt_key to the key that holds the prompt")
+            raise ConfigError(
+                f"{where} {unit} {number}: no key {cfg.prompt_key!r} (data.prompt_key); the row has "
+                f"{sorted(row)}: add it, or set data.prompt_key to the key that holds the prompt"
+            )
     return rows
 
 
@@ -58,8 +66,9 @@ def format_prompt(text: str, tokenizer, chat_template: bool, system_prompt: str 
     """The prompt text the model sees: one user turn (+ system turn) through the tokenizer's chat
     template, or system_prompt + text. Training and `bapo eval --config` share this."""
     if chat_template:
-        msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + \
-               [{"role": "user", "content": text}]
+        msgs = ([{"role": "system", "content": system_prompt}] if system_prompt else []) + [
+            {"role": "user", "content": text}
+        ]
         return tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=False)
     return (system_prompt or "") + text
 
@@ -71,8 +80,10 @@ def tokenize_prompts(examples: list[dict], tokenizer, cfg: DataSection) -> tuple
     kept = [(ex, p) for ex, p in zip(examples, ids) if 0 < len(p) <= cfg.max_prompt_tokens]
     if not kept:
         longest = max(len(p) for p in ids)
-        raise ConfigError(f"data.max_prompt_tokens={cfg.max_prompt_tokens}: no prompt fits (the longest has "
-                          f"{longest} tokens); raise data.max_prompt_tokens")
+        raise ConfigError(
+            f"data.max_prompt_tokens={cfg.max_prompt_tokens}: no prompt fits (the longest has "
+            f"{longest} tokens); raise data.max_prompt_tokens"
+        )
     return [k[0] for k in kept], [k[1] for k in kept], len(examples) - len(kept)
 
 
@@ -127,9 +138,12 @@ def special_token_warnings(tokenizer, generation_config) -> list[str]:
             f"tokenizer eos_token={tokenizer.eos_token!r} (id {tokenizer.eos_token_id}) differs from "
             f"generation_config.eos_token_id={eos} ({', '.join(map(str, names))}): generation stops on both, "
             "but padding and templates may use the wrong token; fix the model folder's "
-            "tokenizer_config.json (eos_token) or generation_config.json")
+            "tokenizer_config.json (eos_token) or generation_config.json"
+        )
     pad = getattr(generation_config, "pad_token_id", None)
     if pad is not None and tokenizer.pad_token_id is not None and tokenizer.pad_token_id != pad:
-        messages.append(f"tokenizer pad_token_id={tokenizer.pad_token_id} differs from generation_config."
-                        f"pad_token_id={pad}; padding is masked out either way, but check the model folder")
+        messages.append(
+            f"tokenizer pad_token_id={tokenizer.pad_token_id} differs from generation_config."
+            f"pad_token_id={pad}; padding is masked out either way, but check the model folder"
+        )
     return messages

@@ -55,8 +55,14 @@ class MetricsLog:
     resumed run continues the same wandb run.
     """
 
-    def __init__(self, run_dir: Path, tensorboard: str = "auto", resume_step: int | None = None,
-                 report_to: tuple[str, ...] = ("jsonl", "tensorboard"), config: dict | None = None):
+    def __init__(
+        self,
+        run_dir: Path,
+        tensorboard: str = "auto",
+        resume_step: int | None = None,
+        report_to: tuple[str, ...] = ("jsonl", "tensorboard"),
+        config: dict | None = None,
+    ):
         run_dir = Path(run_dir)
         self.path = run_dir / "metrics.jsonl"
         if resume_step is not None and self.path.exists():
@@ -72,11 +78,14 @@ class MetricsLog:
         if tensorboard != "off" and ("tensorboard" in report_to or tensorboard == "on"):
             try:
                 from torch.utils.tensorboard import SummaryWriter
+
                 self.writer = SummaryWriter(str(run_dir / "tensorboard"))
             except ImportError:
                 if tensorboard == "on":
-                    raise ConfigError("run.tensorboard=on needs the tensorboard package: pip install 'bapo[tensorboard]', "
-                                      "or set run.tensorboard=auto") from None
+                    raise ConfigError(
+                        "run.tensorboard=on needs the tensorboard package: pip install 'bapo[tensorboard]', "
+                        "or set run.tensorboard=auto"
+                    ) from None
         self.wandb = None
         if "wandb" in report_to:
             self.wandb = _start_wandb(run_dir, config or {}, resumed=resume_step is not None)
@@ -103,13 +112,21 @@ def _start_wandb(run_dir: Path, config: dict, resumed: bool):
     try:
         import wandb
     except ImportError:
-        raise ConfigError("run.report_to lists wandb, which is not installed: pip install 'bapo[wandb]', "
-                          "or remove wandb from run.report_to") from None
+        raise ConfigError(
+            "run.report_to lists wandb, which is not installed: pip install 'bapo[wandb]', "
+            "or remove wandb from run.report_to"
+        ) from None
     id_file = run_dir / "wandb_id"
     run_id = id_file.read_text().strip() if resumed and id_file.exists() else uuid.uuid4().hex[:12]
     id_file.write_text(run_id)
-    return wandb.init(project=os.environ.get("WANDB_PROJECT", "bapo"), name=run_dir.name, id=run_id,
-                      dir=str(run_dir), config=config, resume="allow")
+    return wandb.init(
+        project=os.environ.get("WANDB_PROJECT", "bapo"),
+        name=run_dir.name,
+        id=run_id,
+        dir=str(run_dir),
+        config=config,
+        resume="allow",
+    )
 
 
 class NoSignalWarning:
@@ -127,15 +144,19 @@ class NoSignalWarning:
         zero = row.get("groups/zero_variance", 0)
         truncated = row.get("rollout/response_length/truncated_frac", 0.0)
         if truncated >= 1.0:
-            why = ("every response was cut at rollout.max_new_tokens before it ended: raise "
-                   "rollout.max_new_tokens, or ask for shorter answers in the prompt (data.system_prompt)")
+            why = (
+                "every response was cut at rollout.max_new_tokens before it ended: raise "
+                "rollout.max_new_tokens, or ask for shorter answers in the prompt (data.system_prompt)"
+            )
         elif zero >= self.groups_per_batch:
             reward = row.get("rollout/reward/mean")
             mean = f" (mean reward {reward:.2f})" if isinstance(reward, (int, float)) else ""
-            why = (f"every group has the same reward for all its responses{mean}, so "
-                   "every advantage is 0: check that the prompt asks for the format the verifier reads "
-                   "(e.g. \\boxed{} for reward.verifier=math), that data.chat_template matches the model, "
-                   "and that the task is neither too easy nor too hard")
+            why = (
+                f"every group has the same reward for all its responses{mean}, so "
+                "every advantage is 0: check that the prompt asks for the format the verifier reads "
+                "(e.g. \\boxed{} for reward.verifier=math), that data.chat_template matches the model, "
+                "and that the task is neither too easy nor too hard"
+            )
         else:
             return None
         self.last = row["step"]
@@ -150,9 +171,11 @@ def _fmt(row: dict, key: str, spec: str = ".3f") -> str:
 
 def update_summary(row: dict) -> str:
     """The few numbers a person watches: reward, accuracy, entropy, bounds, positive share, tokens/s."""
-    return (f"reward {_fmt(row, 'reward/mean')}  acc {_fmt(row, 'accuracy')}  entropy {_fmt(row, 'entropy')}  "
-            f"bounds [{_fmt(row, 'lower', '.2f')}, {_fmt(row, 'upper', '.2f')}]  "
-            f"share {_fmt(row, 'positive_share')}  tok/s {_fmt(row, 'tokens_per_s', '.0f')}")
+    return (
+        f"reward {_fmt(row, 'reward/mean')}  acc {_fmt(row, 'accuracy')}  entropy {_fmt(row, 'entropy')}  "
+        f"bounds [{_fmt(row, 'lower', '.2f')}, {_fmt(row, 'upper', '.2f')}]  "
+        f"share {_fmt(row, 'positive_share')}  tok/s {_fmt(row, 'tokens_per_s', '.0f')}"
+    )
 
 
 class RichProgress:
@@ -161,9 +184,14 @@ class RichProgress:
     def __init__(self, total: int, done: int = 0, title: str = "bapo train"):
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-        self.progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeRemainingColumn(), TextColumn("{task.fields[info]}"),
-                                 TextColumn("[dim]{task.fields[doing]}"))
+        self.progress = Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeRemainingColumn(),
+            TextColumn("{task.fields[info]}"),
+            TextColumn("[dim]{task.fields[doing]}"),
+        )
         self.task = self.progress.add_task(title, total=total, completed=done, info="", doing="starting")
         self.progress.start()
 

@@ -113,8 +113,13 @@ def _as_reward(value) -> float | None:
     return float(as_float32) if torch.isfinite(as_float32) else None
 
 
-def score(verifier: Callable[[str, dict], float], responses: list[str], examples: list[dict],
-          timeout_s: float, workers: int = MAX_WORKERS) -> tuple[torch.Tensor, int]:
+def score(
+    verifier: Callable[[str, dict], float],
+    responses: list[str],
+    examples: list[dict],
+    timeout_s: float,
+    workers: int = MAX_WORKERS,
+) -> tuple[torch.Tensor, int]:
     """Rewards [N] float32 and the number of verifier failures, each counted and scored 0: raised
     anything (SystemExit and KeyboardInterrupt too), ran past timeout_s, returned a non-number or a
     value that is not finite in float32.
@@ -127,7 +132,7 @@ def score(verifier: Callable[[str, dict], float], responses: list[str], examples
         return torch.zeros(0), 0
     count = len(responses)
     results: list[float | None] = [None] * count
-    started: dict[int, float] = {}   # call index -> start time, while running
+    started: dict[int, float] = {}  # call index -> start time, while running
     finished: set[int] = set()
     abandoned: set[int] = set()
     pending = list(range(count - 1, -1, -1))  # popped from the end: calls start in order

@@ -30,16 +30,16 @@ from bapo.train.sampling import SamplingParams, hf_sample, lean_sample, resolve_
 class Batch:
     """N = groups * G finished responses, padded; lives on CPU between rollout and update."""
 
-    prompt_ids: Tensor     # [N, P] long, left-padded
-    prompt_mask: Tensor    # [N, P] bool
-    response_ids: Tensor   # [N, R] long, right-padded
+    prompt_ids: Tensor  # [N, P] long, left-padded
+    prompt_mask: Tensor  # [N, P] bool
+    response_ids: Tensor  # [N, R] long, right-padded
     response_mask: Tensor  # [N, R] bool: sampled tokens (EOS included)
-    old_log_prob: Tensor   # [N, R] float32, behaviour log-prob of each token (logits / T)
-    versions: Tensor       # [N, R] int64, policy version that sampled each token (-1 on padding)
-    rewards: Tensor        # [N] float32
-    advantages: Tensor     # [N] float32, group-normalised
-    truncated: Tensor      # [N] bool: reached max_new_tokens without EOS / stop string
-    example_idx: Tensor    # [N] int64, row of the dataset
+    old_log_prob: Tensor  # [N, R] float32, behaviour log-prob of each token (logits / T)
+    versions: Tensor  # [N, R] int64, policy version that sampled each token (-1 on padding)
+    rewards: Tensor  # [N] float32
+    advantages: Tensor  # [N] float32, group-normalised
+    truncated: Tensor  # [N] bool: reached max_new_tokens without EOS / stop string
+    example_idx: Tensor  # [N] int64, row of the dataset
     ref_log_prob: Tensor | None = None  # [N, R] reference-model log-prob (only with loss.kl_coef > 0)
 
     def __len__(self) -> int:
@@ -49,22 +49,29 @@ class Batch:
     def tokens(self) -> int:
         return int(self.response_mask.sum())
 
-    def select(self, rows: Tensor) -> "Batch":
+    def select(self, rows: Tensor) -> Batch:
         return Batch(**{name: None if value is None else value[rows] for name, value in self.state_dict().items()})
 
-    def to(self, device) -> "Batch":
+    def to(self, device) -> Batch:
         return Batch(**{name: None if value is None else value.to(device) for name, value in self.state_dict().items()})
 
     def state_dict(self) -> dict:
         return {spec.name: getattr(self, spec.name) for spec in fields(self)}
 
     @staticmethod
-    def cat(batches: list["Batch"], pad_id: int) -> "Batch":
+    def cat(batches: list[Batch], pad_id: int) -> Batch:
         """Rows of several batches (replay); prompts re-padded on the left, responses on the right."""
         prompt_width = max(batch.prompt_ids.shape[1] for batch in batches)
         response_width = max(batch.response_ids.shape[1] for batch in batches)
-        fill = {"prompt_ids": pad_id, "prompt_mask": False, "response_ids": pad_id, "response_mask": False,
-                "old_log_prob": 0.0, "versions": -1, "ref_log_prob": 0.0}
+        fill = {
+            "prompt_ids": pad_id,
+            "prompt_mask": False,
+            "response_ids": pad_id,
+            "response_mask": False,
+            "old_log_prob": 0.0,
+            "versions": -1,
+            "ref_log_prob": 0.0,
+        }
         out = {}
         for spec in fields(Batch):
             parts = [getattr(batch, spec.name) for batch in batches]
@@ -96,13 +103,20 @@ def pad(rows: list[list], value, left: bool, dtype=torch.long) -> tuple[Tensor, 
     return out, mask
 
 
-def token_log_probs(model, prompt_ids: Tensor, prompt_mask: Tensor, response_ids: Tensor, response_mask: Tensor,
-                    temperature: float, with_entropy: bool = False,
-                    entropy_grad: bool = False) -> tuple[Tensor, Tensor | None]:
+def token_log_probs(
+    model,
+    prompt_ids: Tensor,
+    prompt_mask: Tensor,
+    response_ids: Tensor,
+    response_mask: Tensor,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+) -> tuple[Tensor, Tensor | None]:
     """log pi(y_t | prefix) of every response token under logits / T: [N, R] float32, and the
-    per-token entropy [N, R] when asked (differentiable only with entropy_grad). One forward over prompt + response; only the last
-    R+1 positions are projected to the vocabulary. Columns that are padding in every row are
-    trimmed first (speed), which does not change any value."""
+    per-token entropy [N, R] when asked (differentiable only with entropy_grad). One forward over
+    prompt + response; only the last R+1 positions are projected to the vocabulary. Columns that
+    are padding in every row are trimmed first (speed), which does not change any value."""
     keep_p = prompt_mask.any(0).nonzero()
     start = int(keep_p[0]) if len(keep_p) else prompt_ids.shape[1]
     keep_r = response_mask.any(0).nonzero()
@@ -115,8 +129,18 @@ def token_log_probs(model, prompt_ids: Tensor, prompt_mask: Tensor, response_ids
     attention = torch.cat([prompt_mask, response_mask_t], dim=1).long()
     # positions from the mask, as generate() computes them for left-padded prompts
     position_ids = (attention.cumsum(1) - 1).clamp_min(0)
-    logits = model(input_ids=input_ids, attention_mask=attention, position_ids=position_ids,
-                   logits_to_keep=width_r + 1, use_cache=False).logits[:, :-1].float() / temperature  # [N, R', V]
+    logits = (
+        model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=position_ids,
+            logits_to_keep=width_r + 1,
+            use_cache=False,
+        )
+        .logits[:, :-1]
+        .float()
+        / temperature
+    )  # [N, R', V]
     log_norm = torch.logsumexp(logits, dim=-1)
     log_prob = logits.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1) - log_norm
     entropy = None
@@ -137,8 +161,14 @@ def batched_log_probs(model, prompt_ids, prompt_mask, response_ids, response_mas
     parts = []
     for first in range(0, len(response_ids), chunk):
         rows = slice(first, first + chunk)
-        log_prob, _ = token_log_probs(model, prompt_ids[rows].to(device), prompt_mask[rows].to(device),
-                                response_ids[rows].to(device), response_mask[rows].to(device), temperature)
+        log_prob, _ = token_log_probs(
+            model,
+            prompt_ids[rows].to(device),
+            prompt_mask[rows].to(device),
+            response_ids[rows].to(device),
+            response_mask[rows].to(device),
+            temperature,
+        )
         parts.append(log_prob.cpu())
     return torch.cat(parts) if parts else torch.zeros(response_ids.shape)
 
@@ -147,8 +177,16 @@ class Rollout:
     """Prompt groups in flight (partial responses), finished groups waiting to train, and the
     step that turns them into a `Batch`. Its whole state is plain lists (checkpointed)."""
 
-    def __init__(self, cfg: TrainConfig, tokenizer, prompts: list[list[int]], examples: list[dict],
-                 verifier, sampler: PromptSampler, eos_ids: list[int]):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        tokenizer,
+        prompts: list[list[int]],
+        examples: list[dict],
+        verifier,
+        sampler: PromptSampler,
+        eos_ids: list[int],
+    ):
         self.cfg, self.rollout_cfg = cfg, cfg.rollout
         self.tokenizer, self.prompts, self.examples = tokenizer, prompts, examples
         self.verifier, self.sampler = verifier, sampler
@@ -163,6 +201,7 @@ class Rollout:
         self.stop = None
         if self.rollout_cfg.stop:
             from transformers.generation.stopping_criteria import StopStringCriteria
+
             self.stop = StopStringCriteria(tokenizer, self.rollout_cfg.stop)
 
     # -- state ------------------------------------------------------------------------------
@@ -190,15 +229,23 @@ class Rollout:
             passes += 1
         groups, self.ready = self.ready[:want], self.ready[want:]
         batch, dropped, zero_var = self._to_batch(groups)
-        metrics = {"rollout/passes": passes, "verifier/failures": failures,
-                   "groups/zero_variance": zero_var, "groups/dropped": dropped,
-                   "groups/in_flight": len(self.in_flight), "groups/waiting": len(self.ready),
-                   "tokens/rollout": new_tokens, "time/rollout_s": time.perf_counter() - start}
+        metrics = {
+            "rollout/passes": passes,
+            "verifier/failures": failures,
+            "groups/zero_variance": zero_var,
+            "groups/dropped": dropped,
+            "groups/in_flight": len(self.in_flight),
+            "groups/waiting": len(self.ready),
+            "tokens/rollout": new_tokens,
+            "time/rollout_s": time.perf_counter() - start,
+        }
         return batch, metrics
 
     def _new_group(self, example: int) -> dict:
-        seqs = [{"response": [], "logp": [], "version": [], "done": False, "truncated": False}
-                for _ in range(self.rollout_cfg.group_size)]
+        seqs = [
+            {"response": [], "logp": [], "version": [], "done": False, "truncated": False}
+            for _ in range(self.rollout_cfg.group_size)
+        ]
         return {"example": example, "seqs": seqs, "rewards": None}
 
     @torch.no_grad()
@@ -216,11 +263,29 @@ class Rollout:
         was_training = model.training  # (train mode only for gradient checkpointing, which breaks the KV cache)
         model.eval()
         if resolve_sampler(self.rollout_cfg.sampler, model) == "lean":
-            sampled = lean_sample(model, ctx_ids, ctx_mask, budget, params, self.eos_ids.tolist(), self.pad_id,
-                                  row_budget=remaining.clamp_max(budget), stop=self.stop)
+            sampled = lean_sample(
+                model,
+                ctx_ids,
+                ctx_mask,
+                budget,
+                params,
+                self.eos_ids.tolist(),
+                self.pad_id,
+                row_budget=remaining.clamp_max(budget),
+                stop=self.stop,
+            )
         else:
-            sampled = hf_sample(model, ctx_ids, ctx_mask, budget, params, self.eos_ids.tolist(), self.pad_id,
-                                tokenizer=self.tokenizer, stop_strings=self.rollout_cfg.stop)
+            sampled = hf_sample(
+                model,
+                ctx_ids,
+                ctx_mask,
+                budget,
+                params,
+                self.eos_ids.tolist(),
+                self.pad_id,
+                tokenizer=self.tokenizer,
+                stop_strings=self.rollout_cfg.stop,
+            )
         model.train(was_training)
         width = ctx_ids.shape[1]
         new = sampled.tokens  # [n, <= budget]
@@ -231,8 +296,15 @@ class Rollout:
         # in half precision the cached decode and the full forward round differently: recompute
         # (same weights, same temperature, as verl does).
         if log_prob is None or next(model.parameters()).dtype != torch.float32:
-            log_prob = batched_log_probs(model, ctx_ids, ctx_mask, new, new_mask, self.rollout_cfg.temperature,
-                                         self.rollout_cfg.logprob_batch_size)
+            log_prob = batched_log_probs(
+                model,
+                ctx_ids,
+                ctx_mask,
+                new,
+                new_mask,
+                self.rollout_cfg.temperature,
+                self.rollout_cfg.logprob_batch_size,
+            )
         lengths = length.tolist()
         for row, seq in enumerate(live):
             kept = lengths[row]
@@ -289,8 +361,16 @@ class Rollout:
         response_ids, response_mask = pad([seq["response"] for seq in seqs], self.pad_id, left=False)
         old_log_prob, _ = pad([seq["logp"] for seq in seqs], 0.0, left=False, dtype=torch.float32)
         versions, _ = pad([seq["version"] for seq in seqs], -1, left=False)
-        batch = Batch(prompt_ids, prompt_mask, response_ids, response_mask, old_log_prob, versions,
-                      rewards[rows], advantages[rows].float(),
-                      torch.tensor([seq["truncated"] for seq in seqs], dtype=torch.bool),
-                      torch.tensor(examples, dtype=torch.long))
+        batch = Batch(
+            prompt_ids,
+            prompt_mask,
+            response_ids,
+            response_mask,
+            old_log_prob,
+            versions,
+            rewards[rows],
+            advantages[rows].float(),
+            torch.tensor([seq["truncated"] for seq in seqs], dtype=torch.bool),
+            torch.tensor(examples, dtype=torch.long),
+        )
         return batch, int((~keep).sum()), int(zero_groups.sum())

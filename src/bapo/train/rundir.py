@@ -20,9 +20,19 @@ LOCK_FILE = ".lock"
 # Dotted config fields (or section prefixes) that may differ between a run and its --resume:
 # they change how long, how often or where it is recorded, not what it computes.
 RESUMABLE_FIELDS = (
-    "run.steps", "run.checkpoint_every", "run.keep_checkpoints", "run.save_optimizer", "run.max_nonfinite",
-    "run.divergence", "run.tensorboard", "run.progress", "run.output_dir", "run.overwrite",
-    "reward.timeout_s", "model.device", "rollout.logprob_batch_size",
+    "run.steps",
+    "run.checkpoint_every",
+    "run.keep_checkpoints",
+    "run.save_optimizer",
+    "run.max_nonfinite",
+    "run.divergence",
+    "run.tensorboard",
+    "run.progress",
+    "run.output_dir",
+    "run.overwrite",
+    "reward.timeout_s",
+    "model.device",
+    "rollout.logprob_batch_size",
 )
 
 
@@ -41,8 +51,10 @@ class RunLock:
             holder = os.pread(self.lock_fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(self.lock_fd)
             self.lock_fd = None
-            raise ConfigError(f"run directory {str(run_dir)!r} is in use by another bapo process (pid {holder}); "
-                              "wait for it to finish or use another run.output_dir") from None
+            raise ConfigError(
+                f"run directory {str(run_dir)!r} is in use by another bapo process (pid {holder}); "
+                "wait for it to finish or use another run.output_dir"
+            ) from None
         os.ftruncate(self.lock_fd, 0)
         os.pwrite(self.lock_fd, f"{os.getpid()}\n".encode(), 0)
 
@@ -75,8 +87,10 @@ def check_resume_config(run_dir: Path, cfg: TrainConfig) -> None:
     what the run computes (staleness, mode, group size, method, lr, ...), naming the field."""
     saved_path = run_dir / "config.yaml"
     if not saved_path.exists():
-        raise ConfigError(f"--resume {run_dir}: config.yaml is missing, so the run's settings cannot be checked; "
-                          "restore it or start a new run")
+        raise ConfigError(
+            f"--resume {run_dir}: config.yaml is missing, so the run's settings cannot be checked; "
+            "restore it or start a new run"
+        )
     saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
     now = _flatten(cfg.model_dump(mode="json"))
     for key in sorted(set(saved) | set(now)):
@@ -84,4 +98,5 @@ def check_resume_config(run_dir: Path, cfg: TrainConfig) -> None:
             raise ConfigError(
                 f"--resume {run_dir}: {key} was {saved.get(key)!r} in this run, now {now.get(key)!r}; it changes "
                 "what the run computes, so it cannot continue exactly: drop the override or start a new run. "
-                f"Fields that may change on resume: {', '.join(RESUMABLE_FIELDS)}")
+                f"Fields that may change on resume: {', '.join(RESUMABLE_FIELDS)}"
+            )

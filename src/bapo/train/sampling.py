@@ -61,7 +61,7 @@ def lean_supported(model) -> bool:
         forward_args = set(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
         return False
-    return _LEAN_FORWARD_ARGS <= forward_args
+    return forward_args >= _LEAN_FORWARD_ARGS
 
 
 def resolve_sampler(name: SamplerName, model) -> Literal["lean", "hf"]:
@@ -70,8 +70,10 @@ def resolve_sampler(name: SamplerName, model) -> Literal["lean", "hf"]:
         return "hf"
     supported = lean_supported(model)
     if name == "lean" and not supported:
-        raise ValueError(f"rollout.sampler=lean: {type(model).__name__} is not a decoder-only model whose forward "
-                         "takes past_key_values/position_ids/logits_to_keep; use rollout.sampler=auto or hf")
+        raise ValueError(
+            f"rollout.sampler=lean: {type(model).__name__} is not a decoder-only model whose forward "
+            "takes past_key_values/position_ids/logits_to_keep; use rollout.sampler=auto or hf"
+        )
     return "lean" if supported else "hf"
 
 
@@ -95,9 +97,17 @@ def _warpers(params: SamplingParams):
 
 
 @torch.inference_mode()  # cheaper than no_grad per op; outputs are cloned out of inference mode
-def lean_sample(model, context_ids: Tensor, context_mask: Tensor, max_new_tokens: int, params: SamplingParams,
-                eos_ids: list[int], pad_id: int, row_budget: Tensor | None = None,
-                stop: Callable[[Tensor, None], Tensor] | None = None) -> Sampled:
+def lean_sample(
+    model,
+    context_ids: Tensor,
+    context_mask: Tensor,
+    max_new_tokens: int,
+    params: SamplingParams,
+    eos_ids: list[int],
+    pad_id: int,
+    row_budget: Tensor | None = None,
+    stop: Callable[[Tensor, None], Tensor] | None = None,
+) -> Sampled:
     """Sample up to `max_new_tokens` tokens after left-padded `context_ids` [n, W] (mask [n, W] bool).
 
     A row finishes at an EOS id, when `stop(sequences [n, W+t], None) -> [n] bool` says so (HF's
@@ -123,8 +133,14 @@ def lean_sample(model, context_ids: Tensor, context_mask: Tensor, max_new_tokens
     tokens, log_probs = [], []
     step_ids, step_positions = input_ids, position_ids
     for step in range(max_new_tokens):
-        out = model(input_ids=step_ids, attention_mask=attention, position_ids=step_positions,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = model(
+            input_ids=step_ids,
+            attention_mask=attention,
+            position_ids=step_positions,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
         cache = out.past_key_values
         # Every row keeps a row of logits (finished ones: stale values, their draw is discarded) so
         # that multinomial consumes the generator exactly as generate() does for the full batch.
@@ -157,8 +173,17 @@ def lean_sample(model, context_ids: Tensor, context_mask: Tensor, max_new_tokens
 
 
 @torch.no_grad()
-def hf_sample(model, context_ids: Tensor, context_mask: Tensor, max_new_tokens: int, params: SamplingParams,
-              eos_ids: list[int], pad_id: int, tokenizer=None, stop_strings: list[str] | None = None) -> Sampled:
+def hf_sample(
+    model,
+    context_ids: Tensor,
+    context_mask: Tensor,
+    max_new_tokens: int,
+    params: SamplingParams,
+    eos_ids: list[int],
+    pad_id: int,
+    tokenizer=None,
+    stop_strings: list[str] | None = None,
+) -> Sampled:
     """The same draw through `model.generate` (any model HF can generate with); no log-probs."""
     from transformers import GenerationConfig
 
@@ -167,11 +192,27 @@ def hf_sample(model, context_ids: Tensor, context_mask: Tensor, max_new_tokens: 
     # generation_config (a repetition penalty, min_p, ...), which would sample from another
     # distribution than the one the behaviour log-probs describe.
     generation_config = GenerationConfig(
-        do_sample=True, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
-        max_new_tokens=max_new_tokens, min_new_tokens=0, pad_token_id=pad_id,
-        eos_token_id=list(eos_ids), stop_strings=stop_strings or None, use_cache=True,
-        repetition_penalty=1.0, no_repeat_ngram_size=0, min_p=0.0, typical_p=1.0,
-        epsilon_cutoff=0.0, eta_cutoff=0.0)
-    sequences = model.generate(input_ids=context_ids.to(device), attention_mask=context_mask.to(device).long(),
-                               generation_config=generation_config, tokenizer=tokenizer if stop_strings else None)
-    return Sampled(sequences[:, context_ids.shape[1]:].cpu(), None)
+        do_sample=True,
+        temperature=params.temperature,
+        top_p=params.top_p,
+        top_k=params.top_k,
+        max_new_tokens=max_new_tokens,
+        min_new_tokens=0,
+        pad_token_id=pad_id,
+        eos_token_id=list(eos_ids),
+        stop_strings=stop_strings or None,
+        use_cache=True,
+        repetition_penalty=1.0,
+        no_repeat_ngram_size=0,
+        min_p=0.0,
+        typical_p=1.0,
+        epsilon_cutoff=0.0,
+        eta_cutoff=0.0,
+    )
+    sequences = model.generate(
+        input_ids=context_ids.to(device),
+        attention_mask=context_mask.to(device).long(),
+        generation_config=generation_config,
+        tokenizer=tokenizer if stop_strings else None,
+    )
+    return Sampled(sequences[:, context_ids.shape[1] :].cpu(), None)

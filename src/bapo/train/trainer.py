@@ -23,8 +23,17 @@ import torch
 
 from bapo.core import BAPOConfig, EntropyTargetController
 from bapo.train.buffer import BatchBuffer, minibatch_order
-from bapo.train.checkpoint import (CheckpointError, checkpoints, load_state, quarantine, remove_stale_tmp, rng_state,
-                                   save_checkpoint, set_rng_state, verify_checkpoint)
+from bapo.train.checkpoint import (
+    CheckpointError,
+    checkpoints,
+    load_state,
+    quarantine,
+    remove_stale_tmp,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    verify_checkpoint,
+)
 from bapo.train.config import ConfigError, TrainConfig, check_model_path
 from bapo.train.data import PromptSampler, load_examples, special_token_warnings, tokenize_prompts
 from bapo.train.metrics import MetricsLog, NoSignalWarning, ProgressFn, make_progress
@@ -79,17 +88,27 @@ def _batch_stats(batch: Batch, threshold: float, prefix: str = "") -> dict:
         return {}
     lengths = batch.response_mask.sum(1).float()
     versions = batch.versions[batch.response_mask]
-    stats = {"reward/mean": batch.rewards.mean().item(), "reward/std": batch.rewards.std(correction=0).item(),
-             "accuracy": (batch.rewards >= threshold).float().mean().item(),
-             "response_length/mean": lengths.mean().item(), "response_length/max": lengths.max().item(),
-             "response_length/truncated_frac": batch.truncated.float().mean().item(),
-             "batch/version_min": int(versions.min()) if len(versions) else -1,
-             "batch/version_max": int(versions.max()) if len(versions) else -1}
+    stats = {
+        "reward/mean": batch.rewards.mean().item(),
+        "reward/std": batch.rewards.std(correction=0).item(),
+        "accuracy": (batch.rewards >= threshold).float().mean().item(),
+        "response_length/mean": lengths.mean().item(),
+        "response_length/max": lengths.max().item(),
+        "response_length/truncated_frac": batch.truncated.float().mean().item(),
+        "batch/version_min": int(versions.min()) if len(versions) else -1,
+        "batch/version_max": int(versions.max()) if len(versions) else -1,
+    }
     return {prefix + name: value for name, value in stats.items()}
 
 
-def _step_rows(update_rows: list[dict], rollout_metrics: dict, fresh: Batch, correct_threshold: float,
-               step_seconds: float, hook_metrics: dict) -> list[dict]:
+def _step_rows(
+    update_rows: list[dict],
+    rollout_metrics: dict,
+    fresh: Batch,
+    correct_threshold: float,
+    step_seconds: float,
+    hook_metrics: dict,
+) -> list[dict]:
     """The metrics rows of one rollout step: each optimizer update's row plus the step's rollout
     metrics, the fresh batch's stats (`rollout/...`), its wall time and tokens/s; the on_update
     hook's metrics join the last row only (the hook runs once per rollout step). Updates rows in place."""
@@ -124,13 +143,17 @@ def _resume_candidates(cfg: TrainConfig, run_dir: Path, resume: str | Path | Non
     """The checkpoints to try, newest first; [] for a fresh start. Call with the run lock held."""
     if resume is None:
         if holds_run(run_dir) and not cfg.run.overwrite:
-            raise ConfigError(f"run.output_dir={str(run_dir)!r} already holds a run: resume it "
-                              "(--resume), choose another directory, or set run.overwrite=true")
+            raise ConfigError(
+                f"run.output_dir={str(run_dir)!r} already holds a run: resume it "
+                "(--resume), choose another directory, or set run.overwrite=true"
+            )
         return []
     check_resume_config(run_dir, cfg)
     found = checkpoints(run_dir)
     if not found:  # killed before its first checkpoint was complete: nothing to lose, start over
-        warnings.warn(f"--resume {run_dir}: no checkpoint was completed yet; starting the run from the beginning")
+        warnings.warn(
+            f"--resume {run_dir}: no checkpoint was completed yet; starting the run from the beginning", stacklevel=1
+        )
     return found
 
 
@@ -142,16 +165,24 @@ def _load_model(cfg: TrainConfig, source: str):
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(
-        source, dtype=getattr(torch, cfg.model.dtype), trust_remote_code=cfg.model.trust_remote_code).to(device)
+        source, dtype=getattr(torch, cfg.model.dtype), trust_remote_code=cfg.model.trust_remote_code
+    ).to(device)
     for message in special_token_warnings(tokenizer, model.generation_config):
-        warnings.warn(message)
+        warnings.warn(message, stacklevel=1)
     return model, tokenizer
 
 
 class Trainer:
-    def __init__(self, cfg: TrainConfig, *, examples: list[dict] | None = None,
-                 verifier: Callable[[str, dict], float] | None = None, on_update: OnUpdate | None = None,
-                 progress: ProgressFn | bool | None = None, resume: str | Path | None = None):
+    def __init__(
+        self,
+        cfg: TrainConfig,
+        *,
+        examples: list[dict] | None = None,
+        verifier: Callable[[str, dict], float] | None = None,
+        on_update: OnUpdate | None = None,
+        progress: ProgressFn | bool | None = None,
+        resume: str | Path | None = None,
+    ):
         # Everything that can fail cheaply fails here, before the model is loaded.
         self.cfg, self.on_update = cfg, on_update
         self.verifier = verifier or self._resolve_verifier(cfg)
@@ -186,11 +217,16 @@ class Trainer:
                 except Exception as err:  # noqa: BLE001 - any load error means: try an older one
                     problem = f"{candidate}: does not load ({type(err).__name__}: {err})"
             moved = quarantine(candidate)
-            warnings.warn(f"checkpoint {candidate.name} is not usable: {problem}; renamed to {moved.name}, "
-                          "trying the next older one")
+            warnings.warn(
+                f"checkpoint {candidate.name} is not usable: {problem}; renamed to {moved.name}, "
+                "trying the next older one",
+                stacklevel=1,
+            )
         if candidates and checkpoint is None:
-            raise ConfigError(f"--resume {self.run_dir}: none of its {len(candidates)} checkpoints verifies "
-                              "(renamed to corrupt_step_*); start afresh with run.overwrite=true")
+            raise ConfigError(
+                f"--resume {self.run_dir}: none of its {len(candidates)} checkpoints verifies "
+                "(renamed to corrupt_step_*); start afresh with run.overwrite=true"
+            )
         if checkpoint is None:
             self.model, self.tokenizer = _load_model(cfg, cfg.model.path)
         if cfg.model.gradient_checkpointing:
@@ -202,34 +238,52 @@ class Trainer:
         if cfg.loss.kl_coef > 0:  # KL to the initial model, also after a resume
             self.ref_model = _load_model(cfg, cfg.model.path)[0].eval().requires_grad_(False)
 
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.optim.lr, betas=cfg.optim.betas,
-                                           eps=cfg.optim.eps, weight_decay=cfg.optim.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(),
+            lr=cfg.optim.lr,
+            betas=cfg.optim.betas,
+            eps=cfg.optim.eps,
+            weight_decay=cfg.optim.weight_decay,
+        )
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, _lr_lambda(cfg))
         self.examples, prompts, dropped = tokenize_prompts(examples, self.tokenizer, cfg.data)
         if dropped:
-            warnings.warn(f"{dropped} prompts are longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}: dropped")
+            warnings.warn(
+                f"{dropped} prompts are longer than data.max_prompt_tokens={cfg.data.max_prompt_tokens}: dropped",
+                stacklevel=1,
+            )
         eos = self.model.generation_config.eos_token_id
         eos_ids = ([eos] if isinstance(eos, int) else list(eos or [])) + [self.tokenizer.eos_token_id]
-        self.rollout = Rollout(cfg, self.tokenizer, prompts, self.examples, self.verifier,
-                               PromptSampler(len(prompts), cfg.run.seed, cfg.data.shuffle),
-                               [token_id for token_id in eos_ids if token_id is not None])
+        self.rollout = Rollout(
+            cfg,
+            self.tokenizer,
+            prompts,
+            self.examples,
+            self.verifier,
+            PromptSampler(len(prompts), cfg.run.seed, cfg.data.shuffle),
+            [token_id for token_id in eos_ids if token_id is not None],
+        )
         self.buffer = BatchBuffer(cfg, self.rollout.pad_id)
-        self.step = 0          # rollout steps done
-        self.version = 0       # optimizer updates done = version of the current policy
+        self.step = 0  # rollout steps done
+        self.version = 0  # optimizer updates done = version of the current policy
         self.nonfinite_streak = 0
         self.zero_variance_streak = 0  # rollout steps in a row where every group had zero variance
         self.entropy_was_low = False  # entropy has been below the divergence threshold in this run
         self.interrupted: int | None = None  # the signal number of a first SIGINT/SIGTERM
         # BAPO's rho0, fixed or steered by entropy (its state is checkpointed)
-        self.bapo_target = EntropyTargetController(BAPOConfig(**cfg.loss.bapo.model_dump())) \
-            if cfg.loss.method == "bapo" else None
+        self.bapo_target = (
+            EntropyTargetController(BAPOConfig(**cfg.loss.bapo.model_dump())) if cfg.loss.method == "bapo" else None
+        )
         if cfg.run.deterministic:
             torch.use_deterministic_algorithms(True)
         if checkpoint:
             self._load(state, checkpoint)
             if not (self.run_dir / "metrics.jsonl").exists():
-                warnings.warn(f"{self.run_dir / 'metrics.jsonl'} is missing: the metrics of updates "
-                              f"1..{self.version} are lost; new rows are appended from update {self.version + 1}")
+                warnings.warn(
+                    f"{self.run_dir / 'metrics.jsonl'} is missing: the metrics of updates "
+                    f"1..{self.version} are lost; new rows are appended from update {self.version + 1}",
+                    stacklevel=1,
+                )
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())  # the resume's steps, cadence, ...
         else:
             random.seed(cfg.run.seed)
@@ -239,8 +293,13 @@ class Trainer:
                 shutil.rmtree(self.run_dir / old, ignore_errors=True)
             self.run_dir.mkdir(parents=True, exist_ok=True)
             (self.run_dir / "config.yaml").write_text(cfg.to_yaml())
-        self.log = MetricsLog(self.run_dir, cfg.run.tensorboard, resume_step=self.version if checkpoint else None,
-                              report_to=tuple(cfg.run.report_to), config=cfg.model_dump(mode="json"))
+        self.log = MetricsLog(
+            self.run_dir,
+            cfg.run.tensorboard,
+            resume_step=self.version if checkpoint else None,
+            report_to=tuple(cfg.run.report_to),
+            config=cfg.model_dump(mode="json"),
+        )
         self.no_signal = NoSignalWarning(cfg.rollout.prompts_per_batch, cfg.run.no_signal_every)
 
     @staticmethod
@@ -259,25 +318,35 @@ class Trainer:
             self.progress = self.progress_arg
         try:
             while len(self.buffer.batches) < self.buffer.warmup:  # FIFO warm-up: version-0 batches
-                self._status(f"warm-up rollout {len(self.buffer.batches) + 1}/{self.buffer.warmup}: staleness "
-                             f"{self.cfg.offpolicy.staleness} generates its first batches before the first update")
+                self._status(
+                    f"warm-up rollout {len(self.buffer.batches) + 1}/{self.buffer.warmup}: staleness "
+                    f"{self.cfg.offpolicy.staleness} generates its first batches before the first update"
+                )
                 self.buffer.push(self.rollout_step()[0])
                 if self.interrupted:
                     self.save()
                     raise self._interruption()
             while self.step < self.cfg.run.steps:
                 start = time.perf_counter()
-                self._status(f"rollout step {self.step + 1}: sampling {self.cfg.rollout.prompts_per_batch} x "
-                             f"{self.cfg.rollout.group_size} responses")
-                fresh, rollout_metrics = self.rollout_step()     # generated by policy `self.version`
+                self._status(
+                    f"rollout step {self.step + 1}: sampling {self.cfg.rollout.prompts_per_batch} x "
+                    f"{self.cfg.rollout.group_size} responses"
+                )
+                fresh, rollout_metrics = self.rollout_step()  # generated by policy `self.version`
                 self.buffer.push(fresh)
-                batch = self.buffer.pop(self.step)                # generated `staleness` steps ago, or a replay mix
+                batch = self.buffer.pop(self.step)  # generated `staleness` steps ago, or a replay mix
                 self._status(f"rollout step {self.step + 1}: {self.cfg.updates_per_batch} optimizer update(s)")
-                update_rows = self.update_step(batch)             # mini_batches x epochs optimizer updates
+                update_rows = self.update_step(batch)  # mini_batches x epochs optimizer updates
                 self.step += 1
                 hook_metrics = self._call_on_update()
-                rows = _step_rows(update_rows, rollout_metrics, fresh, self.cfg.reward.correct_threshold,
-                                  time.perf_counter() - start, hook_metrics)
+                rows = _step_rows(
+                    update_rows,
+                    rollout_metrics,
+                    fresh,
+                    self.cfg.reward.correct_threshold,
+                    time.perf_counter() - start,
+                    hook_metrics,
+                )
                 self._record(rows)
                 self._end_of_step(rows, rollout_metrics)
         finally:
@@ -290,7 +359,7 @@ class Trainer:
             self.log.write(row)
             message = self.no_signal.check(row)
             if message:
-                warnings.warn(message)
+                warnings.warn(message, stacklevel=1)
             if self.progress:
                 self.progress(row["step"], self.cfg.total_updates, row)
 
@@ -314,7 +383,10 @@ class Trainer:
     def _divergence(self, rows: list[dict]) -> tuple[str, str] | None:
         """(what happened, what to do) when the run has diverged (run.divergence, run.max_nonfinite)."""
         if self.nonfinite_streak >= self.cfg.run.max_nonfinite:
-            what = f"{self.nonfinite_streak} updates in a row had a non-finite loss or gradient (skipped, weights unchanged)"
+            what = (
+                f"{self.nonfinite_streak} updates in a row had a non-finite loss or gradient "
+                "(skipped, weights unchanged)"
+            )
             return what, "Lower optim.lr or check the data."
         guard = self.cfg.run.divergence
         entropy = [row["entropy"] for row in rows if isinstance(row.get("entropy"), float)]
@@ -323,24 +395,34 @@ class Trainer:
         # only a rise counts: a run that starts near uniform (a random init) has not diverged
         self.entropy_was_low = self.entropy_was_low or (bool(entropy) and not near_uniform)
         if near_uniform and self.entropy_was_low:
-            what = (f"entropy {entropy[-1]:.3f} reached {guard.entropy_fraction:g} x log(vocab {vocab}) = "
-                    f"{guard.entropy_fraction * math.log(vocab):.3f}: the policy is close to uniform")
+            what = (
+                f"entropy {entropy[-1]:.3f} reached {guard.entropy_fraction:g} x log(vocab {vocab}) = "
+                f"{guard.entropy_fraction * math.log(vocab):.3f}: the policy is close to uniform"
+            )
             return what, "Lower optim.lr (or raise run.divergence.entropy_fraction)."
         with torch.no_grad():
             largest = max(float(param.detach().abs().max()) for param in self.model.parameters())
         if not largest <= guard.max_abs_weight:  # also catches nan/inf weights
-            return (f"a weight reached |{largest:.3g}| > run.divergence.max_abs_weight={guard.max_abs_weight:g}",
-                    "Lower optim.lr or set optim.max_grad_norm.")
+            return (
+                f"a weight reached |{largest:.3g}| > run.divergence.max_abs_weight={guard.max_abs_weight:g}",
+                "Lower optim.lr or set optim.max_grad_norm.",
+            )
         if guard.zero_variance_steps and self.zero_variance_streak >= guard.zero_variance_steps:
-            what = (f"every group had zero reward variance (no learning signal) for {self.zero_variance_streak} "
-                    "rollout steps in a row")
-            return what, ("Check the verifier and the task's difficulty "
-                          "(or raise run.divergence.zero_variance_steps; 0 turns the check off).")
+            what = (
+                f"every group had zero reward variance (no learning signal) for {self.zero_variance_streak} "
+                "rollout steps in a row"
+            )
+            return what, (
+                "Check the verifier and the task's difficulty "
+                "(or raise run.divergence.zero_variance_steps; 0 turns the check off)."
+            )
         return None
 
     def _interruption(self) -> TrainingInterrupted:
-        return TrainingInterrupted(f"interrupted after update {self.version}; resume with: "
-                                   f"bapo train --resume {self.run_dir}", self.interrupted)
+        return TrainingInterrupted(
+            f"interrupted after update {self.version}; resume with: bapo train --resume {self.run_dir}",
+            self.interrupted,
+        )
 
     # -- the two halves -----------------------------------------------------------------------
     def rollout_step(self) -> tuple[Batch, dict]:
@@ -348,9 +430,15 @@ class Trainer:
         Metrics carry time/rollout_s and tokens/rollout (new tokens generated)."""
         batch, metrics = self.rollout.step(self.model, self.version)
         if self.ref_model is not None and len(batch):
-            batch.ref_log_prob = batched_log_probs(self.ref_model, batch.prompt_ids, batch.prompt_mask,
-                                                   batch.response_ids, batch.response_mask,
-                                                   self.cfg.rollout.temperature, self.cfg.rollout.logprob_batch_size)
+            batch.ref_log_prob = batched_log_probs(
+                self.ref_model,
+                batch.prompt_ids,
+                batch.prompt_mask,
+                batch.response_ids,
+                batch.response_mask,
+                self.cfg.rollout.temperature,
+                self.cfg.rollout.logprob_batch_size,
+            )
         metrics["tokens_per_s/rollout"] = metrics["tokens/rollout"] / max(metrics["time/rollout_s"], 1e-9)
         return batch, metrics
 
@@ -375,16 +463,23 @@ class Trainer:
             mini = batch.select(rows_idx)
             staleness = (self.version - mini.versions[mini.response_mask]).float()
             search = self.bapo_target.search_config() if self.bapo_target else None
-            metrics = optimizer_update(self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg, search,
-                                       version=self.version)
+            metrics = optimizer_update(
+                self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg, search, version=self.version
+            )
             if self.bapo_target:  # rho0 of this update; the next one's from this update's entropy
                 metrics["bapo/target"] = search.target
                 self.bapo_target.update(metrics.get("entropy", float("nan")))
             self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["skipped"] else 0
             metrics["tokens_per_s/update"] = metrics["tokens/update"] / max(metrics["time/update_s"], 1e-9)
-            rows.append({**row, **stats,
-                         "staleness/mean": staleness.mean().item() if len(staleness) else 0.0,
-                         "staleness/max": staleness.max().item() if len(staleness) else 0.0, **metrics})
+            rows.append(
+                {
+                    **row,
+                    **stats,
+                    "staleness/mean": staleness.mean().item() if len(staleness) else 0.0,
+                    "staleness/max": staleness.max().item() if len(staleness) else 0.0,
+                    **metrics,
+                }
+            )
         self.version = first_version + per_batch
         return rows
 
@@ -408,14 +503,29 @@ class Trainer:
 
     # -- checkpoints --------------------------------------------------------------------------
     def save(self) -> Path:
-        state = {"step": self.step, "version": self.version, "nonfinite_streak": self.nonfinite_streak,
-                 "zero_variance_streak": self.zero_variance_streak, "entropy_was_low": self.entropy_was_low,
-                 "optimizer": self.optimizer.state_dict(), "scheduler": self.scheduler.state_dict(),
-                 "rng": rng_state(), "buffer": self.buffer.state_dict(), "rollout": self.rollout.state_dict(),
-                 "bapo_target": self.bapo_target.state_dict() if self.bapo_target else None}
+        state = {
+            "step": self.step,
+            "version": self.version,
+            "nonfinite_streak": self.nonfinite_streak,
+            "zero_variance_streak": self.zero_variance_streak,
+            "entropy_was_low": self.entropy_was_low,
+            "optimizer": self.optimizer.state_dict(),
+            "scheduler": self.scheduler.state_dict(),
+            "rng": rng_state(),
+            "buffer": self.buffer.state_dict(),
+            "rollout": self.rollout.state_dict(),
+            "bapo_target": self.bapo_target.state_dict() if self.bapo_target else None,
+        }
         try:
-            return save_checkpoint(self.run_dir, self.version, self.model, self.tokenizer, state,
-                                   self.cfg.run.keep_checkpoints, self.cfg.run.save_optimizer)
+            return save_checkpoint(
+                self.run_dir,
+                self.version,
+                self.model,
+                self.tokenizer,
+                state,
+                self.cfg.run.keep_checkpoints,
+                self.cfg.run.save_optimizer,
+            )
         except CheckpointError as err:
             raise TrainingStopped(str(err)) from None
 
@@ -425,8 +535,11 @@ class Trainer:
         self.zero_variance_streak = state.get("zero_variance_streak", 0)
         self.entropy_was_low = state.get("entropy_was_low", False)
         if state["optimizer"] is None:
-            warnings.warn(f"resuming from {checkpoint.name}, which holds no optimizer state "
-                          f"(run.save_optimizer): the optimizer restarts from zero moments, so this resume is NOT exact")
+            warnings.warn(
+                f"resuming from {checkpoint.name}, which holds no optimizer state "
+                f"(run.save_optimizer): the optimizer restarts from zero moments, so this resume is NOT exact",
+                stacklevel=1,
+            )
         else:
             self.optimizer.load_state_dict(state["optimizer"])
         self.scheduler.load_state_dict(state["scheduler"])
@@ -445,9 +558,15 @@ class Trainer:
         self.lock.release()
 
 
-def train(cfg: TrainConfig, on_update: OnUpdate | None = None, *, examples: list[dict] | None = None,
-          verifier: Callable[[str, dict], float] | None = None, progress: ProgressFn | bool | None = None,
-          resume: str | Path | None = None) -> Path:
+def train(
+    cfg: TrainConfig,
+    on_update: OnUpdate | None = None,
+    *,
+    examples: list[dict] | None = None,
+    verifier: Callable[[str, dict], float] | None = None,
+    progress: ProgressFn | bool | None = None,
+    resume: str | Path | None = None,
+) -> Path:
     """Train with `cfg`; returns the run directory (metrics.jsonl, checkpoints/, config.yaml).
 
     on_update(step, model, tokenizer) -> dict | None: called after every rollout step's updates
@@ -473,8 +592,12 @@ def _signals_finish_the_step(trainer: Trainer) -> Iterator[None]:
     def handle(signum, frame):
         if trainer.interrupted is None:
             trainer.interrupted = signum
-            print(f"{signal.Signals(signum).name}: finishing the current update, then writing a checkpoint "
-                  "(send it again to abort at once)", file=sys.stderr, flush=True)
+            print(
+                f"{signal.Signals(signum).name}: finishing the current update, then writing a checkpoint "
+                "(send it again to abort at once)",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         raise TrainingAborted(signum)
 

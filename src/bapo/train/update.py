@@ -9,8 +9,17 @@ import time
 
 import torch
 
-from bapo.core import (BAPOConfig, BoundStats, ClipStats, SearchResult, aggregate_loss, k3_kl, policy_loss,
-                       search_metrics, token_ratio)
+from bapo.core import (
+    BAPOConfig,
+    BoundStats,
+    ClipStats,
+    SearchResult,
+    aggregate_loss,
+    k3_kl,
+    policy_loss,
+    search_metrics,
+    token_ratio,
+)
 from bapo.core.losses import loss_parameters
 from bapo.train.config import TrainConfig
 from bapo.train.rollout import Batch, token_log_probs
@@ -28,8 +37,16 @@ def _normalizer(cfg: TrainConfig, batch: Batch) -> float:
 
 def _forward(model, mb: Batch, cfg: TrainConfig):
     """Current-policy log-probs [n, R] (with grad) and entropy [n, R] (grad only when it is a loss term)."""
-    return token_log_probs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask,
-                           cfg.rollout.temperature, with_entropy=True, entropy_grad=cfg.loss.entropy_coef > 0)
+    return token_log_probs(
+        model,
+        mb.prompt_ids,
+        mb.prompt_mask,
+        mb.response_ids,
+        mb.response_mask,
+        cfg.rollout.temperature,
+        with_entropy=True,
+        entropy_grad=cfg.loss.entropy_coef > 0,
+    )
 
 
 def behaviour_is_current(batch: Batch, version: int | None) -> bool:
@@ -38,30 +55,44 @@ def behaviour_is_current(batch: Batch, version: int | None) -> bool:
     return version is not None and bool((batch.versions[batch.response_mask] == version).all())
 
 
-def _step_bounds(model, micro: list[Batch], cfg: TrainConfig, bapo_cfg: BAPOConfig,
-                 ratio_is_one: bool) -> SearchResult | None:
+def _step_bounds(
+    model, micro: list[Batch], cfg: TrainConfig, bapo_cfg: BAPOConfig, ratio_is_one: bool
+) -> SearchResult | None:
     """Bounds over every token of the update (scope "step"), or None when the update's own forward
     serves (a single micro-batch). A batch the current weights just generated has ratio 1 on every
     token, so the search runs on that without a forward; otherwise a no-grad forward first."""
     stats = BoundStats(bapo_cfg)
     if ratio_is_one:
         for mb in micro:
-            stats.add(torch.ones_like(mb.old_log_prob), mb.advantages, mb.response_mask,
-                      behaviour_log_prob=mb.old_log_prob)
+            stats.add(
+                torch.ones_like(mb.old_log_prob), mb.advantages, mb.response_mask, behaviour_log_prob=mb.old_log_prob
+            )
         return stats.solve()
     if len(micro) == 1:
         return None
     with torch.no_grad():
         for mb in micro:
-            log_prob, _ = token_log_probs(model, mb.prompt_ids, mb.prompt_mask, mb.response_ids,
-                                          mb.response_mask, cfg.rollout.temperature)
-            stats.add(token_ratio(log_prob, mb.old_log_prob), mb.advantages, mb.response_mask,
-                      behaviour_log_prob=mb.old_log_prob)
+            log_prob, _ = token_log_probs(
+                model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, cfg.rollout.temperature
+            )
+            stats.add(
+                token_ratio(log_prob, mb.old_log_prob),
+                mb.advantages,
+                mb.response_mask,
+                behaviour_log_prob=mb.old_log_prob,
+            )
     return stats.solve()
 
 
-def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig, bapo: BAPOConfig | None = None,
-                     version: int | None = None) -> dict:
+def optimizer_update(
+    model,
+    optimizer,
+    scheduler,
+    batch: Batch,
+    cfg: TrainConfig,
+    bapo: BAPOConfig | None = None,
+    version: int | None = None,
+) -> dict:
     """Forward+backward over micro-batches of `batch` (on the model's device), then one step.
 
     Returns metrics: every policy_loss diagnostic over all micro-batches (bapo.core.ClipStats,
@@ -74,8 +105,10 @@ def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig
     adds bapo/search/* (bapo.core.search_metrics).
     """
     start = time.perf_counter()
-    micro = [batch.select(torch.arange(s, min(s + cfg.optim.micro_batch_size, len(batch))))
-             for s in range(0, len(batch), cfg.optim.micro_batch_size)]
+    micro = [
+        batch.select(torch.arange(s, min(s + cfg.optim.micro_batch_size, len(batch))))
+        for s in range(0, len(batch), cfg.optim.micro_batch_size)
+    ]
     normalizer = _normalizer(cfg, batch)
     params = dict(cfg.loss.params)
     if cfg.loss.dual_clip is not None and "dual_clip" in loss_parameters(cfg.loss.method):
@@ -90,7 +123,7 @@ def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig
 
     optimizer.zero_grad(set_to_none=True)
     diagnostic_sums: ClipStats | None = None  # the diagnostics' sums over the finite micro-batches
-    losses: dict[str, float] = {}   # each term uses the update's normalizer, so micro-batch values add up
+    losses: dict[str, float] = {}  # each term uses the update's normalizer, so micro-batch values add up
     own_metrics: list[dict[str, float]] = []
     finite = True
     # the micro-batch's own forward serves the search: scope micro_batch, or a step of one micro-batch
@@ -100,14 +133,31 @@ def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig
         mb_stats = ClipStats.empty(mb.response_mask.device)
         if search_in_loop:
             # validate=False: a non-finite forward must reach the skip below, not raise here
-            found = BoundStats(bapo_cfg).add(token_ratio(log_prob.detach(), mb.old_log_prob), mb.advantages,
-                                             mb.response_mask, validate=False,
-                                             behaviour_log_prob=mb.old_log_prob).solve()
+            found = (
+                BoundStats(bapo_cfg)
+                .add(
+                    token_ratio(log_prob.detach(), mb.old_log_prob),
+                    mb.advantages,
+                    mb.response_mask,
+                    validate=False,
+                    behaviour_log_prob=mb.old_log_prob,
+                )
+                .solve()
+            )
             searches.append((found, mb.tokens))
             params["bounds"] = (found.lower, found.upper)
-        loss, metrics = policy_loss(log_prob, mb.old_log_prob, mb.advantages, mb.response_mask, cfg.loss.method,
-                                    loss_agg_mode=cfg.loss.agg_mode, normalizer=normalizer, entropy=entropy,
-                                    stats=mb_stats, **params)
+        loss, metrics = policy_loss(
+            log_prob,
+            mb.old_log_prob,
+            mb.advantages,
+            mb.response_mask,
+            cfg.loss.method,
+            loss_agg_mode=cfg.loss.agg_mode,
+            normalizer=normalizer,
+            entropy=entropy,
+            stats=mb_stats,
+            **params,
+        )
         terms = {"loss": metrics.pop("loss")}
         if cfg.loss.kl_coef > 0:  # k3 estimate of KL(pi || ref), verl's "low_var_kl"
             kl = aggregate_loss(k3_kl(mb.ref_log_prob - log_prob), mb.response_mask, cfg.loss.agg_mode, normalizer)
@@ -140,6 +190,13 @@ def optimizer_update(model, optimizer, scheduler, batch: Batch, cfg: TrainConfig
         out[name] = sum(metrics[name] for metrics in own_metrics) / len(own_metrics)
     if bapo_cfg is not None:
         out.update(search_metrics(searches, bapo_cfg.scope))
-    out.update({"grad_norm": grad_norm, "lr": lr, "skipped": int(skipped), "tokens/update": batch.tokens,
-                "time/update_s": time.perf_counter() - start})
+    out.update(
+        {
+            "grad_norm": grad_norm,
+            "lr": lr,
+            "skipped": int(skipped),
+            "tokens/update": batch.tokens,
+            "time/update_s": time.perf_counter() - start,
+        }
+    )
     return out

@@ -49,18 +49,24 @@ class BAPOGRPOConfig(GRPOConfig):
     )
     bapo_lower: float | None = field(
         default=None,
-        metadata={"help": "Lower ratio bound of the fixed-bound methods (grpo, clip-higher, dual-clip); "
-                          "None = 1 - epsilon. A ratio, not an epsilon."},
+        metadata={
+            "help": "Lower ratio bound of the fixed-bound methods (grpo, clip-higher, dual-clip); "
+            "None = 1 - epsilon. A ratio, not an epsilon."
+        },
     )
     bapo_upper: float | None = field(
         default=None,
-        metadata={"help": "Upper ratio bound of the fixed-bound methods; None = 1 + epsilon_high "
-                          "(or 1 + epsilon). A ratio, not an epsilon."},
+        metadata={
+            "help": "Upper ratio bound of the fixed-bound methods; None = 1 + epsilon_high "
+            "(or 1 + epsilon). A ratio, not an epsilon."
+        },
     )
     bapo_method_kwargs: dict | str | None = field(
         default=None,
-        metadata={"help": "Other parameters of the chosen loss, e.g. {\"dual_clip\": 3.0} or "
-                          "{\"negative_ratio_max\": 1.0} (a dict, or a JSON string on the command line)."},
+        metadata={
+            "help": 'Other parameters of the chosen loss, e.g. {"dual_clip": 3.0} or '
+            '{"negative_ratio_max": 1.0} (a dict, or a JSON string on the command line).'
+        },
     )
     bapo_target: float = _bapo_field("target", "BAPO target: positive share rho0, or pos/neg with target_kind=pos_neg.")
     bapo_lower_start: float = _bapo_field("lower_start", "BAPO: lower ratio bound the search starts from.")
@@ -69,20 +75,41 @@ class BAPOGRPOConfig(GRPOConfig):
     bapo_upper_start: float = _bapo_field("upper_start", "BAPO: upper ratio bound the search starts from.")
     bapo_upper_max: float = _bapo_field("upper_max", "BAPO: largest upper ratio bound.")
     bapo_upper_step: float = _bapo_field("upper_step", "BAPO: step of the upper bound.")
-    bapo_order: str = _bapo_field("order", "BAPO: 'upper-first' (paper) or 'lower-first' (the recipe's order only; "
-                                                     "the whole recipe is BAPOConfig.recipe()).")
-    bapo_target_kind: str = _bapo_field("target_kind", "BAPO: 'share' (rho0) or 'pos_neg' (the recipe's kind of "
-                                                               "target; the whole recipe is BAPOConfig.recipe()).")
-    bapo_scope: str = _bapo_field("scope", "BAPO: bounds per optimizer 'step' (exact) or per 'micro_batch' (no extra forward).")
-    bapo_contribution: str = _bapo_field("contribution", "BAPO: 'gradient' (|r*A| of unclipped tokens) or 'clamped' "
-                                                         "(clipped-surrogate values: paper Eq. 8, recipe).")
-    bapo_weighting: str = _bapo_field("weighting", "BAPO: 'none' or 'behaviour_prob' (paper Eq. 8: tokens weighted by pi_old).")
-    bapo_stepping: str = _bapo_field("stepping", "BAPO: 'grid' (start + k*step) or 'add_clamped' (recipe: min(cur + step, max)).")
-    bapo_pos_neg_eps: float = _bapo_field("pos_neg_eps", "BAPO: pos/(neg + eps) for target_kind=pos_neg (recipe: 1e-8).")
-    bapo_target_mode: str = _bapo_field("target_mode", "BAPO: 'fixed' rho0 or 'entropy' (rho0 steered so entropy tracks a target).")
-    bapo_target_entropy: float = _bapo_field("target_entropy", "BAPO entropy mode: entropy to track; <= 0 holds the "
-                                                               "mean of the first target_hold_updates updates.")
-    bapo_target_hold_updates: int = _bapo_field("target_hold_updates", "BAPO entropy mode: updates averaged for the held target.")
+    bapo_order: str = _bapo_field(
+        "order",
+        "BAPO: 'upper-first' (paper) or 'lower-first' (the recipe's order only; "
+        "the whole recipe is BAPOConfig.recipe()).",
+    )
+    bapo_target_kind: str = _bapo_field(
+        "target_kind",
+        "BAPO: 'share' (rho0) or 'pos_neg' (the recipe's kind of target; the whole recipe is BAPOConfig.recipe()).",
+    )
+    bapo_scope: str = _bapo_field(
+        "scope", "BAPO: bounds per optimizer 'step' (exact) or per 'micro_batch' (no extra forward)."
+    )
+    bapo_contribution: str = _bapo_field(
+        "contribution",
+        "BAPO: 'gradient' (|r*A| of unclipped tokens) or 'clamped' (clipped-surrogate values: paper Eq. 8, recipe).",
+    )
+    bapo_weighting: str = _bapo_field(
+        "weighting", "BAPO: 'none' or 'behaviour_prob' (paper Eq. 8: tokens weighted by pi_old)."
+    )
+    bapo_stepping: str = _bapo_field(
+        "stepping", "BAPO: 'grid' (start + k*step) or 'add_clamped' (recipe: min(cur + step, max))."
+    )
+    bapo_pos_neg_eps: float = _bapo_field(
+        "pos_neg_eps", "BAPO: pos/(neg + eps) for target_kind=pos_neg (recipe: 1e-8)."
+    )
+    bapo_target_mode: str = _bapo_field(
+        "target_mode", "BAPO: 'fixed' rho0 or 'entropy' (rho0 steered so entropy tracks a target)."
+    )
+    bapo_target_entropy: float = _bapo_field(
+        "target_entropy",
+        "BAPO entropy mode: entropy to track; <= 0 holds the mean of the first target_hold_updates updates.",
+    )
+    bapo_target_hold_updates: int = _bapo_field(
+        "target_hold_updates", "BAPO entropy mode: updates averaged for the held target."
+    )
     bapo_target_min: float = _bapo_field("target_min", "BAPO entropy mode: smallest rho0.")
     bapo_target_max: float = _bapo_field("target_max", "BAPO entropy mode: largest rho0.")
     bapo_target_gain: float = _bapo_field("target_gain", "BAPO entropy mode: proportional gain on log(target/entropy).")
@@ -125,11 +152,15 @@ class BAPOGRPOConfig(GRPOConfig):
                 f"{sorted(LOSS_TYPE_TO_AGG_MODE)} (or TRL's GRPOTrainer for {self.loss_type!r})"
             )
         refused = {
-            "importance_sampling_level": (self.importance_sampling_level != "token",
-                                          "bapo's losses clip token ratios; use 'token'"),
+            "importance_sampling_level": (
+                self.importance_sampling_level != "token",
+                "bapo's losses clip token ratios; use 'token'",
+            ),
             "delta": (self.delta is not None, "TRL's two-sided clip; use bapo_method='dual-clip' instead"),
-            "entropy_coef": (self.entropy_coef != 0.0 or self.use_adaptive_entropy,
-                             "the entropy bonus is not supported with bapo losses"),
+            "entropy_coef": (
+                self.entropy_coef != 0.0 or self.use_adaptive_entropy,
+                "the entropy bonus is not supported with bapo losses",
+            ),
         }
         for name, (is_set, reason) in refused.items():
             if is_set:

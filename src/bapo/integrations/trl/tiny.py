@@ -19,8 +19,17 @@ def build_tiny_model(save_dir: str | Path, hidden_size: int = 64, num_layers: in
     """
     from bapo.train.tiny import ModelConfig, save_tiny_model
 
-    return save_tiny_model(save_dir, ModelConfig(hidden_size=hidden_size, layers=num_layers, heads=4,
-                                                 intermediate_size=2 * hidden_size, max_positions=256, seed=seed))
+    return save_tiny_model(
+        save_dir,
+        ModelConfig(
+            hidden_size=hidden_size,
+            layers=num_layers,
+            heads=4,
+            intermediate_size=2 * hidden_size,
+            max_positions=256,
+            seed=seed,
+        ),
+    )
 
 
 def addition_prompts(count: int, seed: int = 0, max_operand: int = 50) -> list[dict[str, str]]:

@@ -32,15 +32,31 @@ from torch import Tensor
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from bapo.core import (BoundStats, EntropyTargetController, SearchResult, aggregate_loss, policy_loss, search_metrics,
-                        token_mean_over_ranks, token_ratio)
+from bapo.core import (
+    BoundStats,
+    EntropyTargetController,
+    SearchResult,
+    aggregate_loss,
+    policy_loss,
+    search_metrics,
+    token_mean_over_ranks,
+    token_ratio,
+)
 from bapo.core.validation import per_token
 from bapo.integrations.trl.config import BAPOGRPOConfig
 
 #: Optional (multimodal) fields of TRL's batch that its forward helper takes by the same name.
 FORWARD_FIELDS = (
-    "pixel_values", "image_grid_thw", "num_images", "pixel_attention_mask", "spatial_shapes", "num_tiles",
-    "image_sizes", "token_type_ids", "mm_token_type_ids", "image_position_ids",
+    "pixel_values",
+    "image_grid_thw",
+    "num_images",
+    "pixel_attention_mask",
+    "spatial_shapes",
+    "num_tiles",
+    "image_sizes",
+    "token_type_ids",
+    "mm_token_type_ids",
+    "image_position_ids",
 )
 
 
@@ -87,19 +103,34 @@ class BAPOGRPOTrainer(GRPOTrainer):
         )
         old_log_prob = self._old_log_prob(inputs, log_prob)
         if mode == "train" and entropy is not None:
-            self._step_entropy = [self._step_entropy[0] + float((entropy.detach() * mask).sum()),
-                                  self._step_entropy[1] + float(mask.sum())]
+            self._step_entropy = [
+                self._step_entropy[0] + float((entropy.detach() * mask).sum()),
+                self._step_entropy[1] + float(mask.sum()),
+            ]
         weights = self._token_weights(inputs, log_prob.detach(), old_log_prob, entropy, mask, advantages)
         if params is None:  # bounds of this micro-batch alone, from the forward just run
             stats = BoundStats(self._bapo_target.search_config()).add(
-                token_ratio(log_prob.detach(), old_log_prob), advantages, mask, weights=weights, validate=False,
-                behaviour_log_prob=old_log_prob)
+                token_ratio(log_prob.detach(), old_log_prob),
+                advantages,
+                mask,
+                weights=weights,
+                validate=False,
+                behaviour_log_prob=old_log_prob,
+            )
             search = self._log_search(stats.solve(), float(mask.sum()), mode)
             params = {**self._loss_params, "bounds": (search.lower, search.upper)}
         loss_agg_mode, normalizer = self._aggregation(inputs, mask, mode)
         loss, metrics = policy_loss(
-            log_prob, old_log_prob, advantages, mask, self.args.bapo_method,
-            loss_agg_mode=loss_agg_mode, normalizer=normalizer, importance_weights=weights, entropy=entropy, **params,
+            log_prob,
+            old_log_prob,
+            advantages,
+            mask,
+            self.args.bapo_method,
+            loss_agg_mode=loss_agg_mode,
+            normalizer=normalizer,
+            importance_weights=weights,
+            entropy=entropy,
+            **params,
         )
         if self.beta != 0.0:
             kl = self._reference_kl(inputs, log_prob, old_log_prob)
@@ -120,8 +151,10 @@ class BAPOGRPOTrainer(GRPOTrainer):
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
         if os.path.isdir(folder):
-            torch.save({"controller": self._bapo_target.state_dict(), "step_entropy": self._step_entropy},
-                       self._target_state_file(folder))
+            torch.save(
+                {"controller": self._bapo_target.state_dict(), "step_entropy": self._step_entropy},
+                self._target_state_file(folder),
+            )
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         super()._load_from_checkpoint(resume_from_checkpoint, model)
@@ -185,7 +218,13 @@ class BAPOGRPOTrainer(GRPOTrainer):
                 log_prob, entropy = self._search_log_probs(model, inputs, mask, just_generated)
                 old_log_prob = self._old_log_prob(inputs, log_prob)
                 weights = self._token_weights(inputs, log_prob, old_log_prob, entropy, mask, advantages)
-                stats.add(token_ratio(log_prob, old_log_prob), advantages, mask, weights=weights, behaviour_log_prob=old_log_prob)
+                stats.add(
+                    token_ratio(log_prob, old_log_prob),
+                    advantages,
+                    mask,
+                    weights=weights,
+                    behaviour_log_prob=old_log_prob,
+                )
                 tokens += float(mask.sum())
         return self._log_search(stats.solve(), tokens, mode)
 
@@ -225,8 +264,12 @@ class BAPOGRPOTrainer(GRPOTrainer):
         input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
         attention_mask = torch.cat([inputs["prompt_mask"], inputs["completion_mask"]], dim=1)
         return self._get_per_token_logps_and_entropies(
-            model, input_ids, attention_mask, completion_ids.size(1),
-            compute_entropy=compute_entropy, compute_aux_loss=compute_aux_loss,
+            model,
+            input_ids,
+            attention_mask,
+            completion_ids.size(1),
+            compute_entropy=compute_entropy,
+            compute_aux_loss=compute_aux_loss,
             **{name: inputs.get(name) for name in FORWARD_FIELDS},
         )
 
@@ -248,8 +291,13 @@ class BAPOGRPOTrainer(GRPOTrainer):
         return log_prob.detach() if old_log_prob is None else old_log_prob
 
     def _token_weights(
-        self, inputs: dict[str, Any], log_prob: Tensor, old_log_prob: Tensor, entropy: Tensor | None,
-        mask: Tensor, advantages: Tensor,
+        self,
+        inputs: dict[str, Any],
+        log_prob: Tensor,
+        old_log_prob: Tensor,
+        entropy: Tensor | None,
+        mask: Tensor,
+        advantages: Tensor,
     ) -> Tensor | None:
         """[B, T] detached multipliers TRL applies to the per-token loss, or None when there are none.
 
@@ -260,11 +308,15 @@ class BAPOGRPOTrainer(GRPOTrainer):
         if self.use_vllm and self.vllm_importance_sampling_correction:
             factors.append(inputs["importance_sampling_ratio"])
         if self.off_policy_mask_threshold is not None:
-            factors.append(self.get_off_policy_mask(
-                advantages=advantages[:, :1], per_token_logps=log_prob,
-                sampling_per_token_logps=inputs.get("sampling_per_token_logps", old_log_prob),
-                mask=mask, off_policy_threshold=self.off_policy_mask_threshold,
-            ))
+            factors.append(
+                self.get_off_policy_mask(
+                    advantages=advantages[:, :1],
+                    per_token_logps=log_prob,
+                    sampling_per_token_logps=inputs.get("sampling_per_token_logps", old_log_prob),
+                    mask=mask,
+                    off_policy_threshold=self.off_policy_mask_threshold,
+                )
+            )
         if self.top_entropy_quantile < 1.0:
             factors.append(self.get_high_entropy_mask(entropy, mask, 1 - self.top_entropy_quantile))
         if not factors:

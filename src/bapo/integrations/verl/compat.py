@@ -11,10 +11,17 @@ from __future__ import annotations
 import inspect
 from importlib.metadata import PackageNotFoundError, version
 
-WRITTEN_FOR = "0.9.1"          # the verl release bapo's verl integration was written and tested with
-SUPPORTED = ">=0.9,<0.10"      # the pin in pyproject's `verl` extra
-POLICY_LOSS_ARGS = ("old_log_prob", "log_prob", "advantages", "response_mask", "loss_agg_mode", "config",
-                    "rollout_is_weights")
+WRITTEN_FOR = "0.9.1"  # the verl release bapo's verl integration was written and tested with
+SUPPORTED = ">=0.9,<0.10"  # the pin in pyproject's `verl` extra
+POLICY_LOSS_ARGS = (
+    "old_log_prob",
+    "log_prob",
+    "advantages",
+    "response_mask",
+    "loss_agg_mode",
+    "config",
+    "rollout_is_weights",
+)
 
 
 class VerlVersionError(ImportError):
@@ -41,6 +48,8 @@ def check_verl_api(reference=None) -> None:
         raise VerlVersionError(
             f"verl {installed_verl_version()} calls policy losses with {found}; bapo's verl losses were written for "
             f"verl {WRITTEN_FOR} ({POLICY_LOSS_ARGS}): "
-            + (f"missing {missing}; " if missing else "") + (f"new {new}; " if new else "")
+            + (f"missing {missing}; " if missing else "")
+            + (f"new {new}; " if new else "")
             + ("reordered; " if not missing and not new else "")
-            + f"install verl{SUPPORTED} (pip install 'bapo[verl]') or update bapo.integrations.verl")
+            + f"install verl{SUPPORTED} (pip install 'bapo[verl]') or update bapo.integrations.verl"
+        )

@@ -118,8 +118,10 @@ class BAPOPolicyLossConfig(PolicyLossConfig):
     def __post_init__(self) -> None:
         getattr(super(), "__post_init__", lambda: None)()
         if self.bapo_config().target_mode == "entropy":  # also fails at config time on a bad search space
-            raise ValueError("target_mode: 'entropy' is not wired into verl's workers yet; use target_mode=fixed "
-                             "there (bapo train and BAPOGRPOTrainer support it)")
+            raise ValueError(
+                "target_mode: 'entropy' is not wired into verl's workers yet; use target_mode=fixed "
+                "there (bapo train and BAPOGRPOTrainer support it)"
+            )
 
     def bapo_config(self) -> BAPOConfig:
         """The search space and target as bapo.core's BAPOConfig."""

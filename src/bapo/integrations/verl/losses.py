@@ -72,7 +72,9 @@ def core_aggregation(
     return loss_agg_mode, sequences / dp_size
 
 
-def verl_metrics(core_metrics: dict[str, float], k1_kl: float, search: dict[str, float] | None = None) -> dict[str, float]:
+def verl_metrics(
+    core_metrics: dict[str, float], k1_kl: float, search: dict[str, float] | None = None
+) -> dict[str, float]:
     """bapo.core's diagnostics under verl's metric names.
 
     actor/pg_clipfrac: share of masked tokens whose clipped term is active (verl's meaning);
@@ -141,8 +143,14 @@ def _core_params(method: str, config: Any) -> dict[str, Any]:
     return params
 
 
-def _bounds_of_this_micro_batch(params: dict[str, Any], log_prob: Tensor, old_log_prob: Tensor, advantages: Tensor,
-                                response_mask: Tensor, weights: Tensor | None) -> dict[str, float] | None:
+def _bounds_of_this_micro_batch(
+    params: dict[str, Any],
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    weights: Tensor | None,
+) -> dict[str, float] | None:
     """Set params["bounds"] from the worker's step bounds (scope step) or from this micro-batch's
     own ratios, summed over the data-parallel group with one all-reduce (scope micro_batch);
     returns their bapo/search/* metrics (None without a BAPOTrainingWorker: bapo_loss then
@@ -153,9 +161,14 @@ def _bounds_of_this_micro_batch(params: dict[str, Any], log_prob: Tensor, old_lo
     if bounds.scope == "step":
         found, tokens = bounds.solved, bounds.tokens
     else:
-        stats = BoundStats(params["bapo"]).add(token_ratio(log_prob.detach(), old_log_prob), advantages,
-                                               response_mask.bool(), weights=weights, validate=False,
-                                               behaviour_log_prob=old_log_prob)
+        stats = BoundStats(params["bapo"]).add(
+            token_ratio(log_prob.detach(), old_log_prob),
+            advantages,
+            response_mask.bool(),
+            weights=weights,
+            validate=False,
+            behaviour_log_prob=old_log_prob,
+        )
         found = stats.solve(process_group=bounds.process_group, sync=dist.is_available() and dist.is_initialized())
         tokens = int(response_mask.sum())
     params["bounds"] = (found.lower, found.upper)
@@ -179,8 +192,11 @@ def make_verl_loss(method: str):
             raise ValueError("config: verl's ActorConfig is required (verl passes it from ppo_loss)")
         params = _core_params(method, config)
         mode, normalizer = core_aggregation(loss_agg_mode, response_mask, **config.global_batch_info)
-        search = _bounds_of_this_micro_batch(params, log_prob, old_log_prob, advantages, response_mask,
-                                             rollout_is_weights) if method == "bapo" else None
+        search = (
+            _bounds_of_this_micro_batch(params, log_prob, old_log_prob, advantages, response_mask, rollout_is_weights)
+            if method == "bapo"
+            else None
+        )
         loss, core_metrics = policy_loss(
             log_prob,
             old_log_prob,

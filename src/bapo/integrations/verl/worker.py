@@ -50,8 +50,9 @@ logger = logging.getLogger(__name__)
 PROBE_FIELDS = ("response_mask", "old_log_probs", "advantages")
 
 
-def add_bound_stats(model_output: dict, data: TensorDict, dp_group=None, *, stats: BoundStats,
-                    token_counts: list[int] | None = None) -> tuple[torch.Tensor, dict]:
+def add_bound_stats(
+    model_output: dict, data: TensorDict, dp_group=None, *, stats: BoundStats, token_counts: list[int] | None = None
+) -> tuple[torch.Tensor, dict]:
     """A verl loss_function for the no-grad pre-pass: add one micro-batch to `stats`, return loss 0.
 
     model_output["log_probs"]: nested [B, j] over prompt + response (verl's no-padding layout);
@@ -64,8 +65,13 @@ def add_bound_stats(model_output: dict, data: TensorDict, dp_group=None, *, stat
     tokens = data.select(*fields).to_padded_tensor()
     weights = tokens["rollout_is_weights"].to(log_prob.dtype) if "rollout_is_weights" in tokens else None
     ratio = token_ratio(log_prob, tokens["old_log_probs"].to(log_prob.dtype))
-    stats.add(ratio, tokens["advantages"].to(log_prob.dtype), tokens["response_mask"].to(torch.bool), weights=weights,
-              behaviour_log_prob=tokens["old_log_probs"].to(log_prob.dtype))
+    stats.add(
+        ratio,
+        tokens["advantages"].to(log_prob.dtype),
+        tokens["response_mask"].to(torch.bool),
+        weights=weights,
+        behaviour_log_prob=tokens["old_log_probs"].to(log_prob.dtype),
+    )
     if token_counts is not None:
         token_counts.append(int(tokens["response_mask"].sum()))
     return torch.zeros((), device=log_prob.device), {}
@@ -107,7 +113,8 @@ class BAPOTrainingWorker(TrainingWorker):
                 raise ValueError(
                     "policy_loss.scope=micro_batch needs the same number of micro-batches on every rank, which "
                     "dynamic batch sizes do not give: set actor_rollout_ref.actor.use_dynamic_bsz=False "
-                    "(with ppo_micro_batch_size_per_gpu) or policy_loss.scope=step")
+                    "(with ppo_micro_batch_size_per_gpu) or policy_loss.scope=step"
+                )
             bounds = StepBounds("micro_batch", process_group=dp_group)
         else:
             solved, tokens = self.solve_bounds(data, policy_loss)
@@ -130,12 +137,14 @@ class BAPOTrainingWorker(TrainingWorker):
             micro_batch_size_per_gpu=self.engine_config.infer_micro_batch_size_per_gpu,
             use_fused_kernels=self.engine_config.use_fused_kernels,
         )
-        tu.assign_non_tensor(probe, **{key: value for key, value in defaults.items() if key not in data.keys()})
+        tu.assign_non_tensor(probe, **{key: value for key, value in defaults.items() if key not in data})
         tu.assign_non_tensor(probe, calculate_entropy=False, distillation_use_topk=False)
         disable_auto_offload = tu.get(data, key="disable_auto_offload", default=False)
         with self.engine.train_mode(disable_auto_offload=disable_auto_offload):
             token_counts: list[int] = []
-            self.engine.infer_batch(probe, loss_function=partial(add_bound_stats, stats=stats, token_counts=token_counts))
+            self.engine.infer_batch(
+                probe, loss_function=partial(add_bound_stats, stats=stats, token_counts=token_counts)
+            )
         return stats.solve(process_group=dp_group), sum(token_counts)
 
 
@@ -151,7 +160,8 @@ def install() -> None:
     if current is not TrainingWorker:
         logger.warning(
             "bapo: ActorRolloutRefWorker.actor_worker_cls is %s, not verl's TrainingWorker; "
-            "leaving it, so BAPO bounds are searched per micro-batch", current.__qualname__
+            "leaving it, so BAPO bounds are searched per micro-batch",
+            current.__qualname__,
         )
         return
     ActorRolloutRefWorker.actor_worker_cls = BAPOTrainingWorker
