@@ -8,6 +8,8 @@ One update = one rollout step: sample G responses per prompt with the current po
 push the batch into a FIFO of k+1 batches and train on the oldest one (generated k updates ago),
 with one optimizer step of `bapo.core.policy_loss`. Everything `bapo.train` adds (micro-batches,
 partial rollout, replay, KL, checkpoints, logging) is left out; the algorithm is the same.
+The task is the demo's (bapo.demo.task), used as `bapo demo` uses it: its training rows, its verifier
+(reward 1 when every "7+5=12" line is true and the last hits the target) and its response budget.
 The first run trains and caches the demo's warm start (~100 s on 2 CPU cores).
 """
 
@@ -33,7 +35,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--updates", type=int, default=40, help="optimizer updates (= rollout steps)")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per rollout batch")
     parser.add_argument("--group-size", type=int, default=8, help="G: responses per prompt")
-    parser.add_argument("--max-new-tokens", type=int, default=32)
+    parser.add_argument("--max-new-tokens", type=int, default=TaskConfig().max_new_tokens, help="the task's budget")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--lr", type=float, default=2e-4)
     parser.add_argument("--target", type=float, default=0.5, help="bapo: positive share rho0 the bounds aim for")
@@ -107,12 +109,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     """Train and print one line of metrics per update; returns those lines as dicts."""
     args = parse_args(argv)
     torch.manual_seed(args.seed)  # prompt choice and sampling
-    model_dir = args.model or warm_start(WarmStartConfig())
+    demo = WarmStartConfig()  # the demo's task, tiny model and SFT settings
+    model_dir = args.model or warm_start(demo)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     tokenizer.padding_side = "left"  # generate appends after the last column
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    train_rows, _ = make_split(TaskConfig())
+    train_rows, _ = make_split(demo.task)  # the demo's {"prompt", "answer"} rows; held-out rows are not trained on
     # bapo's bounds are searched on each update's own batch; fixed-bound losses take their defaults
     loss_params = {"bapo": BAPOConfig(target=args.target)} if args.method == "bapo" else {}
 
