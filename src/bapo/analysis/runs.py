@@ -1,6 +1,8 @@
 """Reading finished runs back: metrics.jsonl rows, what each run was, its final evaluation.
 
-A run directory holds `metrics.jsonl` (one JSON object per update, written by bapo.train);
+A run directory holds `metrics.jsonl` (one JSON object per optimizer update, written by bapo.train,
+with "update" and "rollout_step"; files written before "step" was renamed "update" are read the
+same way by `bapo.train.read_metrics`);
 held-out scores are rows' `heldout/avg@k`, `heldout/pass@k` (the demo's hook writes them; the
 last row that has them is the final policy's). The demo adds `demo_run.json`
 ({"method", "setting", "seed"}).
@@ -37,15 +39,15 @@ class Run:
     seed: int
     rows: list[dict] = field(default_factory=list)  # metrics.jsonl, in order
 
-    def series(self, key: str, x: str = "step") -> tuple[list[float], list[float]]:
-        """(x values, values) of every row that has a finite `key`; x "step" is the optimizer
-        update, "rollout_step" the rollout step (rows of one rollout step share it)."""
-        pts = [
-            (r.get(x, i), r[key])
-            for i, r in enumerate(self.rows)
-            if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+    def series(self, key: str, x: str = "update") -> tuple[list[float], list[float]]:
+        """(x values, values) of every row that has a finite `key`; x "update" is the number of
+        optimizer updates done, "rollout_step" the rollout step (rows of one rollout step share it)."""
+        points = [
+            (row.get(x, index), row[key])
+            for index, row in enumerate(self.rows)
+            if isinstance(row.get(key), (int, float)) and math.isfinite(row[key])
         ]
-        return [p[0] for p in pts], [p[1] for p in pts]
+        return [point[0] for point in points], [point[1] for point in points]
 
     def values(self, key: str) -> list[float]:
         return self.series(key)[1]

@@ -62,14 +62,14 @@ class RunSpec:
 @dataclass(frozen=True)
 class DemoPlan:
     """What a demo profile runs. Sizes were chosen so that on-policy GRPO improves held-out
-    accuracy on the built-in task within `steps` rollout steps (measured, see the README)."""
+    accuracy on the built-in task within `rollout_steps` rollout steps (measured, see the README)."""
 
     methods: tuple[str, ...] = CLIPPED_SURROGATES
     staleness_e: tuple[int, ...] = (0, 2, 4)  # the paper's E: E+1 updates per rollout batch
     async_delays: tuple[int, ...] = ()  # FIFO delays k (at E=0), the second axis
     partial_rollout: bool = False  # at E=0
     seeds: tuple[int, ...] = (0, 1, 2)
-    steps: int = 30  # rollout steps per run (optimizer updates = steps x (E+1))
+    rollout_steps: int = 30  # per run (optimizer updates = rollout_steps x (E+1))
     prompts_per_batch: int = 15  # 15 x 8 = 120 responses: divisible by E+1 = 1, 2, 3, 4, 5, 6, 8
     group_size: int = 8
     segment_tokens: int = 8  # partial rollout: new tokens per generation pass
@@ -104,7 +104,7 @@ class DemoPlan:
 
 PROFILES = {
     "quick": DemoPlan(
-        methods=("grpo", "bapo"), staleness_e=(0, 4), steps=20, lab="quick", eval_every=20, eval_prompts=32
+        methods=("grpo", "bapo"), staleness_e=(0, 4), rollout_steps=20, lab="quick", eval_every=20, eval_prompts=32
     ),
     "default": DemoPlan(),
     "full": DemoPlan(
@@ -113,7 +113,7 @@ PROFILES = {
         async_delays=(4,),
         partial_rollout=True,
         seeds=(0, 1, 2, 3, 4),
-        steps=40,
+        rollout_steps=40,
     ),
 }
 
@@ -139,7 +139,7 @@ def train_config(plan: DemoPlan, spec: RunSpec, model_path: Path, data_path: Pat
         "optim.lr": plan.lr,
         "optim.micro_batch_size": plan.prompts_per_batch * plan.group_size,
         "run.output_dir": str(run_dir),
-        "run.steps": plan.steps,
+        "run.rollout_steps": plan.rollout_steps,
         "run.seed": spec.seed,
         "run.checkpoint_every": 0,
         "run.keep_checkpoints": 1,
@@ -161,28 +161,28 @@ class HeldOutHook:
     def __init__(self, plan: DemoPlan, heldout: list[dict], updates_per_batch: int, start: dict):
         self.plan, self.heldout, self.per_batch, self.start = plan, heldout, updates_per_batch, start
 
-    def __call__(self, updates_done: int, model, tokenizer) -> dict[str, float]:
+    def __call__(self, update: int, model, tokenizer) -> dict[str, float]:
         from bapo.analysis.evaluate import evaluate
         from bapo.demo.task import verify
 
-        p, out = self.plan, {}
-        rollout_steps = updates_done // self.per_batch
-        if rollout_steps == 1:
+        plan, out = self.plan, {}
+        rollout_steps_done = update // self.per_batch  # update: optimizer updates done
+        if rollout_steps_done == 1:
             out.update({f"heldout/start/{k}": v for k, v in self.start.items() if "@" in k})
-        if rollout_steps % p.eval_every == 0 and rollout_steps < p.steps:
+        if rollout_steps_done % plan.eval_every == 0 and rollout_steps_done < plan.rollout_steps:
             scores = evaluate(
                 model,
                 tokenizer,
-                self.heldout[: p.eval_prompts],
+                self.heldout[: plan.eval_prompts],
                 verify,
-                k=p.eval_k_during,
-                max_new_tokens=p.max_new_tokens,
+                k=plan.eval_k_during,
+                max_new_tokens=plan.max_new_tokens,
             )
-            out["heldout/accuracy"] = scores[f"avg@{p.eval_k_during}"]
-        if rollout_steps == p.steps:
-            final = evaluate(model, tokenizer, self.heldout, verify, k=p.final_k, max_new_tokens=p.max_new_tokens)
+            out["heldout/accuracy"] = scores[f"avg@{plan.eval_k_during}"]
+        if rollout_steps_done == plan.rollout_steps:
+            final = evaluate(model, tokenizer, self.heldout, verify, k=plan.final_k, max_new_tokens=plan.max_new_tokens)
             out.update({f"heldout/{k}": v for k, v in final.items() if "@" in k})
-            out["heldout/accuracy"] = final[f"avg@{p.final_k}"]
+            out["heldout/accuracy"] = final[f"avg@{plan.final_k}"]
         return out
 
 
@@ -391,7 +391,7 @@ def _report_header(
         f"Policy: Llama {m.layers} layers x {m.hidden_size} hidden, warm-started by "
         f"{plan.warmstart.sft.steps} SFT steps on demonstrations that try the attempts in a "
         f"random order (SFT took {info['sft_seconds']} s when it was trained; cached since).",
-        f"RL: {plan.steps} rollout steps per run, {plan.prompts_per_batch} prompts x "
+        f"RL: {plan.rollout_steps} rollout steps per run, {plan.prompts_per_batch} prompts x "
         f"{plan.group_size} samples at temperature 1.0, lr {plan.lr}; methods "
         f"{', '.join(plan.methods)}; staleness E (E+1 optimizer updates per rollout batch) "
         f"{', '.join(map(str, plan.staleness_e))}"

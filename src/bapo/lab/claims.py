@@ -10,9 +10,9 @@ Quantities (all per seed):
   reward       exact expected reward (closed form)
   at matched reward: after the first update whose exact reward reaches MATCHED_REWARD (a seed that
     never reaches it is left out, so `seeds` can be below the run's count);
-  at equal samples: after the last update (every cell saw `steps` rollout batches);
-  at equal updates: after update `steps` (the last update of E = 0; E > 0 cells have then seen
-    steps / (E + 1) batches).
+  at equal samples: after the last update (every cell saw `rollout_steps` rollout batches);
+  at equal updates: after update `rollout_steps` (the last update of E = 0; E > 0 cells have then seen
+    rollout_steps / (E + 1) batches).
   mean reward: the exact reward after each rollout step, averaged over the run (learning speed).
   reward drawdown: sum of the falls of the exact reward between consecutive points
     (rollout steps at equal samples, updates at equal updates): how much learning was undone.
@@ -65,9 +65,9 @@ def _pearson(x: Tensor, y: Tensor) -> Tensor:
 
 
 class _Runs:
-    def __init__(self, runs: list[CellRun], steps: int):
+    def __init__(self, runs: list[CellRun], rollout_steps: int):
         self.by_name = {r.cell.name: r for r in runs}
-        self.steps = steps
+        self.rollout_steps = rollout_steps
 
     def get(self, method: str, staleness: int = 0, delay: int = 0) -> CellRun | None:
         return self.by_name.get(Cell(method, staleness, delay).name)
@@ -87,22 +87,22 @@ class _Runs:
         return torch.where(reached.any(1), entropy.gather(1, first).squeeze(1), missing)
 
     def per_step(self, run: CellRun, key: str) -> Tensor:
-        """exact/<key> at the start and after each rollout step's last update: [S, steps + 1]."""
+        """exact/<key> at the start and after each rollout step's last update: [S, rollout_steps + 1]."""
         per_update = run.updates[f"exact/{key}"]
-        every = per_update.shape[1] // self.steps
+        every = per_update.shape[1] // self.rollout_steps
         return torch.cat([run.start[key][:, None], per_update[:, every - 1 :: every]], 1)
 
 
 def judge_claims(
     runs: list[CellRun],
-    steps: int,
+    rollout_steps: int,
     staleness: tuple[int, ...],
     delays: tuple[int, ...],
     claim2_staleness: tuple[int, ...],
 ) -> list[Claim]:
     """Every claim whose cells are present and that at least 2 seeds measure, in the order of the
     paper's claims 1-4, then the check of the entropy-change diagnostic."""
-    R = _Runs(runs, steps)
+    cells = _Runs(runs, rollout_steps)
     claims: list[Claim] = []
 
     def add(id: str, text: str, setting: str, effects: Tensor, detail: str) -> None:
@@ -114,12 +114,12 @@ def judge_claims(
         claims.append(Claim.from_effects(id, text, setting, rounded.tolist(), detail))
 
     # 1. growing staleness E: GRPO's entropy falls faster; reward / grad norm less stable
-    base = R.get("grpo", 0)
+    base = cells.get("grpo", 0)
     for e in staleness:
-        stale = R.get("grpo", e)
+        stale = cells.get("grpo", e)
         if base is None or stale is None or e == 0:
             continue
-        a, b = R.end(base, "entropy"), R.end(stale, "entropy")
+        a, b = cells.end(base, "entropy"), cells.end(stale, "entropy")
         add(
             f"1-entropy-E{e}-samples",
             "GRPO entropy falls faster as staleness E grows",
@@ -127,7 +127,7 @@ def judge_claims(
             a - b,
             f"H(E=0) {_fmt(a)} vs H(E={e}) {_fmt(b)}",
         )
-        a, b = R.at_reward(base), R.at_reward(stale)
+        a, b = cells.at_reward(base), cells.at_reward(stale)
         add(
             f"1-entropy-E{e}-at-reward",
             "GRPO entropy falls faster as staleness E grows",
@@ -135,18 +135,18 @@ def judge_claims(
             a - b,
             f"H(E=0) {_fmt(a)} vs H(E={e}) {_fmt(b)}",
         )
-        a, b = R.at_update(base, "entropy", steps), R.at_update(stale, "entropy", steps)
+        a, b = cells.at_update(base, "entropy", rollout_steps), cells.at_update(stale, "entropy", rollout_steps)
         add(
             f"1-entropy-E{e}-updates",
             "GRPO entropy falls faster as staleness E grows",
-            f"equal updates ({steps}), E=0 vs E={e}",
+            f"equal updates ({rollout_steps}), E=0 vs E={e}",
             a - b,
             f"H(E=0) {_fmt(a)} vs H(E={e}) {_fmt(b)}",
         )
-    top = max((e for e in staleness if R.get("grpo", e) is not None and e > 0), default=None)
+    top = max((e for e in staleness if cells.get("grpo", e) is not None and e > 0), default=None)
     if base is not None and top is not None:
-        stale = R.get("grpo", top)
-        a, b = _drawdown(R.per_step(base, "reward")), _drawdown(R.per_step(stale, "reward"))
+        stale = cells.get("grpo", top)
+        a, b = _drawdown(cells.per_step(base, "reward")), _drawdown(cells.per_step(stale, "reward"))
         add(
             f"1-reward-unstable-E{top}-samples",
             "GRPO reward less stable as E grows (reward drawdown)",
@@ -155,11 +155,11 @@ def judge_claims(
             f"drawdown E=0 {_fmt(a)} vs E={top} {_fmt(b)}",
         )
         a = _drawdown(base.updates["exact/reward"])
-        b = _drawdown(stale.updates["exact/reward"][:, :steps])
+        b = _drawdown(stale.updates["exact/reward"][:, :rollout_steps])
         add(
             f"1-reward-unstable-E{top}-updates",
             "GRPO reward less stable as E grows (reward drawdown)",
-            f"equal updates ({steps}), E=0 vs E={top}",
+            f"equal updates ({rollout_steps}), E=0 vs E={top}",
             b - a,
             f"drawdown E=0 {_fmt(a)} vs E={top} {_fmt(b)}",
         )
@@ -171,19 +171,19 @@ def judge_claims(
             b - a,
             f"CV E=0 {_fmt(a)} vs E={top} {_fmt(b)}",
         )
-        b = _cv(stale.updates["grad_norm"][:, :steps])
+        b = _cv(stale.updates["grad_norm"][:, :rollout_steps])
         add(
             f"1-gradnorm-unstable-E{top}-updates",
             "GRPO grad norm less stable as E grows (CV over updates)",
-            f"equal updates ({steps}), E=0 vs E={top}",
+            f"equal updates ({rollout_steps}), E=0 vs E={top}",
             b - a,
             f"CV E=0 {_fmt(a)} vs E={top} {_fmt(b)}",
         )
-    for k in delays:  # the second axis: async delay (each batch trained once, k rollout steps late)
-        late = R.get("grpo", 0, k)
+    for k in delays:  # the second axis: async delay (each batch trained once, k rollout rollout_steps late)
+        late = cells.get("grpo", 0, k)
         if base is None or late is None:
             continue
-        a, b = R.end(base, "entropy"), R.end(late, "entropy")
+        a, b = cells.end(base, "entropy"), cells.end(late, "entropy")
         add(
             f"1-entropy-delay{k}",
             "GRPO entropy falls faster with an async delay",
@@ -194,12 +194,12 @@ def judge_claims(
 
     # 2. raising c_high slows the entropy fall; lowering c_low speeds it
     for e in claim2_staleness:
-        grpo, high, low = R.get("grpo", e), R.get("grpo-c_high=2.0", e), R.get("grpo-c_low=0.6", e)
+        grpo, high, low = cells.get("grpo", e), cells.get("grpo-c_high=2.0", e), cells.get("grpo-c_low=0.6", e)
         if grpo is None:
             continue
-        g = R.end(grpo, "entropy")
+        g = cells.end(grpo, "entropy")
         if high is not None:
-            h = R.end(high, "entropy")
+            h = cells.end(high, "entropy")
             add(
                 f"2-c_high-E{e}",
                 "raising c_high slows the entropy fall",
@@ -207,7 +207,7 @@ def judge_claims(
                 h - g,
                 f"H(c_high 2.0) {_fmt(h)} vs H(1.2) {_fmt(g)}",
             )
-            h, g2 = R.at_reward(high), R.at_reward(grpo)
+            h, g2 = cells.at_reward(high), cells.at_reward(grpo)
             add(
                 f"2-c_high-E{e}-at-reward",
                 "raising c_high slows the entropy fall",
@@ -216,7 +216,7 @@ def judge_claims(
                 f"H(c_high 2.0) {_fmt(h)} vs H(1.2) {_fmt(g2)}",
             )
         if low is not None:
-            lo = R.end(low, "entropy")
+            lo = cells.end(low, "entropy")
             add(
                 f"2-c_low-E{e}",
                 "lowering c_low speeds the entropy fall",
@@ -224,7 +224,7 @@ def judge_claims(
                 g - lo,
                 f"H(c_low 0.8) {_fmt(g)} vs H(0.6) {_fmt(lo)}",
             )
-            lo, g2 = R.at_reward(low), R.at_reward(grpo)
+            lo, g2 = cells.at_reward(low), cells.at_reward(grpo)
             add(
                 f"2-c_low-E{e}-at-reward",
                 "lowering c_low speeds the entropy fall",
@@ -249,7 +249,7 @@ def judge_claims(
     settings = [(e, 0) for e in staleness] + [(0, k) for k in delays]
     for variant, tag in (("bapo", ""), ("bapo-entropy", "-adaptive")):
         for e, k in settings:
-            grpo, bapo = R.get("grpo", e, k), R.get(variant, e, k)
+            grpo, bapo = cells.get("grpo", e, k), cells.get(variant, e, k)
             if grpo is None or bapo is None:
                 continue
             where = f"E={e}" + (f" delay={k}" if k else "")
@@ -267,7 +267,7 @@ def judge_claims(
                     f"share BAPO {_fmt(sb.nanmean(1))} vs GRPO {_fmt(sg.nanmean(1))}; "
                     f"target reached in {_fmt(reached)} of updates with signal",
                 )
-            a, b = R.end(bapo, "entropy"), R.end(grpo, "entropy")
+            a, b = cells.end(bapo, "entropy"), cells.end(grpo, "entropy")
             add(
                 f"4-entropy-{key}",
                 f"{name} keeps more entropy than GRPO",
@@ -276,7 +276,7 @@ def judge_claims(
                 f"{name} {_fmt(a)} vs GRPO {_fmt(b)}",
             )
             if e or k or tag:  # at E=0 without delay, fixed-target BAPO and GRPO are the same run
-                a, b = R.at_reward(bapo), R.at_reward(grpo)
+                a, b = cells.at_reward(bapo), cells.at_reward(grpo)
                 add(
                     f"4-entropy-at-reward-{key}",
                     f"{name} keeps more entropy than GRPO",
@@ -286,16 +286,16 @@ def judge_claims(
                 )
             # Mean over the run, not the end: off-policy cells reach the reward ceiling (~0.999)
             # before the end, where an end value can no longer tell two methods apart.
-            a, b = R.per_step(bapo, "reward")[:, 1:].mean(1), R.per_step(grpo, "reward")[:, 1:].mean(1)
+            a, b = cells.per_step(bapo, "reward")[:, 1:].mean(1), cells.per_step(grpo, "reward")[:, 1:].mean(1)
             add(
                 f"4-reward-{key}",
                 f"{name} learns faster than GRPO (mean reward over the run)",
                 where + ", equal samples",
                 a - b,
                 f"{name} {_fmt(a)} vs GRPO {_fmt(b)}; at the end "
-                f"{_fmt(R.end(bapo, 'reward'))} vs GRPO {_fmt(R.end(grpo, 'reward'))}",
+                f"{_fmt(cells.end(bapo, 'reward'))} vs GRPO {_fmt(cells.end(grpo, 'reward'))}",
             )
-            fixed = R.get("bapo", e, k)
+            fixed = cells.get("bapo", e, k)
             if tag and fixed is not None and "bapo/set_point" in bapo.updates:
                 # Tracking: |batch entropy - set point| over the second half of the updates, the
                 # adaptive run against fixed-target BAPO measured from the same set point.

@@ -131,7 +131,7 @@ def write_report(out: Path, runs: list[CellRun], claims: list[Claim], plan, info
         f"Regime: {task.prompts} prompts x {cfg.group_size} responses per rollout batch, vocabulary "
         f"{task.vocab}, budget {task.budget} guesses (a response stops at the first correct guess), start "
         f"answer probability {task.answer_prob[0]}-{task.answer_prob[1]} per state, SGD lr {cfg.lr} on the "
-        f"logits, {cfg.steps} rollout batches per cell, {cfg.seeds} seeds (paired: the same task instance "
+        f"logits, {cfg.rollout_steps} rollout batches per cell, {cfg.seeds} seeds (paired: the same task instance "
         f"and draws per seed in every cell). Start policy: reward {reward0:.3f}, entropy {entropy0:.3f} "
         "nats/token."
     )

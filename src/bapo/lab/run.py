@@ -80,8 +80,8 @@ class Cell:
 class LabConfig:
     """The regime (see README "mechanism lab" for why these values).
 
-    lr: SGD step on the logits; group_size: G responses per prompt; steps: rollout steps per cell
-    (equal samples in every cell; updates = steps * (E + 1)); seeds: how many; share_methods:
+    lr: SGD step on the logits; group_size: G responses per prompt; rollout_steps: per cell
+    (equal samples in every cell; updates = rollout_steps * (E + 1)); seeds: how many; share_methods:
     methods whose per-seed positive share is recorded at every update (BAPO's comes from its
     search); check_cells: cells whose full per-seed `clip_diagnostics` (entropy-change estimate,
     clip fractions) are recorded at every update. Both cost one host sync per seed and update.
@@ -90,7 +90,7 @@ class LabConfig:
     task: GuessTask = field(default_factory=GuessTask)
     lr: float = 100.0
     group_size: int = 12
-    steps: int = 24
+    rollout_steps: int = 24
     seeds: int = 20
     first_seed: int = 0
     share_methods: tuple[str, ...] = ("grpo", "bapo")
@@ -108,7 +108,7 @@ class LabConfig:
                     "max_new_tokens": self.task.budget,
                 },
                 "offpolicy": {"staleness": cell.delay, "mini_batches": cell.staleness + 1},
-                "run": {"steps": self.steps, "seed": seed, "progress": False},
+                "run": {"rollout_steps": self.rollout_steps, "seed": seed, "progress": False},
             }
         )
 
@@ -248,7 +248,7 @@ def _update(
 
 
 def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
-    """Train every seed of `cell` for cfg.steps rollout steps; deterministic per seed."""
+    """Train every seed of `cell` for cfg.rollout_steps rollout steps; deterministic per seed."""
     if cell.method not in METHODS:
         raise ValueError(f"method: {cell.method!r} is not one of {sorted(METHODS)}")
     seeds = list(range(cfg.first_seed, cfg.first_seed + cfg.seeds))
@@ -271,10 +271,10 @@ def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
     # The adaptive target: one controller per seed, fed the entropy of each update (as a trainer would).
     adaptive = method == "bapo" and getattr(params.get("bapo"), "target_mode", "fixed") == "entropy"
     controllers = [EntropyTargetController(params["bapo"]) for _ in seeds] if adaptive else []
-    for step in range(cfg.steps):
+    for rollout_step in range(cfg.rollout_steps):
         buffer.push(_rollout(logits, answers, cfg, generators, version))
-        batch: Rollouts = buffer.pop(step)
-        schedules = [minibatch_order(rows_per_batch, cell.staleness + 1, 1, s, step) for s in seeds]
+        batch: Rollouts = buffer.pop(rollout_step)
+        schedules = [minibatch_order(rows_per_batch, cell.staleness + 1, 1, seed, rollout_step) for seed in seeds]
         for update in range(cell.staleness + 1):
             rows = torch.stack([schedule[update][1] for schedule in schedules])
             configs = [c.search_config() for c in controllers] or None
