@@ -179,7 +179,7 @@ def judge_claims(
             b - a,
             f"CV E=0 {_fmt(a)} vs E={top} {_fmt(b)}",
         )
-    for k in delays:  # the second axis: async delay (each batch trained once, k rollout rollout_steps late)
+    for k in delays:  # the second axis: async delay (each batch trained once, k rollout steps late)
         late = cells.get("grpo", 0, k)
         if base is None or late is None:
             continue
