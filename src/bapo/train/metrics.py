@@ -32,7 +32,7 @@ def _json_value(value):
 
 
 def _row_line(row: dict) -> str:
-    return json.dumps({k: _json_value(v) for k, v in row.items()}) + "\n"
+    return json.dumps({key: _json_value(value) for key, value in row.items()}) + "\n"
 
 
 def _upgrade_row(row: dict) -> dict:
@@ -103,7 +103,7 @@ class MetricsLog:
     def write(self, row: dict) -> None:
         self.file.write(_row_line(row))
         self.file.flush()
-        scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "update"}
+        scalars = {key: value for key, value in row.items() if isinstance(value, (int, float)) and key != "update"}
         if self.writer is not None:
             for key, value in scalars.items():
                 self.writer.add_scalar(key, value, row["update"])
