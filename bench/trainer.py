@@ -87,7 +87,7 @@ def bench_bapo(model_dir: Path, rows: list[dict], options, workdir: Path, method
             "optim": {"lr": LEARNING_RATE, "micro_batch_size": options.micro_batch, "max_grad_norm": 1.0},
             "run": {
                 "output_dir": str(workdir / "bapo"),
-                "steps": options.rollouts + 1,
+                "rollout_steps": options.rollouts + 1,
                 "progress": False,
                 "tensorboard": "off",
                 "checkpoint_every": 0,

@@ -69,6 +69,12 @@ def make_config(tiny_model: str, run_dir, **sections):
         "model": {"path": tiny_model, "device": "cpu"},
         "rollout": {"prompts_per_batch": 4, "group_size": 4, "max_new_tokens": 8, "temperature": 1.0},
         "optim": {"lr": 1e-3, "micro_batch_size": 16},
-        "run": {"output_dir": str(run_dir), "steps": 3, "checkpoint_every": 0, "progress": False, "tensorboard": "off"},
+        "run": {
+            "output_dir": str(run_dir),
+            "rollout_steps": 3,
+            "checkpoint_every": 0,
+            "progress": False,
+            "tensorboard": "off",
+        },
     }
     return config_from_dict(base, [f"{k}={v}" for k, v in sections.items()])

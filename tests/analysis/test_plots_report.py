@@ -9,7 +9,9 @@ from bapo.analysis.run_claims import run_claims
 from bapo.analysis.runs import Run, find_runs, group_runs, setting_name
 from bapo.cli.main import app
 
-RECORDED = Path(__file__).parent / "fixtures" / "recorded"  # a few updates of real demo runs (metrics.jsonl as written)
+# a few updates of real demo runs (metrics.jsonl as written, before "step" was renamed "update":
+# the plot and compare tests below are also the tests that old runs stay readable)
+RECORDED = Path(__file__).parent / "fixtures" / "recorded"
 
 
 def test_recorded_runs_load_with_identity():
@@ -18,6 +20,15 @@ def test_recorded_runs_load_with_identity():
     assert list(groups) == ["E=0", "E=0, async delay 4"]
     assert set(groups["E=0, async delay 4"]) == {"grpo", "bapo"}
     assert all(r.rows and r.final.get("k") == 8 for r in runs)
+
+
+def test_old_runs_written_with_step_read_as_update():
+    """The recorded rows carry the legacy "step"; the reader gives every row "update" instead."""
+    assert '"step": 1,' in next(RECORDED.glob("*/metrics.jsonl")).read_text()
+    for run in find_runs([RECORDED]):
+        assert all("update" in row and "step" not in row for row in run.rows)
+        updates, _ = run.series("entropy")
+        assert updates == list(range(1, len(run.rows) + 1))
 
 
 def test_bapo_plot_writes_every_figure(tmp_path):
@@ -49,7 +60,7 @@ def test_bapo_compare_prints_each_run():
 def test_setting_is_read_from_a_plain_bapo_train_config(tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "metrics.jsonl").write_text('{"step": 1, "entropy": 0.5}\n')
+    (run_dir / "metrics.jsonl").write_text('{"update": 1, "entropy": 0.5}\n')
     (run_dir / "config.yaml").write_text(
         "loss: {method: bapo}\noffpolicy: {mini_batches: 3, staleness: 2}\nrun: {seed: 4}\n"
     )
@@ -61,7 +72,7 @@ def test_setting_is_read_from_a_plain_bapo_train_config(tmp_path):
 def _fake_run(method, e, entropy, accuracy, seed=0, share=0.4, start_entropy=0.6):
     rows = [
         {
-            "step": i + 1,
+            "update": i + 1,
             "rollout_step": i,
             "entropy": start_entropy if i == 0 else entropy,
             "reward/mean": 0.5,

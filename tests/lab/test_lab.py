@@ -28,7 +28,7 @@ from bapo.train.config import ConfigError
 TINY = LabConfig(
     task=GuessTask(prompts=3, vocab=6, budget=4, answer_prob=(0.05, 0.2)),
     group_size=4,
-    steps=3,
+    rollout_steps=3,
     seeds=3,
     lr=100.0,
     check_cells=("grpo E=2",),
@@ -141,7 +141,7 @@ def test_staleness_E_runs_E_plus_1_updates_on_each_batch():
 
 
 def test_async_delay_trains_each_batch_once_k_steps_late():
-    run = run_cell(Cell("grpo", delay=2), LabConfig(**{**TINY.__dict__, "steps": 5}))
+    run = run_cell(Cell("grpo", delay=2), LabConfig(**{**TINY.__dict__, "rollout_steps": 5}))
     # warm-up: the first 2 batches come from the start policy (version 0), as in Trainer.fit
     assert run.versions == [0, 0, 0, 1, 2]
     assert run.updates["staleness/mean"][0].tolist() == [0, 1, 2, 2, 2]
@@ -178,7 +178,7 @@ def test_bad_cells_fail_with_the_field():
 
 def _claims(config: LabConfig, cells: list[Cell]):
     runs = [run_cell(c, config) for c in cells]
-    return {c.id: c for c in judge_claims(runs, config.steps, (0, 2), (), ())}
+    return {c.id: c for c in judge_claims(runs, config.rollout_steps, (0, 2), (), ())}
 
 
 def test_claims_come_from_the_runs():

@@ -81,14 +81,14 @@ def test_train_resume_eval_on_the_real_model(smollm2_dir, tmp_path):
         f"model.path={smollm2_dir}",
         f"data.path={DATA}",
         f"run.output_dir={run}",
-        "run.steps=2",
+        "run.rollout_steps=2",
         "loss.zero_variance=drop",
         *SMALL,
     ]
     result = runner.invoke(app, args)
     assert result.exit_code == 0, result.output
     rows = read_metrics(run)
-    assert [r["step"] for r in rows] == [1, 2]
+    assert [r["update"] for r in rows] == [1, 2]
     expected = {
         "reward/mean",
         "accuracy",
@@ -115,10 +115,10 @@ def test_train_resume_eval_on_the_real_model(smollm2_dir, tmp_path):
     assert all(line.startswith(("update ", "warm-up ")) for line in result.stdout.splitlines()[:-1] if line)
 
     # --resume continues the version count from the checkpoint
-    result = runner.invoke(app, ["train", "--resume", str(run), "run.steps=3"])
+    result = runner.invoke(app, ["train", "--resume", str(run), "run.rollout_steps=3"])
     assert result.exit_code == 0, result.output
     rows = read_metrics(run)
-    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert [r["update"] for r in rows] == [1, 2, 3]
     assert rows[-1]["rollout_step"] == 2
     if not rows[-1].get("empty_batch"):
         # the resumed update 3 trains the batch sampled by version 1 (rollout step 1), one update old

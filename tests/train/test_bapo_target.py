@@ -23,7 +23,7 @@ def test_resume_is_exact_with_the_entropy_controller(tiny_model, tmp_path):
 
 
 def test_target_is_logged_every_update_and_moves_after_the_hold(tiny_model, tmp_path):
-    cfg = make_config(tiny_model, tmp_path / "run", **{"run.steps": 6, **ENTROPY_TARGET})
+    cfg = make_config(tiny_model, tmp_path / "run", **{"run.rollout_steps": 6, **ENTROPY_TARGET})
     rows = read_metrics(train(cfg, examples=arithmetic_examples(), verifier=digit_share))
     targets = [row["bapo/target"] for row in rows]
     assert len(targets) == 6 and targets[:3] == [0.4] * 3  # held: 2 updates measured, applied from the 3rd on

@@ -24,7 +24,9 @@ DATA = {"examples": arithmetic_examples(), "verifier": digit_share}
 def finished_run(tiny_model, tmp_path_factory):
     """A 2-step run with a checkpoint after each step, optimizer state in both."""
     run_dir = tmp_path_factory.mktemp("finished") / "run"
-    cfg = make_config(tiny_model, run_dir, **{"run.steps": 2, "run.checkpoint_every": 1, "run.save_optimizer": "all"})
+    cfg = make_config(
+        tiny_model, run_dir, **{"run.rollout_steps": 2, "run.checkpoint_every": 1, "run.save_optimizer": "all"}
+    )
     train(cfg, **DATA)
     return cfg, run_dir
 
@@ -108,7 +110,7 @@ def test_disk_full_names_the_last_good_checkpoint_and_keeps_it(tiny_model, tmp_p
         return real_save(obj, path, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint.torch, "save", save_until_disk_full)
-    cfg = make_config(tiny_model, tmp_path / "run", **{"run.steps": 3, "run.checkpoint_every": 1})
+    cfg = make_config(tiny_model, tmp_path / "run", **{"run.rollout_steps": 3, "run.checkpoint_every": 1})
     with pytest.raises(
         TrainingStopped,
         match="no space left on device while writing checkpoint 2 .*the last good checkpoint is step_000001",
@@ -121,12 +123,12 @@ def test_disk_full_names_the_last_good_checkpoint_and_keeps_it(tiny_model, tmp_p
 
 
 def test_kill_during_first_save_then_resume_starts_over(tiny_model, tmp_path):
-    cfg = make_config(tiny_model, tmp_path / "run", **{"run.steps": 2})
+    cfg = make_config(tiny_model, tmp_path / "run", **{"run.rollout_steps": 2})
     run_dir = tmp_path / "run"
     # what a kill inside the first save leaves: config, metrics rows, a half-written temporary
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
-    (run_dir / "metrics.jsonl").write_text('{"step": 1}\n')
+    (run_dir / "metrics.jsonl").write_text('{"update": 1}\n')
     (run_dir / "checkpoints" / ".tmp_step_000002_999" / "model").mkdir(parents=True)
     with pytest.raises(ConfigError, match="already holds a run"):  # a fresh start refuses ...
         Trainer(cfg, **DATA)
@@ -139,12 +141,12 @@ def test_kill_during_first_save_then_resume_starts_over(tiny_model, tmp_path):
 def test_rerun_over_metrics_without_checkpoint_needs_overwrite(tiny_model, tmp_path):
     run_dir = tmp_path / "run"
     run_dir.mkdir()
-    (run_dir / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n')
-    cfg = make_config(tiny_model, run_dir, **{"run.steps": 1})
+    (run_dir / "metrics.jsonl").write_text('{"update": 1, "reward/mean": 0.5}\n')
+    cfg = make_config(tiny_model, run_dir, **{"run.rollout_steps": 1})
     with pytest.raises(ConfigError, match="already holds a run"):
         Trainer(cfg, **DATA)
-    assert (run_dir / "metrics.jsonl").read_text() == '{"step": 1, "reward/mean": 0.5}\n'
-    Trainer(make_config(tiny_model, run_dir, **{"run.steps": 1, "run.overwrite": True}), **DATA).close()
+    assert (run_dir / "metrics.jsonl").read_text() == '{"update": 1, "reward/mean": 0.5}\n'
+    Trainer(make_config(tiny_model, run_dir, **{"run.rollout_steps": 1, "run.overwrite": True}), **DATA).close()
 
 
 def test_deleted_metrics_warn_on_resume(run_copy):
@@ -170,7 +172,7 @@ def test_resume_refuses_overrides_that_change_the_run(run_copy, field, value):
     changed = make_config(
         cfg.model.path,
         run_dir,
-        **{"run.steps": 2, "run.checkpoint_every": 1, "run.save_optimizer": "all", field: value},
+        **{"run.rollout_steps": 2, "run.checkpoint_every": 1, "run.save_optimizer": "all", field: value},
     )
     with pytest.raises(ConfigError, match=f"{field} was .* now"):
         resumed_version(changed, run_dir)
@@ -181,15 +183,15 @@ def test_resume_accepts_more_steps_and_records_them(run_copy):
     longer = make_config(
         cfg.model.path,
         run_dir,
-        **{"run.steps": 5, "run.checkpoint_every": 2, "run.save_optimizer": "all", "run.progress": True},
+        **{"run.rollout_steps": 5, "run.checkpoint_every": 2, "run.save_optimizer": "all", "run.progress": True},
     )
     assert resumed_version(longer, run_dir) == 2
-    assert "steps: 5" in (run_dir / "config.yaml").read_text()
+    assert "rollout_steps: 5" in (run_dir / "config.yaml").read_text()
 
 
 def test_save_optimizer_latest_keeps_it_only_in_the_newest(tiny_model, tmp_path):
     cfg = make_config(
-        tiny_model, tmp_path / "run", **{"run.steps": 3, "run.checkpoint_every": 1, "run.keep_checkpoints": 3}
+        tiny_model, tmp_path / "run", **{"run.rollout_steps": 3, "run.checkpoint_every": 1, "run.keep_checkpoints": 3}
     )
     run_dir = train(cfg, **DATA)
     newest, *older = checkpoints(run_dir)
@@ -203,5 +205,5 @@ def test_save_optimizer_latest_keeps_it_only_in_the_newest(tiny_model, tmp_path)
 
 
 def test_save_optimizer_none_writes_no_optimizer(tiny_model, tmp_path):
-    cfg = make_config(tiny_model, tmp_path / "run", **{"run.steps": 1, "run.save_optimizer": "none"})
+    cfg = make_config(tiny_model, tmp_path / "run", **{"run.rollout_steps": 1, "run.save_optimizer": "none"})
     assert load_state(latest_checkpoint(train(cfg, **DATA)))["optimizer"] is None

@@ -17,7 +17,7 @@ def write_setup(tiny_model, tmp_path):
         "data": {"path": str(data)},
         "rollout": {"prompts_per_batch": 2, "group_size": 4, "max_new_tokens": 6},
         "reward": {"verifier": "format", "format_pattern": "[0-4]"},
-        "run": {"output_dir": str(tmp_path / "run"), "steps": 2, "progress": True, "tensorboard": "on"},
+        "run": {"output_dir": str(tmp_path / "run"), "rollout_steps": 2, "progress": True, "tensorboard": "on"},
     }
     path = tmp_path / "config.yaml"
     path.write_text(yaml.safe_dump(config))
@@ -30,12 +30,12 @@ def test_bapo_train_runs_then_resumes(tiny_model, tmp_path):
     result = runner.invoke(app, ["train", str(config), "loss.method=bapo", "offpolicy.staleness=1"])
     assert result.exit_code == 0, result.output
     rows = read_metrics(tmp_path / "run")
-    assert [r["step"] for r in rows] == [1, 2] and all("upper" in r for r in rows)
+    assert [r["update"] for r in rows] == [1, 2] and all("upper" in r for r in rows)
     assert list((tmp_path / "run" / "tensorboard").iterdir())
     # continue the same run for two more steps
-    result = runner.invoke(app, ["train", "--resume", str(tmp_path / "run"), "run.steps=4"])
+    result = runner.invoke(app, ["train", "--resume", str(tmp_path / "run"), "run.rollout_steps=4"])
     assert result.exit_code == 0, result.output
-    assert [r["step"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
+    assert [r["update"] for r in read_metrics(tmp_path / "run")] == [1, 2, 3, 4]
 
 
 def test_bapo_train_reports_config_errors(tiny_model, tmp_path):
@@ -50,12 +50,36 @@ def test_bapo_train_reports_config_errors(tiny_model, tmp_path):
 def test_a_partial_last_line_from_a_kill_is_skipped_on_read_and_resume(tmp_path):
     from bapo.train.metrics import MetricsLog
 
-    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": "nan"}\n{"step": 2, "loss": 0.25}\n{"step": 3, "lo')
-    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2]
-    log = MetricsLog(tmp_path, tensorboard="off", resume_step=2)
-    log.write({"step": 3, "loss": float("inf")})
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"update": 1, "loss": "nan"}\n{"update": 2, "loss": 0.25}\n{"update": 3, "lo'
+    )
+    assert [row["update"] for row in read_metrics(tmp_path)] == [1, 2]
+    log = MetricsLog(tmp_path, tensorboard="off", resume_update=2)
+    log.write({"update": 3, "loss": float("inf")})
     log.close()
-    assert read_metrics(tmp_path) == [{"step": 1, "loss": "nan"}, {"step": 2, "loss": 0.25}, {"step": 3, "loss": "inf"}]
+    assert read_metrics(tmp_path) == [
+        {"update": 1, "loss": "nan"},
+        {"update": 2, "loss": 0.25},
+        {"update": 3, "loss": "inf"},
+    ]
+
+
+def test_a_metrics_file_written_before_the_rename_reads_step_as_update(tmp_path):
+    """Old runs' rows carry "step" (optimizer updates done); the reader maps it to "update"."""
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "rollout_step": 0, "loss": 0.5}\n{"step": 2, "rollout_step": 0}\n'
+    )
+    rows = read_metrics(tmp_path)
+    assert rows == [{"update": 1, "rollout_step": 0, "loss": 0.5}, {"update": 2, "rollout_step": 0}]
+
+
+def test_the_old_run_steps_key_fails_naming_its_new_name():
+    from bapo.train.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"^run\.steps was renamed run\.rollout_steps") as err:
+        load_config(None, ["run.steps=3"])
+    assert "\n" not in str(err.value)
+    assert load_config(None, ["model.path=m", "run.rollout_steps=3"]).run.rollout_steps == 3
 
 
 # -- errors: one line naming the field, the file and line, and the fix; exit code 2 -------------

@@ -12,7 +12,9 @@ DATA = {"examples": arithmetic_examples(), "verifier": digit_share}
 
 
 def test_exploding_weights_stop_with_a_checkpoint(tiny_model, tmp_path):
-    cfg = make_config(tiny_model, tmp_path / "run", **{"optim.lr": 1e30, "optim.max_grad_norm": "null", "run.steps": 5})
+    cfg = make_config(
+        tiny_model, tmp_path / "run", **{"optim.lr": 1e30, "optim.max_grad_norm": "null", "run.rollout_steps": 5}
+    )
     with pytest.raises(TrainingStopped, match="a weight reached .* run.divergence.max_abs_weight=10000"):
         train(cfg, **DATA)
     assert latest_checkpoint(tmp_path / "run").name == "step_000001"
@@ -20,11 +22,11 @@ def test_exploding_weights_stop_with_a_checkpoint(tiny_model, tmp_path):
 
 
 def test_all_zero_variance_for_n_steps_stops(tiny_model, tmp_path):
-    cfg = make_config(tiny_model, tmp_path / "run", **{"run.steps": 6, "run.divergence.zero_variance_steps": 2})
+    cfg = make_config(tiny_model, tmp_path / "run", **{"run.rollout_steps": 6, "run.divergence.zero_variance_steps": 2})
     with pytest.raises(TrainingStopped, match="zero reward variance .* for 2 rollout steps in a row"):
         train(cfg, examples=arithmetic_examples(), verifier=lambda response, example: 0.0)
     assert latest_checkpoint(tmp_path / "run").name == "step_000002"
-    cfg = make_config(tiny_model, tmp_path / "off", **{"run.steps": 3, "run.divergence.zero_variance_steps": 0})
+    cfg = make_config(tiny_model, tmp_path / "off", **{"run.rollout_steps": 3, "run.divergence.zero_variance_steps": 0})
     train(cfg, examples=arithmetic_examples(), verifier=lambda response, example: 0.0)  # 0 = off: runs to the end
 
 
@@ -56,7 +58,7 @@ def test_dropped_groups_never_lose_update_slots(tiny_model, tmp_path):
             "offpolicy.mini_batches": 8,
             "offpolicy.epochs": 2,
             "offpolicy.staleness": 1,
-            "run.steps": 3,
+            "run.rollout_steps": 3,
         },
     )
     seen = []
@@ -64,7 +66,7 @@ def test_dropped_groups_never_lose_update_slots(tiny_model, tmp_path):
         train(cfg, lambda version, model, tok: seen.append(version), examples=examples, verifier=flat_but_one)
     )
     assert seen == [16, 32, 48]
-    assert [r["step"] for r in rows] == list(range(1, 49))
+    assert [r["update"] for r in rows] == list(range(1, 49))
     assert any(r.get("empty_batch") for r in rows) and any(not r["skipped"] for r in rows)
     for r in rows:
         if not r.get("empty_batch"):  # staleness counted in updates from the derived version

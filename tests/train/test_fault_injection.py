@@ -20,7 +20,7 @@ from bapo.train.checkpoint import checkpoints, latest_checkpoint
 from tests.train.test_resume import strip_timing
 
 SRC = Path(__file__).parents[2] / "src"
-STEPS = 8
+ROLLOUT_STEPS = 8
 KILL_SEED = 20261202  # fixed so CI is reproducible; the kill points differ per launch
 
 
@@ -49,7 +49,7 @@ def demo_setup(tmp_path_factory):
             "offpolicy": {"staleness": 1, "mini_batches": 2},
             "run": {
                 "output_dir": str(run_dir),
-                "steps": STEPS,
+                "rollout_steps": ROLLOUT_STEPS,
                 "checkpoint_every": 1,
                 "keep_checkpoints": 2,
                 "save_optimizer": "all",
@@ -111,7 +111,7 @@ def final_weights(run_dir: Path) -> dict:
 def test_killed_interrupted_and_corrupted_runs_resume_bit_exactly(demo_setup, tmp_path):
     straight = tmp_path / "straight"
     train(load_config(demo_setup(straight)))  # the reference, uninterrupted (in-process: one launch less)
-    updates = STEPS * 2
+    updates = ROLLOUT_STEPS * 2
 
     run_dir = tmp_path / "faulty"
     config = demo_setup(run_dir)

@@ -15,11 +15,11 @@ from tests.train.test_resume import strip_timing
 DATA = {"examples": arithmetic_examples(), "verifier": digit_share}
 
 
-def send_at(update: int, *signals):
-    def on_update(version, model, tokenizer):
-        if version == update:
-            for sig in signals:
-                os.kill(os.getpid(), sig)
+def send_at(at_update: int, *signals):
+    def on_update(update, model, tokenizer):
+        if update == at_update:
+            for signum in signals:
+                os.kill(os.getpid(), signum)
 
     return on_update
 
@@ -27,10 +27,10 @@ def send_at(update: int, *signals):
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_first_signal_checkpoints_and_resume_is_exact(tiny_model, tmp_path, sig, code):
     before = signal.getsignal(sig)
-    straight = make_config(tiny_model, tmp_path / "straight", **{"run.steps": 4, "offpolicy.staleness": 1})
+    straight = make_config(tiny_model, tmp_path / "straight", **{"run.rollout_steps": 4, "offpolicy.staleness": 1})
     rows_straight = read_metrics(train(straight, **DATA))
 
-    cfg = make_config(tiny_model, tmp_path / "run", **{"run.steps": 4, "offpolicy.staleness": 1})
+    cfg = make_config(tiny_model, tmp_path / "run", **{"run.rollout_steps": 4, "offpolicy.staleness": 1})
     with pytest.raises(
         TrainingInterrupted,
         match=r"interrupted after update 2; resume with: "
@@ -45,7 +45,7 @@ def test_first_signal_checkpoints_and_resume_is_exact(tiny_model, tmp_path, sig,
 
 
 def test_second_signal_aborts_at_once_and_keeps_the_last_checkpoint(tiny_model, tmp_path):
-    cfg = make_config(tiny_model, tmp_path / "run", **{"run.steps": 4, "run.checkpoint_every": 1})
+    cfg = make_config(tiny_model, tmp_path / "run", **{"run.rollout_steps": 4, "run.checkpoint_every": 1})
     with pytest.raises(TrainingAborted) as err:
         train(cfg, on_update=send_at(2, signal.SIGINT, signal.SIGINT), **DATA)
     assert err.value.exit_code == 130

@@ -17,8 +17,8 @@ def run(tiny_model, tmp_path, **overrides):
 
 @pytest.mark.parametrize("k", [0, 2])
 def test_staleness_is_exact(tiny_model, tmp_path, k):
-    rows = run(tiny_model, tmp_path, **{"offpolicy.staleness": k, "run.steps": 5})
-    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5]
+    rows = run(tiny_model, tmp_path, **{"offpolicy.staleness": k, "run.rollout_steps": 5})
+    assert [r["update"] for r in rows] == [1, 2, 3, 4, 5]
     for t, row in enumerate(rows):  # update t (0-based) trains on data of policy version t - k
         expected = max(t - k, 0)  # warm-up: the first k updates use version-0 batches
         assert row["batch/version_min"] == row["batch/version_max"] == expected
@@ -34,9 +34,9 @@ def test_staleness_is_exact(tiny_model, tmp_path, k):
 
 
 def test_updates_per_batch_split_one_batch(tiny_model, tmp_path):
-    overrides = {"offpolicy.mini_batches": 2, "offpolicy.epochs": 2, "run.steps": 2}
+    overrides = {"offpolicy.mini_batches": 2, "offpolicy.epochs": 2, "run.rollout_steps": 2}
     rows = run(tiny_model, tmp_path, **overrides)
-    assert [r["step"] for r in rows] == list(range(1, 9))
+    assert [r["update"] for r in rows] == list(range(1, 9))
     assert make_config(tiny_model, tmp_path / "unused", **overrides).total_updates == len(rows)  # LR schedule length
     assert [r["rollout_step"] for r in rows] == [0] * 4 + [1] * 4
     assert [r["epoch"] for r in rows] == [0, 0, 1, 1] * 2
@@ -50,10 +50,12 @@ def test_updates_per_batch_split_one_batch(tiny_model, tmp_path):
 
 
 def test_replay_mixes_several_ages(tiny_model, tmp_path):
-    rows = run(tiny_model, tmp_path, **{"offpolicy.mode": "replay", "offpolicy.replay_batches": 3, "run.steps": 6})
+    rows = run(
+        tiny_model, tmp_path, **{"offpolicy.mode": "replay", "offpolicy.replay_batches": 3, "run.rollout_steps": 6}
+    )
     assert rows[0]["batch/version_max"] == 0
-    assert all(r["batch/version_max"] <= r["step"] - 1 for r in rows)
-    assert all(r["step"] - 1 - r["batch/version_min"] <= 2 for r in rows)  # never older than the buffer
+    assert all(r["batch/version_max"] <= r["update"] - 1 for r in rows)
+    assert all(r["update"] - 1 - r["batch/version_min"] <= 2 for r in rows)  # never older than the buffer
     assert any(r["batch/version_min"] < r["batch/version_max"] for r in rows[3:])  # ages mix
 
 
@@ -122,10 +124,10 @@ def test_zero_variance_groups_dropped_or_kept(tiny_model, tmp_path):
     def constant(response, example):
         return 1.0
 
-    cfg = make_config(tiny_model, tmp_path / "a", **{"loss.zero_variance": "drop", "run.steps": 2})
+    cfg = make_config(tiny_model, tmp_path / "a", **{"loss.zero_variance": "drop", "run.rollout_steps": 2})
     rows = read_metrics(train(cfg, examples=arithmetic_examples(), verifier=constant))
     assert all(r["groups/dropped"] == 4 and r.get("empty_batch") == 1 and r["skipped"] == 1 for r in rows)
-    cfg = make_config(tiny_model, tmp_path / "b", **{"run.steps": 2})
+    cfg = make_config(tiny_model, tmp_path / "b", **{"run.rollout_steps": 2})
     rows = read_metrics(train(cfg, examples=arithmetic_examples(), verifier=constant))
     assert all(r["groups/zero_variance"] == 4 and r["groups/dropped"] == 0 for r in rows)
     assert all(r["grad_norm"] == 0.0 for r in rows)  # zero advantages: no gradient
@@ -134,15 +136,15 @@ def test_zero_variance_groups_dropped_or_kept(tiny_model, tmp_path):
 def test_kl_entropy_and_callback(tiny_model, tmp_path):
     seen = []
 
-    def on_update(step, model, tokenizer):
-        seen.append(step)
+    def on_update(update, model, tokenizer):
+        seen.append(update)
         torch.rand(100)  # consumes RNG: must not change the run
         return {"eval/accuracy": 0.5}
 
     cfg = make_config(
         tiny_model,
         tmp_path / "run",
-        **{"loss.kl_coef": 0.1, "loss.entropy_coef": 0.01, "loss.method": "clip-higher", "run.steps": 2},
+        **{"loss.kl_coef": 0.1, "loss.entropy_coef": 0.01, "loss.method": "clip-higher", "run.rollout_steps": 2},
     )
     rows = read_metrics(train(cfg, on_update, examples=arithmetic_examples(), verifier=digit_share))
     assert seen == [1, 2] and all(r["eval/accuracy"] == 0.5 for r in rows)
@@ -160,8 +162,8 @@ def test_gradient_checkpointing_keeps_train_mode_for_updates(tiny_model, tmp_pat
     assert rows[0]["grad_norm"] > 0 and rows[0]["skipped"] == 0
 
 
-def test_step_rows_join_rollout_metrics_to_every_update_and_the_hook_to_the_last():
-    from bapo.train.trainer import _step_rows
+def test_rollout_step_rows_join_rollout_metrics_to_every_update_and_the_hook_to_the_last():
+    from bapo.train.trainer import _rollout_step_rows
 
     mask = torch.tensor([[True, True, False], [True, False, False]])
     fresh = Batch(
@@ -176,17 +178,17 @@ def test_step_rows_join_rollout_metrics_to_every_update_and_the_hook_to_the_last
         torch.tensor([False, True]),
         torch.tensor([0, 0]),
     )
-    updates = [{"step": 5, "tokens/update": 30}, {"step": 6, "tokens/update": 10}]
-    rows = _step_rows(
+    updates = [{"update": 5, "tokens/update": 30}, {"update": 6, "tokens/update": 10}]
+    rows = _rollout_step_rows(
         updates,
         {"tokens/rollout": 50, "groups/dropped": 0},
         fresh,
         correct_threshold=1.0,
-        step_seconds=2.0,
+        rollout_step_seconds=2.0,
         hook_metrics={"eval/accuracy": 0.25},
     )
     assert [row["tokens_per_s"] for row in rows] == [40.0, 30.0]  # (rollout + this update's tokens) / step time
-    assert all(row["time/step_s"] == 2.0 and row["groups/dropped"] == 0 for row in rows)
+    assert all(row["time/rollout_step_s"] == 2.0 and row["groups/dropped"] == 0 for row in rows)
     assert rows[0]["rollout/accuracy"] == 0.5 and rows[0]["rollout/response_length/max"] == 2.0
     assert rows[0]["rollout/batch/version_min"] == 4 and rows[1]["rollout/response_length/truncated_frac"] == 0.5
     assert "eval/accuracy" not in rows[0] and rows[1]["eval/accuracy"] == 0.25  # the hook runs once per rollout step

@@ -56,20 +56,20 @@ def test_resume_is_exact_on_cuda(tiny_model, tmp_path, monkeypatch):
 
 def check_resume_is_exact(tiny_model, tmp_path, extra):
     data = dict(examples=arithmetic_examples(), verifier=digit_share)
-    straight = make_config(tiny_model, tmp_path / "straight", **{"run.steps": 6, **extra})
+    straight = make_config(tiny_model, tmp_path / "straight", **{"run.rollout_steps": 6, **extra})
     rows_straight = read_metrics(train(straight, **data))
 
     # a first run of 3 steps that means to run 6: same schedule, checkpoint at step 3, then "killed"
-    split = make_config(tiny_model, tmp_path / "split", **{"run.steps": 6, "run.checkpoint_every": 3, **extra})
+    split = make_config(tiny_model, tmp_path / "split", **{"run.rollout_steps": 6, "run.checkpoint_every": 3, **extra})
     trainer = Trainer(split.model_copy(deep=True), **data)
-    trainer.cfg.run.steps = 3
+    trainer.cfg.run.rollout_steps = 3
     trainer.fit()
     torch.manual_seed(12345)  # a new process would start from other RNG states
     random.seed(12345)
     np.random.seed(12345)
     # rows past the checkpoint (written before a kill) must be dropped on resume
     with open(tmp_path / "split" / "metrics.jsonl", "a") as f:
-        f.write('{"step": 99, "reward/mean": 0}\n')
+        f.write('{"update": 99, "reward/mean": 0}\n')
     rows_split = read_metrics(train(split, resume=tmp_path / "split", **data))
     assert len(rows_straight) == 6 * split.updates_per_batch
     assert strip_timing(rows_split) == strip_timing(rows_straight)
@@ -77,7 +77,7 @@ def check_resume_is_exact(tiny_model, tmp_path, extra):
 
 def test_checkpoint_is_atomic_and_pruned(tiny_model, tmp_path):
     cfg = make_config(
-        tiny_model, tmp_path / "run", **{"run.steps": 4, "run.checkpoint_every": 1, "run.keep_checkpoints": 2}
+        tiny_model, tmp_path / "run", **{"run.rollout_steps": 4, "run.checkpoint_every": 1, "run.keep_checkpoints": 2}
     )
     run_dir = train(cfg, examples=arithmetic_examples(), verifier=digit_share)
     root = run_dir / "checkpoints"
@@ -102,7 +102,7 @@ def test_nonfinite_updates_are_skipped_then_training_stops(tiny_model, tmp_path,
         return loss * float("nan"), {**metrics, "loss": float("nan")}
 
     monkeypatch.setattr(update, "policy_loss", broken)
-    cfg = make_config(tiny_model, tmp_path / "run", **{"run.steps": 10, "run.max_nonfinite": 3})
+    cfg = make_config(tiny_model, tmp_path / "run", **{"run.rollout_steps": 10, "run.max_nonfinite": 3})
     trainer = Trainer(cfg, examples=arithmetic_examples(), verifier=digit_share)
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     with pytest.raises(TrainingStopped, match="3 updates in a row had a non-finite"):

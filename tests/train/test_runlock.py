@@ -26,7 +26,7 @@ time.sleep(120)
 
 
 def test_second_writer_fails_at_once_naming_the_holder(tiny_model, tmp_path):
-    cfg = make_config(tiny_model, tmp_path / "run", **{"run.steps": 1})
+    cfg = make_config(tiny_model, tmp_path / "run", **{"run.rollout_steps": 1})
     first = Trainer(cfg, **DATA)
     start = time.perf_counter()
     with pytest.raises(ConfigError, match=rf"in use by another bapo process \(pid {os.getpid()}\)"):
@@ -42,7 +42,7 @@ def test_lock_of_a_killed_process_never_blocks(tiny_model, tmp_path):
     holder = subprocess.Popen([sys.executable, "-c", HOLD, str(run_dir)], stdout=subprocess.PIPE, text=True, env=env)
     try:
         assert holder.stdout.readline().strip() == "locked"
-        cfg = make_config(tiny_model, run_dir, **{"run.steps": 1})
+        cfg = make_config(tiny_model, run_dir, **{"run.rollout_steps": 1})
         with pytest.raises(ConfigError, match=rf"pid {holder.pid}\)"):
             Trainer(cfg, **DATA)
     finally:
@@ -51,4 +51,4 @@ def test_lock_of_a_killed_process_never_blocks(tiny_model, tmp_path):
     assert (run_dir / ".lock").exists()  # the file stays; the kernel dropped the lock
     lock = RunLock(run_dir)
     lock.release()
-    train(make_config(tiny_model, run_dir, **{"run.steps": 1}), **DATA)
+    train(make_config(tiny_model, run_dir, **{"run.rollout_steps": 1}), **DATA)

@@ -11,9 +11,9 @@ from bapo.train.metrics import NoSignalWarning, PlainProgress
 from tests.helpers import arithmetic_examples, digit_share, make_config
 
 
-def row(step, zero=0, truncated=0.5, reward=0.3):
+def row(update, zero=0, truncated=0.5, reward=0.3):
     return {
-        "step": step,
+        "update": update,
         "groups/zero_variance": zero,
         "rollout/response_length/truncated_frac": truncated,
         "rollout/reward/mean": reward,
@@ -61,7 +61,7 @@ def test_training_without_a_terminal_prints_warm_up_and_update_lines(tiny_model,
     cfg = make_config(
         tiny_model,
         tmp_path / "run",
-        **{"offpolicy.staleness": 2, "run.steps": 2, "run.progress": "true", "loss.method": "bapo"},
+        **{"offpolicy.staleness": 2, "run.rollout_steps": 2, "run.progress": "true", "loss.method": "bapo"},
     )
     train(cfg, examples=arithmetic_examples(), verifier=digit_share)
     lines = capsys.readouterr().out.splitlines()
@@ -72,7 +72,7 @@ def test_training_without_a_terminal_prints_warm_up_and_update_lines(tiny_model,
 
 
 def test_a_batch_without_reward_variance_warns_during_training(tiny_model, tmp_path):
-    cfg = make_config(tiny_model, tmp_path / "run", **{"run.steps": 3, "run.no_signal_every": 5})
+    cfg = make_config(tiny_model, tmp_path / "run", **{"run.rollout_steps": 3, "run.no_signal_every": 5})
     with pytest.warns(UserWarning, match="no learning signal.*same reward") as record:
         train(cfg, examples=arithmetic_examples(), verifier=lambda response, example: 1.0)
     assert sum("no learning signal" in str(w.message) for w in record) == 1  # once per 5 updates
@@ -83,17 +83,19 @@ def test_wandb_offline_logs_the_run_and_resume_continues_the_same_run(tiny_model
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run = tmp_path / "run"
-    cfg = make_config(tiny_model, run, **{"run.report_to": "[jsonl, wandb]", "run.steps": 2, "run.checkpoint_every": 1})
+    cfg = make_config(
+        tiny_model, run, **{"run.report_to": "[jsonl, wandb]", "run.rollout_steps": 2, "run.checkpoint_every": 1}
+    )
     train(cfg, examples=arithmetic_examples(), verifier=digit_share)
     run_id = (run / "wandb_id").read_text()
     first = list((run / "wandb").glob(f"offline-run-*-{run_id}/run-{run_id}.wandb"))
     assert len(first) == 1 and first[0].stat().st_size > 0
     assert not (run / "tensorboard").exists()  # not listed in report_to
-    cfg = make_config(tiny_model, run, **{"run.report_to": "[jsonl, wandb]", "run.steps": 3})
+    cfg = make_config(tiny_model, run, **{"run.report_to": "[jsonl, wandb]", "run.rollout_steps": 3})
     train(cfg, examples=arithmetic_examples(), verifier=digit_share, resume=run)
     assert (run / "wandb_id").read_text() == run_id
     assert len(list((run / "wandb").glob(f"offline-run-*-{run_id}"))) >= 1
-    assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
+    assert [r["update"] for r in read_metrics(run)] == [1, 2, 3]
 
 
 def test_special_token_mismatch_warns_at_start_up(tiny_model, tmp_path):

@@ -32,27 +32,40 @@ COLORS = {
 }
 
 
+def save_figure(fig, out_dir: Path, name: str, dpi: int) -> Path:
+    """Lay out `fig`, write it to OUT_DIR/<name>.png, close it (pyplot keeps open figures alive);
+    returns the file."""
+    import matplotlib.pyplot as plt
+
+    fig.tight_layout()
+    path = Path(out_dir) / f"{name}.png"
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path
+
+
 def _smooth(values: list[float], window: int) -> list[float]:
     """Trailing moving average (the first points average what exists so far)."""
-    out, acc = [], 0.0
-    for i, v in enumerate(values):
-        acc += v
-        if i >= window:
-            acc -= values[i - window]
-        out.append(acc / min(i + 1, window))
+    out, total = [], 0.0
+    for index, value in enumerate(values):
+        total += value
+        if index >= window:
+            total -= values[index - window]
+        out.append(total / min(index + 1, window))
     return out
 
 
 def _seed_band(runs: list[Run], key: str, window: int):
-    """(steps, mean, low, high): mean over seeds and its 95% interval at the steps every seed
-    logged; None when no data."""
-    per_seed = [dict(zip(*r.series(key, x="rollout_step"))) for r in runs]  # last update of each step
-    steps = sorted(set.intersection(*(set(s) for s in per_seed)))
-    if not steps:
+    """(rollout steps, mean, low, high): mean over seeds and its 95% interval at the rollout steps
+    every seed logged; None when no data."""
+    # {rollout step: value of its last update}, per seed
+    per_seed = [dict(zip(*run.series(key, x="rollout_step"))) for run in runs]
+    rollout_steps = sorted(set.intersection(*(set(seed_values) for seed_values in per_seed)))
+    if not rollout_steps:
         return None
-    curves = [_smooth([s[t] for t in steps], window) for s in per_seed]
-    bands = [mean_interval([c[i] for c in curves]) for i in range(len(steps))]
-    return steps, *([b[j] for b in bands] for j in range(3))
+    curves = [_smooth([seed_values[step] for step in rollout_steps], window) for seed_values in per_seed]
+    bands = [mean_interval([curve[index] for curve in curves]) for index in range(len(rollout_steps))]
+    return rollout_steps, *([band[part] for band in bands] for part in range(3))
 
 
 def plot_runs(
@@ -67,14 +80,14 @@ def plot_runs(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs)
-    longest = max(len({row.get("rollout_step") for row in r.rows}) for r in runs)
+    longest = max(len({row.get("rollout_step") for row in run.rows}) for run in runs)
     window = smooth or max(1, longest // 12)
     written = []
     for name, (title, keys) in FIGURES.items():
-        if not any(k in row for r in runs for k, _ in keys for row in r.rows):
+        if not any(key in row for run in runs for key, _ in keys for row in run.rows):
             continue  # nothing logs this quantity (e.g. no held-out checks)
         # logged but never finite (positive share without any learning signal): an empty panel says so
-        no_values = not any(r.series(k)[0] for r in runs for k, _ in keys)
+        no_values = not any(run.series(key)[0] for run in runs for key, _ in keys)
         fig, axes = plt.subplots(1, len(groups), figsize=(4.6 * len(groups), 3.4), sharey=True, squeeze=False)
         for ax, (setting, by_method) in zip(axes[0], groups.items()):
             for rank, (method, method_runs) in enumerate(by_method.items()):
@@ -84,11 +97,11 @@ def plot_runs(
                     band = _seed_band(method_runs, key, 1 if key.startswith("heldout") else window)
                     if band is None:
                         continue
-                    steps, mean, low, high = band
+                    rollout_steps, mean, low, high = band
                     label = method if style == "-" or len(keys) == 1 else None
-                    (line,) = ax.plot(steps, mean, style, color=color, label=label, lw=width)
+                    (line,) = ax.plot(rollout_steps, mean, style, color=color, label=label, lw=width)
                     if len(method_runs) > 1:
-                        ax.fill_between(steps, low, high, color=line.get_color(), alpha=0.15, lw=0)
+                        ax.fill_between(rollout_steps, low, high, color=line.get_color(), alpha=0.15, lw=0)
             if no_values:
                 ax.text(
                     0.5,
@@ -120,9 +133,5 @@ def plot_runs(
             ),
             fontsize=10,
         )
-        fig.tight_layout()
-        path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        written.append(path)
+        written.append(save_figure(fig, out_dir, name, dpi=110))
     return written

@@ -1,6 +1,8 @@
 """Reading finished runs back: metrics.jsonl rows, what each run was, its final evaluation.
 
-A run directory holds `metrics.jsonl` (one JSON object per update, written by bapo.train);
+A run directory holds `metrics.jsonl` (one JSON object per optimizer update, written by bapo.train,
+with "update" and "rollout_step"; files written before "step" was renamed "update" are read the
+same way by `bapo.train.read_metrics`);
 held-out scores are rows' `heldout/avg@k`, `heldout/pass@k` (the demo's hook writes them; the
 last row that has them is the final policy's). The demo adds `demo_run.json`
 ({"method", "setting", "seed"}).
@@ -37,15 +39,15 @@ class Run:
     seed: int
     rows: list[dict] = field(default_factory=list)  # metrics.jsonl, in order
 
-    def series(self, key: str, x: str = "step") -> tuple[list[float], list[float]]:
-        """(x values, values) of every row that has a finite `key`; x "step" is the optimizer
-        update, "rollout_step" the rollout step (rows of one rollout step share it)."""
-        pts = [
-            (r.get(x, i), r[key])
-            for i, r in enumerate(self.rows)
-            if isinstance(r.get(key), (int, float)) and math.isfinite(r[key])
+    def series(self, key: str, x: str = "update") -> tuple[list[float], list[float]]:
+        """(x values, values) of every row that has a finite `key`; x "update" is the number of
+        optimizer updates done, "rollout_step" the rollout step (rows of one rollout step share it)."""
+        points = [
+            (row.get(x, index), row[key])
+            for index, row in enumerate(self.rows)
+            if isinstance(row.get(key), (int, float)) and math.isfinite(row[key])
         ]
-        return [p[0] for p in pts], [p[1] for p in pts]
+        return [point[0] for point in points], [point[1] for point in points]
 
     def values(self, key: str) -> list[float]:
         return self.series(key)[1]
@@ -73,10 +75,14 @@ class Run:
         """{"k", "avg@k", "pass@k"} from the last metrics row that has `prefix`avg@k ({} if none);
         prefix "heldout/start/" gives the start policy's scores the demo writes on the first row."""
         for row in reversed(self.rows):
-            keys = [k for k in row if k.startswith(prefix + "avg@") and "/" not in k[len(prefix) :]]
+            keys = [key for key in row if key.startswith(prefix + "avg@") and "/" not in key[len(prefix) :]]
             if keys:
-                k = int(keys[0].rsplit("@", 1)[1])
-                return {"k": k, f"avg@{k}": row[keys[0]], f"pass@{k}": row.get(f"{prefix}pass@{k}", math.nan)}
+                samples = int(keys[0].rsplit("@", 1)[1])
+                return {
+                    "k": samples,
+                    f"avg@{samples}": row[keys[0]],
+                    f"pass@{samples}": row.get(f"{prefix}pass@{samples}", math.nan),
+                }
         return {}
 
     @property
@@ -95,10 +101,10 @@ def _identity(run_dir: Path) -> tuple[str, str, int]:
 
         cfg = yaml.safe_load(config_file.read_text()) or {}
         method = cfg.get("loss", {}).get("method", run_dir.name)
-        off = cfg.get("offpolicy", {})
+        offpolicy = cfg.get("offpolicy", {})
         setting = setting_name(
-            off.get("mini_batches", 1) * off.get("epochs", 1) - 1,
-            off.get("staleness", 0),
+            offpolicy.get("mini_batches", 1) * offpolicy.get("epochs", 1) - 1,
+            offpolicy.get("staleness", 0),
             bool(cfg.get("rollout", {}).get("segment_tokens")),
         )
         return method, setting, int(cfg.get("run", {}).get("seed", 0))
@@ -114,9 +120,9 @@ def load_run(run_dir: Path) -> Run:
 def find_runs(paths: list[Path]) -> list[Run]:
     """Every run under `paths`: a path is a run (has metrics.jsonl) or holds runs below it."""
     found = []
-    for p in map(Path, paths):
-        files = [p / "metrics.jsonl"] if (p / "metrics.jsonl").exists() else sorted(p.rglob("metrics.jsonl"))
-        found += [load_run(f.parent) for f in files]
+    for path in map(Path, paths):
+        files = [path / "metrics.jsonl"] if (path / "metrics.jsonl").exists() else sorted(path.rglob("metrics.jsonl"))
+        found += [load_run(file.parent) for file in files]
     if not found:
         raise FileNotFoundError(f"no metrics.jsonl under {', '.join(map(str, paths))}")
     return found
@@ -129,11 +135,11 @@ def _setting_key(setting: str):
     """By E, then async delay, then partial rollout; anything else after, by name."""
     import re
 
-    e = re.match(r"E=(\d+)", setting)
+    staleness_e = re.match(r"E=(\d+)", setting)
     delay = re.search(r"async delay (\d+)", setting)
     return (
-        0 if e else 1,
-        int(e.group(1)) if e else 0,
+        0 if staleness_e else 1,
+        int(staleness_e.group(1)) if staleness_e else 0,
         int(delay.group(1)) if delay else 0,
         "partial rollout" in setting,
         setting,
@@ -147,6 +153,6 @@ def _method_key(method: str):
 def group_runs(runs: list[Run]) -> dict[str, dict[str, list[Run]]]:
     """{setting: {method: [runs, by seed]}}: staleness ascending, methods in METHOD_ORDER."""
     groups: dict[str, dict[str, list[Run]]] = {}
-    for run in sorted(runs, key=lambda r: (_setting_key(r.setting), _method_key(r.method), r.seed)):
+    for run in sorted(runs, key=lambda run: (_setting_key(run.setting), _method_key(run.method), run.seed)):
         groups.setdefault(run.setting, {}).setdefault(run.method, []).append(run)
     return groups

@@ -15,7 +15,7 @@ def demo(
     out: Path | None = typer.Option(None, "--out", help="output dir (default runs/demo-<timestamp>)"),
     jobs: int | None = typer.Option(None, "--jobs", help="runs in parallel processes (default: one per CPU core)"),
     threads: int = typer.Option(1, "--threads", help="torch threads per process"),
-    steps: int | None = typer.Option(None, "--steps", help="rollout steps per run (profile default)"),
+    rollout_steps: int | None = typer.Option(None, "--rollout-steps", help="rollout steps per run (profile default)"),
     sft_steps: int | None = typer.Option(None, "--sft-steps", help="warm-start SFT steps"),
     lr: float | None = typer.Option(None, "--lr", help="RL learning rate (profile default)"),
     lab: bool = typer.Option(True, "--lab/--no-lab", help="run the mechanism lab (bapo lab) first"),
@@ -30,7 +30,7 @@ def demo(
         raise typer.BadParameter("choose one of --quick and --full")
     plan = plan_for(
         "quick" if quick else "full" if full else "default",
-        steps=steps,
+        rollout_steps=rollout_steps,
         sft_steps=sft_steps,
         lr=lr,
         lab=None if lab else "off",

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from bapo.core.search import token_contributions
 from bapo.core.validation import per_token
 
 # log(ratio) is clamped before exp so that a log-prob gap of 1e4 gives a huge but finite ratio
@@ -138,8 +139,7 @@ class ClipStats:
             "clip_frac/lower": share(values["clipped_lower"], values["negative"]),
             "clip_frac/dual": share(values["clipped_dual"], values["negative"]),
             "clip_frac": share(clipped, tokens),
-            # TODO(search): the search engineer's one positive-share implementation replaces this sum
-            # when it lands; this one also counts dual-clip and per-token (DCPO) bounds.
+            # sums of core.search.token_contributions (gradient definition, dual-clip included)
             "positive_share": share(values["positive_contribution"], values["contribution"], float("nan")),
             "bapo/no_signal": float(values["positive"] + values["negative"] == 0),
         }
@@ -220,7 +220,11 @@ def clip_statistics(
     clipped_lower = negative & (ratio < lower)
     clipped_dual = negative & (ratio > dual_clip) if dual_clip is not None else torch.zeros_like(counted)
     carries_gradient = counted & ~clipped_upper & ~clipped_lower & ~clipped_dual
-    contribution = torch.where(carries_gradient, weight * (ratio * advantages).abs(), 0.0)
+    # w*|r*A|*X_t per token (float64): the search's gradient definition, the one positive share
+    positive_part, negative_part = token_contributions(
+        ratio, advantages, counted, lower, upper, weights=importance_weights, dual_clip=dual_clip
+    )
+    contribution = positive_part + negative_part
 
     if logits is not None and entropy is None:
         entropy = entropy_from_logits(logits)
@@ -245,7 +249,7 @@ def clip_statistics(
         "clipped_lower": clipped_lower.sum(),
         "clipped_dual": clipped_dual.sum(),
         "contribution": contribution.sum(),
-        "positive_contribution": torch.where(positive, contribution, 0.0).sum(),
+        "positive_contribution": positive_part.sum(),
         "weight": weight.sum(),
         "weight_log_prob": (weight * log_prob).sum(),
         "weight_signal": (weight * signal).sum(),
@@ -287,16 +291,8 @@ def clip_statistics(
     return ClipStats(sums, torch.stack([maxima[name].to(device, torch.float64).reshape(()) for name in MAX_FIELDS]))
 
 
-def clip_diagnostics(
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    lower: float | Tensor,
-    upper: float | Tensor,
-    **options: Any,
-) -> dict[str, float]:
-    """clip_statistics(...).finalize() for one batch: clip fractions per side, positive share,
-    Entropy-Clip quadrants, entropy-change estimate (see ClipStats.finalize for the keys).
-    options: dual_clip, importance_weights, entropy, logits (see clip_statistics). One host sync."""
-    return clip_statistics(log_prob, old_log_prob, advantages, mask, lower, upper, **options).finalize()
+def clip_diagnostics(*args: Any, **kwargs: Any) -> dict[str, float]:
+    """clip_statistics(*args, **kwargs).finalize() for one batch (the same parameters): clip
+    fractions per side, positive share, Entropy-Clip quadrants, entropy-change estimate (see
+    ClipStats.finalize for the keys). One host sync."""
+    return clip_statistics(*args, **kwargs).finalize()

@@ -289,14 +289,17 @@ def token_contributions(
     *,
     weights: Tensor | None = None,
     behaviour_log_prob: Tensor | None = None,
+    dual_clip: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Each token's contribution to pos and to neg at bounds (lower, upper), float64 [B, T] each
     (zero off its side), under `config`'s contribution and weighting (default BAPOConfig()).
 
     The one per-token definition of the positive share: `positive_share` sums it, the
-    diagnostics call it, and `BoundStats` is tested equal to it. Bounds may be floats or [B, T]
-    tensors; comparisons run in float64 so that a float32/bf16 ratio exactly on a grid value
-    decides as it does against the float64 grid.
+    diagnostics (`clip_statistics`) call it, and `BoundStats` is tested equal to it. Bounds may
+    be floats or [B, T] tensors; comparisons run in float64 so that a float32/bf16 ratio exactly
+    on a grid value decides as it does against the float64 grid. dual_clip: the cap on a negative
+    token's ratio (dual-clip PPO; None = off): above it the token is clipped (gradient: counts 0;
+    clamped: dual_clip * a). The search never uses it.
     """
     config = config or BAPOConfig()
     ratio, signed = _signed_magnitudes(
@@ -310,9 +313,13 @@ def token_contributions(
     if config.contribution == "gradient":
         positive = torch.where(ratio64 <= upper, unclamped, 0.0)
         negative = torch.where(ratio64 >= lower, unclamped, 0.0)
+        if dual_clip is not None:
+            negative = torch.where(ratio64 <= dual_clip, negative, 0.0)
     else:
         positive = torch.where(ratio64 <= upper, unclamped, upper * magnitude64)
         negative = torch.where(ratio64 >= lower, unclamped, lower * magnitude64)
+        if dual_clip is not None:
+            negative = torch.where(ratio64 <= dual_clip, negative, dual_clip * magnitude64)
     return torch.where(signed > 0, positive, 0.0), torch.where(signed < 0, negative, 0.0)
 
 

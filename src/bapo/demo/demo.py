@@ -62,14 +62,14 @@ class RunSpec:
 @dataclass(frozen=True)
 class DemoPlan:
     """What a demo profile runs. Sizes were chosen so that on-policy GRPO improves held-out
-    accuracy on the built-in task within `steps` rollout steps (measured, see the README)."""
+    accuracy on the built-in task within `rollout_steps` rollout steps (measured, see the README)."""
 
     methods: tuple[str, ...] = CLIPPED_SURROGATES
     staleness_e: tuple[int, ...] = (0, 2, 4)  # the paper's E: E+1 updates per rollout batch
     async_delays: tuple[int, ...] = ()  # FIFO delays k (at E=0), the second axis
     partial_rollout: bool = False  # at E=0
     seeds: tuple[int, ...] = (0, 1, 2)
-    steps: int = 30  # rollout steps per run (optimizer updates = steps x (E+1))
+    rollout_steps: int = 30  # per run (optimizer updates = rollout_steps x (E+1))
     prompts_per_batch: int = 15  # 15 x 8 = 120 responses: divisible by E+1 = 1, 2, 3, 4, 5, 6, 8
     group_size: int = 8
     segment_tokens: int = 8  # partial rollout: new tokens per generation pass
@@ -91,20 +91,22 @@ class DemoPlan:
         CLIPPED_SURROGATES), named after the first of them."""
         specs: list[RunSpec] = []
         for seed in self.seeds:
-            shared = [m for m in self.methods if m in CLIPPED_SURROGATES]
-            for e in self.staleness_e:
-                methods = self.methods if e else [m for m in self.methods if m not in shared[1:]]
-                specs += [RunSpec(m, e, 0, False, seed) for m in methods]
-            for k in self.async_delays:
-                specs += [RunSpec(m, 0, k, False, seed) for m in self.methods]
+            shared = [method for method in self.methods if method in CLIPPED_SURROGATES]
+            for staleness_e in self.staleness_e:
+                methods = (
+                    self.methods if staleness_e else [method for method in self.methods if method not in shared[1:]]
+                )
+                specs += [RunSpec(method, staleness_e, 0, False, seed) for method in methods]
+            for delay in self.async_delays:
+                specs += [RunSpec(method, 0, delay, False, seed) for method in self.methods]
             if self.partial_rollout:
-                specs += [RunSpec(m, 0, 0, True, seed) for m in self.methods]
+                specs += [RunSpec(method, 0, 0, True, seed) for method in self.methods]
         return specs
 
 
 PROFILES = {
     "quick": DemoPlan(
-        methods=("grpo", "bapo"), staleness_e=(0, 4), steps=20, lab="quick", eval_every=20, eval_prompts=32
+        methods=("grpo", "bapo"), staleness_e=(0, 4), rollout_steps=20, lab="quick", eval_every=20, eval_prompts=32
     ),
     "default": DemoPlan(),
     "full": DemoPlan(
@@ -113,7 +115,7 @@ PROFILES = {
         async_delays=(4,),
         partial_rollout=True,
         seeds=(0, 1, 2, 3, 4),
-        steps=40,
+        rollout_steps=40,
     ),
 }
 
@@ -139,7 +141,7 @@ def train_config(plan: DemoPlan, spec: RunSpec, model_path: Path, data_path: Pat
         "optim.lr": plan.lr,
         "optim.micro_batch_size": plan.prompts_per_batch * plan.group_size,
         "run.output_dir": str(run_dir),
-        "run.steps": plan.steps,
+        "run.rollout_steps": plan.rollout_steps,
         "run.seed": spec.seed,
         "run.checkpoint_every": 0,
         "run.keep_checkpoints": 1,
@@ -148,7 +150,7 @@ def train_config(plan: DemoPlan, spec: RunSpec, model_path: Path, data_path: Pat
     }
     if spec.partial_rollout:
         overrides["rollout.segment_tokens"] = plan.segment_tokens
-    return load_config(None, [f"{k}={json.dumps(v)}" for k, v in overrides.items()])
+    return load_config(None, [f"{key}={json.dumps(value)}" for key, value in overrides.items()])
 
 
 class HeldOutHook:
@@ -161,28 +163,28 @@ class HeldOutHook:
     def __init__(self, plan: DemoPlan, heldout: list[dict], updates_per_batch: int, start: dict):
         self.plan, self.heldout, self.per_batch, self.start = plan, heldout, updates_per_batch, start
 
-    def __call__(self, updates_done: int, model, tokenizer) -> dict[str, float]:
+    def __call__(self, update: int, model, tokenizer) -> dict[str, float]:
         from bapo.analysis.evaluate import evaluate
         from bapo.demo.task import verify
 
-        p, out = self.plan, {}
-        rollout_steps = updates_done // self.per_batch
-        if rollout_steps == 1:
-            out.update({f"heldout/start/{k}": v for k, v in self.start.items() if "@" in k})
-        if rollout_steps % p.eval_every == 0 and rollout_steps < p.steps:
+        plan, out = self.plan, {}
+        rollout_steps_done = update // self.per_batch  # update: optimizer updates done
+        if rollout_steps_done == 1:
+            out.update({f"heldout/start/{key}": value for key, value in self.start.items() if "@" in key})
+        if rollout_steps_done % plan.eval_every == 0 and rollout_steps_done < plan.rollout_steps:
             scores = evaluate(
                 model,
                 tokenizer,
-                self.heldout[: p.eval_prompts],
+                self.heldout[: plan.eval_prompts],
                 verify,
-                k=p.eval_k_during,
-                max_new_tokens=p.max_new_tokens,
+                k=plan.eval_k_during,
+                max_new_tokens=plan.max_new_tokens,
             )
-            out["heldout/accuracy"] = scores[f"avg@{p.eval_k_during}"]
-        if rollout_steps == p.steps:
-            final = evaluate(model, tokenizer, self.heldout, verify, k=p.final_k, max_new_tokens=p.max_new_tokens)
-            out.update({f"heldout/{k}": v for k, v in final.items() if "@" in k})
-            out["heldout/accuracy"] = final[f"avg@{p.final_k}"]
+            out["heldout/accuracy"] = scores[f"avg@{plan.eval_k_during}"]
+        if rollout_steps_done == plan.rollout_steps:
+            final = evaluate(model, tokenizer, self.heldout, verify, k=plan.final_k, max_new_tokens=plan.max_new_tokens)
+            out.update({f"heldout/{key}": value for key, value in final.items() if "@" in key})
+            out["heldout/accuracy"] = final[f"avg@{plan.final_k}"]
         return out
 
 
@@ -290,21 +292,22 @@ def run_demo(
     demo_dir = Path(out) if out else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     demo_dir.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
-    t = time.time()
+    started = time.time()
     lab_claims, lab_dir = _run_lab(plan, demo_dir)
-    timings["lab"] = time.time() - t
+    timings["lab"] = time.time() - started
     with DemoProgress(plan, specs, enabled=show_progress) as progress:
         import torch
 
         torch.set_num_threads(threads)
         cpu: dict[str, float] = {}
-        t, c = time.time(), time.process_time()
-        model_path = warm_start(plan.warmstart, on_step=progress.sft_step)  # cached: no steps
-        timings["warm start"], cpu["warm start"] = time.time() - t, time.process_time() - c
+        started, cpu_started = time.time(), time.process_time()
+        model_path = warm_start(plan.warmstart, on_step=progress.sft_step)  # cached: no SFT steps
+        timings["warm start"], cpu["warm start"] = time.time() - started, time.process_time() - cpu_started
         info = warmstart_info(model_path)
         train_rows, heldout = make_split(plan.warmstart.task)
         write_jsonl(
-            [{"prompt": r["prompt"], "answer": r["answer"]} for r in train_rows], demo_dir / "data" / "train.jsonl"
+            [{"prompt": row["prompt"], "answer": row["answer"]} for row in train_rows],
+            demo_dir / "data" / "train.jsonl",
         )
         write_jsonl(heldout, demo_dir / "data" / "heldout.jsonl")
         start_scores = evaluate_start(plan, model_path, heldout)
@@ -313,7 +316,12 @@ def run_demo(
             for spec in specs:
                 progress.start_run(spec)
                 timings[spec.name], cpu[spec.name] = run_one(
-                    plan, spec, model_path, demo_dir, start_scores, tick=lambda d, s=spec: progress.run_step(s.name, d)
+                    plan,
+                    spec,
+                    model_path,
+                    demo_dir,
+                    start_scores,
+                    tick=lambda done, spec=spec: progress.run_step(spec.name, done),
                 )
         else:
             for name, wall, cpu_s in _run_parallel(
@@ -321,7 +329,7 @@ def run_demo(
             ):
                 timings[name], cpu[name] = wall, cpu_s
         progress.finishing()
-        runs = find_runs([demo_dir / s.name for s in specs])
+        runs = find_runs([demo_dir / spec.name for spec in specs])
         claims = run_claims(runs, plan.bapo_target)
         plots = plot_runs(runs, demo_dir / "plots", target_share=plan.bapo_target)
         timings["total"] = time.time() - t0
@@ -357,26 +365,29 @@ def _run_parallel(plan, specs, model_path, demo_dir, start, jobs, threads, progr
 
     ctx = mp.get_context("spawn")  # fork + torch threads can deadlock
     with ctx.Manager() as manager:
-        q = manager.Queue()
+        updates_queue = manager.Queue()
         with cf.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            futures = [pool.submit(_worker, (plan, s, model_path, demo_dir, start, q, threads)) for s in specs]
+            futures = [
+                pool.submit(_worker, (plan, spec, model_path, demo_dir, start, updates_queue, threads))
+                for spec in specs
+            ]
             pending = set(futures)
             while pending:
                 try:
-                    name, done = q.get(timeout=0.5)
+                    name, done = updates_queue.get(timeout=0.5)
                     progress.run_step(name, done)
                 except queue_mod.Empty:
                     pass
-                for f in [f for f in pending if f.done()]:
-                    pending.discard(f)
-                    yield f.result()  # re-raises a worker's error here
+                for future in [future for future in pending if future.done()]:
+                    pending.discard(future)
+                    yield future.result()  # re-raises a worker's error here
 
 
 def _report_header(
     plan: DemoPlan, info: dict, timings: dict, cpu: dict, jobs: int, threads: int, lab_dir: Path | None, demo_dir: Path
 ) -> list[str]:
-    task, m = plan.warmstart.task, plan.warmstart.model
-    run_cpu = [v for k, v in cpu.items() if k != "warm start"]
+    task, model = plan.warmstart.task, plan.warmstart.model
+    run_cpu = [seconds for name, seconds in cpu.items() if name != "warm start"]
     lab = (
         f"Lab: [{lab_dir.relative_to(demo_dir)}/report.md]({lab_dir.relative_to(demo_dir)}/report.md) "
         f"({timings['lab']:.0f} s)."
@@ -388,10 +399,10 @@ def _report_header(
         f"one attempt per line, stop at the first hit; a {task.max_new_tokens}-token budget "
         f"(about 3 attempts), so failures run to the budget; {task.n_train} training prompts, "
         f"{task.n_heldout} held-out prompts.",
-        f"Policy: Llama {m.layers} layers x {m.hidden_size} hidden, warm-started by "
+        f"Policy: Llama {model.layers} layers x {model.hidden_size} hidden, warm-started by "
         f"{plan.warmstart.sft.steps} SFT steps on demonstrations that try the attempts in a "
         f"random order (SFT took {info['sft_seconds']} s when it was trained; cached since).",
-        f"RL: {plan.steps} rollout steps per run, {plan.prompts_per_batch} prompts x "
+        f"RL: {plan.rollout_steps} rollout steps per run, {plan.prompts_per_batch} prompts x "
         f"{plan.group_size} samples at temperature 1.0, lr {plan.lr}; methods "
         f"{', '.join(plan.methods)}; staleness E (E+1 optimizer updates per rollout batch) "
         f"{', '.join(map(str, plan.staleness_e))}"
@@ -411,7 +422,7 @@ def _report_header(
 def plan_for(profile: str, **changes) -> DemoPlan:
     """A profile from PROFILES with some fields replaced (None values are ignored)."""
     plan = PROFILES[profile]
-    changes = {k: v for k, v in changes.items() if v is not None}
+    changes = {name: value for name, value in changes.items() if value is not None}
     if "sft_steps" in changes:
         ws = plan.warmstart
         plan = replace(plan, warmstart=replace(ws, sft=replace(ws.sft, steps=changes.pop("sft_steps"))))

@@ -17,7 +17,7 @@ class DemoProgress:
         cached = (cache_root() / f"warmstart-{plan.warmstart.key()}" / "warmstart.json").exists()
         self.sft_total = 0 if cached else plan.warmstart.sft.steps
         self.updates = {s.name: 0 for s in specs}
-        self.steps_per_run = plan.steps
+        self.steps_per_run = plan.rollout_steps
         self.sft_done_steps = 0
         self.enabled = enabled
         self.bar = None

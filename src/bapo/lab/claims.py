@@ -10,9 +10,9 @@ Quantities (all per seed):
   reward       exact expected reward (closed form)
   at matched reward: after the first update whose exact reward reaches MATCHED_REWARD (a seed that
     never reaches it is left out, so `seeds` can be below the run's count);
-  at equal samples: after the last update (every cell saw `steps` rollout batches);
-  at equal updates: after update `steps` (the last update of E = 0; E > 0 cells have then seen
-    steps / (E + 1) batches).
+  at equal samples: after the last update (every cell saw `rollout_steps` rollout batches);
+  at equal updates: after update `rollout_steps` (the last update of E = 0; E > 0 cells have then seen
+    rollout_steps / (E + 1) batches).
   mean reward: the exact reward after each rollout step, averaged over the run (learning speed).
   reward drawdown: sum of the falls of the exact reward between consecutive points
     (rollout steps at equal samples, updates at equal updates): how much learning was undone.
@@ -65,9 +65,9 @@ def _pearson(x: Tensor, y: Tensor) -> Tensor:
 
 
 class _Runs:
-    def __init__(self, runs: list[CellRun], steps: int):
+    def __init__(self, runs: list[CellRun], rollout_steps: int):
         self.by_name = {r.cell.name: r for r in runs}
-        self.steps = steps
+        self.rollout_steps = rollout_steps
 
     def get(self, method: str, staleness: int = 0, delay: int = 0) -> CellRun | None:
         return self.by_name.get(Cell(method, staleness, delay).name)
@@ -87,150 +87,159 @@ class _Runs:
         return torch.where(reached.any(1), entropy.gather(1, first).squeeze(1), missing)
 
     def per_step(self, run: CellRun, key: str) -> Tensor:
-        """exact/<key> at the start and after each rollout step's last update: [S, steps + 1]."""
+        """exact/<key> at the start and after each rollout step's last update: [S, rollout_steps + 1]."""
         per_update = run.updates[f"exact/{key}"]
-        every = per_update.shape[1] // self.steps
+        every = per_update.shape[1] // self.rollout_steps
         return torch.cat([run.start[key][:, None], per_update[:, every - 1 :: every]], 1)
 
 
 def judge_claims(
     runs: list[CellRun],
-    steps: int,
+    rollout_steps: int,
     staleness: tuple[int, ...],
     delays: tuple[int, ...],
     claim2_staleness: tuple[int, ...],
 ) -> list[Claim]:
     """Every claim whose cells are present and that at least 2 seeds measure, in the order of the
     paper's claims 1-4, then the check of the entropy-change diagnostic."""
-    R = _Runs(runs, steps)
+    cells = _Runs(runs, rollout_steps)
     claims: list[Claim] = []
 
-    def add(id: str, text: str, setting: str, effects: Tensor, detail: str) -> None:
-        # Below EFFECT_RESOLUTION a difference is float rounding (float32 advantages), not an effect:
-        # two cells that ran identical updates must not get a "held" from 1e-9 noise.
+    def add(claim_id: str, text: str, setting: str, effects: Tensor, detail: str) -> None:
+        # Below EFFECT_RESOLUTION first difference is float rounding (float32 advantages), not an effect:
+        # two cells that ran identical updates must not get first "held" from 1e-9 noise.
         rounded = (effects / EFFECT_RESOLUTION).round() * EFFECT_RESOLUTION
         if int(rounded.isfinite().sum()) < 2:  # no interval (e.g. a cell never reached MATCHED_REWARD)
             return
-        claims.append(Claim.from_effects(id, text, setting, rounded.tolist(), detail))
+        claims.append(Claim.from_effects(claim_id, text, setting, rounded.tolist(), detail))
 
     # 1. growing staleness E: GRPO's entropy falls faster; reward / grad norm less stable
-    base = R.get("grpo", 0)
-    for e in staleness:
-        stale = R.get("grpo", e)
-        if base is None or stale is None or e == 0:
+    base = cells.get("grpo", 0)
+    for stale_e in staleness:
+        stale = cells.get("grpo", stale_e)
+        if base is None or stale is None or stale_e == 0:
             continue
-        a, b = R.end(base, "entropy"), R.end(stale, "entropy")
+        first, second = cells.end(base, "entropy"), cells.end(stale, "entropy")
         add(
-            f"1-entropy-E{e}-samples",
+            f"1-entropy-E{stale_e}-samples",
             "GRPO entropy falls faster as staleness E grows",
-            f"equal samples, E=0 vs E={e}",
-            a - b,
-            f"H(E=0) {_fmt(a)} vs H(E={e}) {_fmt(b)}",
+            f"equal samples, E=0 vs E={stale_e}",
+            first - second,
+            f"H(E=0) {_fmt(first)} vs H(E={stale_e}) {_fmt(second)}",
         )
-        a, b = R.at_reward(base), R.at_reward(stale)
+        first, second = cells.at_reward(base), cells.at_reward(stale)
         add(
-            f"1-entropy-E{e}-at-reward",
+            f"1-entropy-E{stale_e}-at-reward",
             "GRPO entropy falls faster as staleness E grows",
-            f"matched reward {MATCHED_REWARD}, E=0 vs E={e}",
-            a - b,
-            f"H(E=0) {_fmt(a)} vs H(E={e}) {_fmt(b)}",
+            f"matched reward {MATCHED_REWARD}, E=0 vs E={stale_e}",
+            first - second,
+            f"H(E=0) {_fmt(first)} vs H(E={stale_e}) {_fmt(second)}",
         )
-        a, b = R.at_update(base, "entropy", steps), R.at_update(stale, "entropy", steps)
+        first, second = (
+            cells.at_update(base, "entropy", rollout_steps),
+            cells.at_update(stale, "entropy", rollout_steps),
+        )
         add(
-            f"1-entropy-E{e}-updates",
+            f"1-entropy-E{stale_e}-updates",
             "GRPO entropy falls faster as staleness E grows",
-            f"equal updates ({steps}), E=0 vs E={e}",
-            a - b,
-            f"H(E=0) {_fmt(a)} vs H(E={e}) {_fmt(b)}",
+            f"equal updates ({rollout_steps}), E=0 vs E={stale_e}",
+            first - second,
+            f"H(E=0) {_fmt(first)} vs H(E={stale_e}) {_fmt(second)}",
         )
-    top = max((e for e in staleness if R.get("grpo", e) is not None and e > 0), default=None)
+    top = max(
+        (stale_e for stale_e in staleness if cells.get("grpo", stale_e) is not None and stale_e > 0), default=None
+    )
     if base is not None and top is not None:
-        stale = R.get("grpo", top)
-        a, b = _drawdown(R.per_step(base, "reward")), _drawdown(R.per_step(stale, "reward"))
+        stale = cells.get("grpo", top)
+        first, second = _drawdown(cells.per_step(base, "reward")), _drawdown(cells.per_step(stale, "reward"))
         add(
             f"1-reward-unstable-E{top}-samples",
             "GRPO reward less stable as E grows (reward drawdown)",
             f"equal samples, E=0 vs E={top}",
-            b - a,
-            f"drawdown E=0 {_fmt(a)} vs E={top} {_fmt(b)}",
+            second - first,
+            f"drawdown E=0 {_fmt(first)} vs E={top} {_fmt(second)}",
         )
-        a = _drawdown(base.updates["exact/reward"])
-        b = _drawdown(stale.updates["exact/reward"][:, :steps])
+        first = _drawdown(base.updates["exact/reward"])
+        second = _drawdown(stale.updates["exact/reward"][:, :rollout_steps])
         add(
             f"1-reward-unstable-E{top}-updates",
             "GRPO reward less stable as E grows (reward drawdown)",
-            f"equal updates ({steps}), E=0 vs E={top}",
-            b - a,
-            f"drawdown E=0 {_fmt(a)} vs E={top} {_fmt(b)}",
+            f"equal updates ({rollout_steps}), E=0 vs E={top}",
+            second - first,
+            f"drawdown E=0 {_fmt(first)} vs E={top} {_fmt(second)}",
         )
-        a, b = _cv(base.updates["grad_norm"]), _cv(stale.updates["grad_norm"])
+        first, second = _cv(base.updates["grad_norm"]), _cv(stale.updates["grad_norm"])
         add(
             f"1-gradnorm-unstable-E{top}-samples",
             "GRPO grad norm less stable as E grows (CV over updates)",
             f"equal samples, E=0 vs E={top}",
-            b - a,
-            f"CV E=0 {_fmt(a)} vs E={top} {_fmt(b)}",
+            second - first,
+            f"CV E=0 {_fmt(first)} vs E={top} {_fmt(second)}",
         )
-        b = _cv(stale.updates["grad_norm"][:, :steps])
+        second = _cv(stale.updates["grad_norm"][:, :rollout_steps])
         add(
             f"1-gradnorm-unstable-E{top}-updates",
             "GRPO grad norm less stable as E grows (CV over updates)",
-            f"equal updates ({steps}), E=0 vs E={top}",
-            b - a,
-            f"CV E=0 {_fmt(a)} vs E={top} {_fmt(b)}",
+            f"equal updates ({rollout_steps}), E=0 vs E={top}",
+            second - first,
+            f"CV E=0 {_fmt(first)} vs E={top} {_fmt(second)}",
         )
-    for k in delays:  # the second axis: async delay (each batch trained once, k rollout steps late)
-        late = R.get("grpo", 0, k)
+    for delay in delays:  # the second axis: async delay (each batch trained once, `delay` rollout steps late)
+        late = cells.get("grpo", 0, delay)
         if base is None or late is None:
             continue
-        a, b = R.end(base, "entropy"), R.end(late, "entropy")
+        first, second = cells.end(base, "entropy"), cells.end(late, "entropy")
         add(
-            f"1-entropy-delay{k}",
+            f"1-entropy-delay{delay}",
             "GRPO entropy falls faster with an async delay",
-            f"delay 0 vs {k} (equal samples = equal updates)",
-            a - b,
-            f"H(0) {_fmt(a)} vs H(delay {k}) {_fmt(b)}",
+            f"delay 0 vs {delay} (equal samples = equal updates)",
+            first - second,
+            f"H(0) {_fmt(first)} vs H(delay {delay}) {_fmt(second)}",
         )
 
     # 2. raising c_high slows the entropy fall; lowering c_low speeds it
-    for e in claim2_staleness:
-        grpo, high, low = R.get("grpo", e), R.get("grpo-c_high=2.0", e), R.get("grpo-c_low=0.6", e)
+    for stale_e in claim2_staleness:
+        grpo, high, low = (
+            cells.get("grpo", stale_e),
+            cells.get("grpo-c_high=2.0", stale_e),
+            cells.get("grpo-c_low=0.6", stale_e),
+        )
         if grpo is None:
             continue
-        g = R.end(grpo, "entropy")
+        grpo_entropy = cells.end(grpo, "entropy")
         if high is not None:
-            h = R.end(high, "entropy")
+            high_entropy = cells.end(high, "entropy")
             add(
-                f"2-c_high-E{e}",
+                f"2-c_high-E{stale_e}",
                 "raising c_high slows the entropy fall",
-                f"E={e}, c_high 1.2 -> 2.0 (c_low 0.8)",
-                h - g,
-                f"H(c_high 2.0) {_fmt(h)} vs H(1.2) {_fmt(g)}",
+                f"E={stale_e}, c_high 1.2 -> 2.0 (c_low 0.8)",
+                high_entropy - grpo_entropy,
+                f"H(c_high 2.0) {_fmt(high_entropy)} vs H(1.2) {_fmt(grpo_entropy)}",
             )
-            h, g2 = R.at_reward(high), R.at_reward(grpo)
+            high_entropy, grpo_at_reward = cells.at_reward(high), cells.at_reward(grpo)
             add(
-                f"2-c_high-E{e}-at-reward",
+                f"2-c_high-E{stale_e}-at-reward",
                 "raising c_high slows the entropy fall",
-                f"E={e}, c_high 1.2 -> 2.0, matched reward {MATCHED_REWARD}",
-                h - g2,
-                f"H(c_high 2.0) {_fmt(h)} vs H(1.2) {_fmt(g2)}",
+                f"E={stale_e}, c_high 1.2 -> 2.0, matched reward {MATCHED_REWARD}",
+                high_entropy - grpo_at_reward,
+                f"H(c_high 2.0) {_fmt(high_entropy)} vs H(1.2) {_fmt(grpo_at_reward)}",
             )
         if low is not None:
-            lo = R.end(low, "entropy")
+            low_entropy = cells.end(low, "entropy")
             add(
-                f"2-c_low-E{e}",
+                f"2-c_low-E{stale_e}",
                 "lowering c_low speeds the entropy fall",
-                f"E={e}, c_low 0.8 -> 0.6 (c_high 1.2)",
-                g - lo,
-                f"H(c_low 0.8) {_fmt(g)} vs H(0.6) {_fmt(lo)}",
+                f"E={stale_e}, c_low 0.8 -> 0.6 (c_high 1.2)",
+                grpo_entropy - low_entropy,
+                f"H(c_low 0.8) {_fmt(grpo_entropy)} vs H(0.6) {_fmt(low_entropy)}",
             )
-            lo, g2 = R.at_reward(low), R.at_reward(grpo)
+            low_entropy, grpo_at_reward = cells.at_reward(low), cells.at_reward(grpo)
             add(
-                f"2-c_low-E{e}-at-reward",
+                f"2-c_low-E{stale_e}-at-reward",
                 "lowering c_low speeds the entropy fall",
-                f"E={e}, c_low 0.8 -> 0.6, matched reward {MATCHED_REWARD}",
-                g2 - lo,
-                f"H(c_low 0.8) {_fmt(g2)} vs H(0.6) {_fmt(lo)}",
+                f"E={stale_e}, c_low 0.8 -> 0.6, matched reward {MATCHED_REWARD}",
+                grpo_at_reward - low_entropy,
+                f"H(c_low 0.8) {_fmt(grpo_at_reward)} vs H(0.6) {_fmt(low_entropy)}",
             )
 
     # 3. negative tokens dominate the loss early: positive share below 0.5 on the first batch
@@ -246,56 +255,56 @@ def judge_claims(
 
     # 4. BAPO holds the share at its target and keeps entropy, beating GRPO at every staleness;
     #    the adaptive target (bapo-entropy, where present) on the same rows, plus its tracking
-    settings = [(e, 0) for e in staleness] + [(0, k) for k in delays]
+    settings = [(stale_e, 0) for stale_e in staleness] + [(0, delay) for delay in delays]
     for variant, tag in (("bapo", ""), ("bapo-entropy", "-adaptive")):
-        for e, k in settings:
-            grpo, bapo = R.get("grpo", e, k), R.get(variant, e, k)
+        for stale_e, delay in settings:
+            grpo, bapo = cells.get("grpo", stale_e, delay), cells.get(variant, stale_e, delay)
             if grpo is None or bapo is None:
                 continue
-            where = f"E={e}" + (f" delay={k}" if k else "")
+            where = f"E={stale_e}" + (f" delay={delay}" if delay else "")
             key = where.replace(" ", "-") + tag
             name = "BAPO" + (" (adaptive target)" if tag else "")
             if "positive_share" in grpo.updates and "positive_share" in bapo.updates and not tag:
-                sg, sb = grpo.updates["positive_share"], bapo.updates["positive_share"]
-                closer = (sg - TARGET).abs().nanmean(1) - (sb - TARGET).abs().nanmean(1)
+                share_grpo, share_bapo = grpo.updates["positive_share"], bapo.updates["positive_share"]
+                closer = (share_grpo - TARGET).abs().nanmean(1) - (share_bapo - TARGET).abs().nanmean(1)
                 reached = bapo.updates["bapo/reached"].nanmean(1)
                 add(
                     f"4-share-{key}",
                     f"{name} holds the positive share nearer its target {TARGET} than GRPO",
                     where,
                     closer,
-                    f"share BAPO {_fmt(sb.nanmean(1))} vs GRPO {_fmt(sg.nanmean(1))}; "
+                    f"share BAPO {_fmt(share_bapo.nanmean(1))} vs GRPO {_fmt(share_grpo.nanmean(1))}; "
                     f"target reached in {_fmt(reached)} of updates with signal",
                 )
-            a, b = R.end(bapo, "entropy"), R.end(grpo, "entropy")
+            first, second = cells.end(bapo, "entropy"), cells.end(grpo, "entropy")
             add(
                 f"4-entropy-{key}",
                 f"{name} keeps more entropy than GRPO",
                 where + ", equal samples",
-                a - b,
-                f"{name} {_fmt(a)} vs GRPO {_fmt(b)}",
+                first - second,
+                f"{name} {_fmt(first)} vs GRPO {_fmt(second)}",
             )
-            if e or k or tag:  # at E=0 without delay, fixed-target BAPO and GRPO are the same run
-                a, b = R.at_reward(bapo), R.at_reward(grpo)
+            if stale_e or delay or tag:  # at E=0 without delay, fixed-target BAPO and GRPO are the same run
+                first, second = cells.at_reward(bapo), cells.at_reward(grpo)
                 add(
                     f"4-entropy-at-reward-{key}",
                     f"{name} keeps more entropy than GRPO",
                     f"{where}, matched reward {MATCHED_REWARD}",
-                    a - b,
-                    f"{name} {_fmt(a)} vs GRPO {_fmt(b)}",
+                    first - second,
+                    f"{name} {_fmt(first)} vs GRPO {_fmt(second)}",
                 )
             # Mean over the run, not the end: off-policy cells reach the reward ceiling (~0.999)
             # before the end, where an end value can no longer tell two methods apart.
-            a, b = R.per_step(bapo, "reward")[:, 1:].mean(1), R.per_step(grpo, "reward")[:, 1:].mean(1)
+            first, second = cells.per_step(bapo, "reward")[:, 1:].mean(1), cells.per_step(grpo, "reward")[:, 1:].mean(1)
             add(
                 f"4-reward-{key}",
                 f"{name} learns faster than GRPO (mean reward over the run)",
                 where + ", equal samples",
-                a - b,
-                f"{name} {_fmt(a)} vs GRPO {_fmt(b)}; at the end "
-                f"{_fmt(R.end(bapo, 'reward'))} vs GRPO {_fmt(R.end(grpo, 'reward'))}",
+                first - second,
+                f"{name} {_fmt(first)} vs GRPO {_fmt(second)}; at the end "
+                f"{_fmt(cells.end(bapo, 'reward'))} vs GRPO {_fmt(cells.end(grpo, 'reward'))}",
             )
-            fixed = R.get("bapo", e, k)
+            fixed = cells.get("bapo", stale_e, delay)
             if tag and fixed is not None and "bapo/set_point" in bapo.updates:
                 # Tracking: |batch entropy - set point| over the second half of the updates, the
                 # adaptive run against fixed-target BAPO measured from the same set point.

@@ -46,7 +46,7 @@ def plan_for(quick: bool = False, seeds: int | None = None) -> LabPlan:
     plan = LabPlan()
     if quick:
         plan = LabPlan(
-            replace(plan.config, seeds=6, steps=12, check_cells=("grpo E=4",)),
+            replace(plan.config, seeds=6, rollout_steps=12, check_cells=("grpo E=4",)),
             methods=("grpo", "bapo"),
             staleness=(0, 4),
             delays=(4,),
@@ -78,7 +78,7 @@ def run_cells(plan: LabPlan, jobs: int | None = None) -> list[CellRun]:
 
 
 def write_metrics(run: CellRun, path: Path) -> None:
-    """metrics.jsonl-style rows: one per seed and optimizer update (step = updates done; E and
+    """metrics.jsonl-style rows: one per seed and optimizer update (update = optimizer updates done; E and
     async_delay name the cell; staleness/mean is the update's lag in policy versions)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     keys = sorted(run.updates)
@@ -86,7 +86,7 @@ def write_metrics(run: CellRun, path: Path) -> None:
     updates_per_batch = run.cell.staleness + 1
     with path.open("w") as f:
         for seed, per_seed in zip(run.seeds, values):
-            for u, row in enumerate(per_seed):
+            for update, row in enumerate(per_seed):
                 f.write(
                     json.dumps(
                         {
@@ -95,9 +95,9 @@ def write_metrics(run: CellRun, path: Path) -> None:
                             "E": run.cell.staleness,
                             "async_delay": run.cell.delay,
                             "seed": seed,
-                            "step": u + 1,
-                            "rollout_step": u // updates_per_batch,
-                            "batch_version": run.versions[u],
+                            "update": update + 1,
+                            "rollout_step": update // updates_per_batch,
+                            "batch_version": run.versions[update],
                             **dict(zip(keys, row)),
                         }
                     )
@@ -121,7 +121,7 @@ def run_lab(
     start = time.perf_counter()
     runs = run_cells(plan, jobs)
     train_s = time.perf_counter() - start
-    claims = judge_claims(runs, plan.config.steps, plan.staleness, plan.delays, plan.claim2_staleness)
+    claims = judge_claims(runs, plan.config.rollout_steps, plan.staleness, plan.delays, plan.claim2_staleness)
     for run in runs:
         write_metrics(run, out / "cells" / run.cell.name.replace(" ", "_") / "metrics.jsonl")
     (out / "claims.json").write_text(claims_json(claims) + "\n")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from bapo.analysis.claims import Claim, claims_markdown, mean_interval
+from bapo.analysis.plots import save_figure
 from bapo.lab.run import CellRun
 
 # file name -> (title, series key); exact/* are closed-form values after each update
@@ -70,19 +71,19 @@ def plot_lab(runs: list[CellRun], out_dir: Path, target_share: float | None = No
         for ax in axes.flat[len(panels) :]:
             ax.set_visible(False)
         for ax, (panel_title, members, x_axis) in zip(axes.flat, panels):
-            for i, run in enumerate(members):
+            for index, run in enumerate(members):
                 if key not in run.updates:
                     continue
                 values = run.updates[key].tolist()
                 mean, low, high = _band(values)
                 per_batch = run.cell.staleness + 1
-                xs = [(u + 1) / per_batch if x_axis == "samples" else u + 1 for u in range(len(mean))]
+                xs = [(update + 1) / per_batch if x_axis == "samples" else update + 1 for update in range(len(mean))]
                 label = (
                     run.cell.name
                     if x_axis == "samples" or run.cell.delay or panel_title.startswith("async")
                     else run.cell.method
                 )
-                color = COLORS.get(run.cell.method) if x_axis == "update" and not run.cell.delay else f"C{i}"
+                color = COLORS.get(run.cell.method) if x_axis == "update" and not run.cell.delay else f"C{index}"
                 style = "--" if run.cell.delay else "-"
                 ax.plot(xs, mean, style, color=color, label=label, lw=1.3)
                 ax.fill_between(xs, low, high, color=color, alpha=0.2, lw=0)
@@ -92,11 +93,7 @@ def plot_lab(runs: list[CellRun], out_dir: Path, target_share: float | None = No
             ax.set_xlabel("rollout batches" if x_axis == "samples" else "optimizer updates", fontsize=8)
             ax.legend(fontsize=6)
         fig.suptitle(title + " - mean and 95% interval over seeds", fontsize=10)
-        fig.tight_layout()
-        path = out_dir / f"{name}.png"
-        fig.savefig(path, dpi=90)
-        plt.close(fig)
-        written.append(path)
+        written.append(save_figure(fig, out_dir, name, dpi=90))
     return written
 
 
@@ -131,7 +128,7 @@ def write_report(out: Path, runs: list[CellRun], claims: list[Claim], plan, info
         f"Regime: {task.prompts} prompts x {cfg.group_size} responses per rollout batch, vocabulary "
         f"{task.vocab}, budget {task.budget} guesses (a response stops at the first correct guess), start "
         f"answer probability {task.answer_prob[0]}-{task.answer_prob[1]} per state, SGD lr {cfg.lr} on the "
-        f"logits, {cfg.steps} rollout batches per cell, {cfg.seeds} seeds (paired: the same task instance "
+        f"logits, {cfg.rollout_steps} rollout batches per cell, {cfg.seeds} seeds (paired: the same task instance "
         f"and draws per seed in every cell). Start policy: reward {reward0:.3f}, entropy {entropy0:.3f} "
         "nats/token."
     )

@@ -80,8 +80,8 @@ class Cell:
 class LabConfig:
     """The regime (see README "mechanism lab" for why these values).
 
-    lr: SGD step on the logits; group_size: G responses per prompt; steps: rollout steps per cell
-    (equal samples in every cell; updates = steps * (E + 1)); seeds: how many; share_methods:
+    lr: SGD step on the logits; group_size: G responses per prompt; rollout_steps: per cell
+    (equal samples in every cell; updates = rollout_steps * (E + 1)); seeds: how many; share_methods:
     methods whose per-seed positive share is recorded at every update (BAPO's comes from its
     search); check_cells: cells whose full per-seed `clip_diagnostics` (entropy-change estimate,
     clip fractions) are recorded at every update. Both cost one host sync per seed and update.
@@ -90,7 +90,7 @@ class LabConfig:
     task: GuessTask = field(default_factory=GuessTask)
     lr: float = 100.0
     group_size: int = 12
-    steps: int = 24
+    rollout_steps: int = 24
     seeds: int = 20
     first_seed: int = 0
     share_methods: tuple[str, ...] = ("grpo", "bapo")
@@ -108,7 +108,7 @@ class LabConfig:
                     "max_new_tokens": self.task.budget,
                 },
                 "offpolicy": {"staleness": cell.delay, "mini_batches": cell.staleness + 1},
-                "run": {"steps": self.steps, "seed": seed, "progress": False},
+                "run": {"rollout_steps": self.rollout_steps, "seed": seed, "progress": False},
             }
         )
 
@@ -130,14 +130,14 @@ def _rollout(
 ) -> Rollouts:
     drawn = sample(logits.detach(), answers, cfg.group_size, generators)
     advantages, _ = group_advantages(drawn["rewards"].flatten(), cfg.group_size)
-    S = logits.shape[0]
+    seed_count = logits.shape[0]
     return Rollouts(
         drawn["prompt"],
         drawn["tokens"],
         drawn["mask"],
         drawn["log_prob"],
         drawn["rewards"],
-        advantages.reshape(S, -1).to(torch.float64),
+        advantages.reshape(seed_count, -1).to(torch.float64),
         version,
     )
 
@@ -149,17 +149,18 @@ def _loss_groups(
     search results ({} for fixed bounds). A fixed-bound method is one group; BAPO searches its
     bounds per seed (as the trainer does per update; `configs`: one BAPOConfig per seed, e.g.
     from an adaptive target) and seeds that found the same bounds share a group."""
-    S = ratio.shape[0]
+    seed_count = ratio.shape[0]
     if method != "bapo":
-        return [(list(range(S)), params)], {}
-    configs = configs or [params.get("bapo", BAPOConfig())] * S
+        return [(list(range(seed_count)), params)], {}
+    configs = configs or [params.get("bapo", BAPOConfig())] * seed_count
     groups: dict[tuple[float, float], list[int]] = {}
-    share, reached = torch.zeros(S, dtype=torch.float64), torch.zeros(S, dtype=torch.float64)
-    for s, config in enumerate(configs):
-        found = BoundStats(config).add(ratio[s], advantages[s], mask[s], validate=False).solve(sync=False)
-        groups.setdefault((found.lower, found.upper), []).append(s)
-        share[s], reached[s] = found.positive_share, float(found.reached)
-    rest = {k: v for k, v in params.items() if k != "bapo"}
+    share = torch.zeros(seed_count, dtype=torch.float64)
+    reached = torch.zeros(seed_count, dtype=torch.float64)
+    for seed, config in enumerate(configs):
+        found = BoundStats(config).add(ratio[seed], advantages[seed], mask[seed], validate=False).solve(sync=False)
+        groups.setdefault((found.lower, found.upper), []).append(seed)
+        share[seed], reached[seed] = found.positive_share, float(found.reached)
+    rest = {name: value for name, value in params.items() if name != "bapo"}
     return [(members, {**rest, "bounds": bounds}) for bounds, members in groups.items()], {
         "positive_share": share,
         "bapo/reached": reached,
@@ -179,29 +180,29 @@ def _update(
 ) -> dict[str, Tensor]:
     """One optimizer update of every seed on its mini-batch rows [S, b]; returns per-seed metrics [S]."""
     method, params = METHODS[cell.method]
-    S = rows.shape[0]
+    seed_count = rows.shape[0]
 
-    def pick(x: Tensor) -> Tensor:  # each seed's mini-batch rows of a [S, B] or [S, B, D] tensor
-        index = rows[:, :, None].expand(-1, -1, x.shape[-1]) if x.dim() == 3 else rows
-        return torch.gather(x, 1, index)
+    def pick(values: Tensor) -> Tensor:  # each seed's mini-batch rows of a [S, B] or [S, B, D] tensor
+        index = rows[:, :, None].expand(-1, -1, values.shape[-1]) if values.dim() == 3 else rows
+        return torch.gather(values, 1, index)
 
     prompt, tokens, mask = pick(batch.prompt), pick(batch.tokens), pick(batch.mask)
     old_log_prob, advantages = pick(batch.old_log_prob), pick(batch.advantages)
-    D = tokens.shape[-1]
+    length = tokens.shape[-1]
     entropy_before = token_entropy(logits.detach(), prompt, mask)
 
     log_prob = token_log_probs(logits, prompt, tokens)
     ratio = token_ratio(log_prob.detach(), old_log_prob)
-    lower, upper = torch.zeros(S, dtype=torch.float64), torch.zeros(S, dtype=torch.float64)
+    lower, upper = torch.zeros(seed_count, dtype=torch.float64), torch.zeros(seed_count, dtype=torch.float64)
     total = torch.zeros((), dtype=logits.dtype)
     groups, searched = _loss_groups(method, params, ratio, advantages, mask, configs)
     for members, group_params in groups:
         # a token sum (normalizer 1), made each seed's token mean below
         loss, metrics = policy_loss(
-            log_prob[members].reshape(-1, D),
-            old_log_prob[members].reshape(-1, D),
+            log_prob[members].reshape(-1, length),
+            old_log_prob[members].reshape(-1, length),
             advantages[members].reshape(-1),
-            mask[members].reshape(-1, D),
+            mask[members].reshape(-1, length),
             method,
             normalizer=1.0,
             **group_params,
@@ -221,7 +222,7 @@ def _update(
         "lower": lower,
         "upper": upper,
         "reward/batch": pick(batch.rewards).mean(1),
-        **{f"exact/{k}": v for k, v in exact_stats(logits.detach(), answers).items()},
+        **{f"exact/{name}": value for name, value in exact_stats(logits.detach(), answers).items()},
     }
     out.update(searched)
     # A mini-batch whose advantages are all zero (every group solved or every group failed) has no
@@ -231,14 +232,22 @@ def _update(
         keys = ("positive_share", "entropy_change_estimate", "clip_frac/upper", "clip_frac/lower", "clip_frac")
         per_seed = [
             clip_diagnostics(
-                log_prob[s].detach(), old_log_prob[s], advantages[s], mask[s], float(lower[s]), float(upper[s])
+                log_prob[seed].detach(),
+                old_log_prob[seed],
+                advantages[seed],
+                mask[seed],
+                float(lower[seed]),
+                float(upper[seed]),
             )
-            for s in range(S)
+            for seed in range(seed_count)
         ]
-        out.update({key: torch.tensor([m[key] for m in per_seed], dtype=torch.float64) for key in keys})
+        out.update({key: torch.tensor([metrics[key] for metrics in per_seed], dtype=torch.float64) for key in keys})
     elif share and "positive_share" not in out:
         out["positive_share"] = torch.tensor(
-            [positive_share(ratio[s], advantages[s], mask[s], float(lower[s]), float(upper[s])) for s in range(S)],
+            [
+                positive_share(ratio[seed], advantages[seed], mask[seed], float(lower[seed]), float(upper[seed]))
+                for seed in range(seed_count)
+            ],
             dtype=torch.float64,
         )
     for key in ("positive_share", "bapo/reached", "entropy_change_estimate"):
@@ -248,17 +257,17 @@ def _update(
 
 
 def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
-    """Train every seed of `cell` for cfg.steps rollout steps; deterministic per seed."""
+    """Train every seed of `cell` for cfg.rollout_steps rollout steps; deterministic per seed."""
     if cell.method not in METHODS:
         raise ValueError(f"method: {cell.method!r} is not one of {sorted(METHODS)}")
     seeds = list(range(cfg.first_seed, cfg.first_seed + cfg.seeds))
     train_cfg = cfg.train_config(cell)  # validates E and k the way `bapo train` does
-    instances = [cfg.task.instance(s) for s in seeds]
+    instances = [cfg.task.instance(seed) for seed in seeds]
     logits = torch.stack([start for start, _ in instances]).requires_grad_(True)
     answers = torch.stack([answer for _, answer in instances])
     # Per-seed rollout generators, the same in every cell: paired comparisons share the draws
     # until the policies differ.
-    generators = [torch.Generator().manual_seed(7_777_777 * s + 1) for s in seeds]
+    generators = [torch.Generator().manual_seed(7_777_777 * seed + 1) for seed in seeds]
     run = CellRun(cell, seeds)
     series: dict[str, list[Tensor]] = {}
     run.start = exact_stats(logits.detach(), answers)
@@ -271,13 +280,13 @@ def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
     # The adaptive target: one controller per seed, fed the entropy of each update (as a trainer would).
     adaptive = method == "bapo" and getattr(params.get("bapo"), "target_mode", "fixed") == "entropy"
     controllers = [EntropyTargetController(params["bapo"]) for _ in seeds] if adaptive else []
-    for step in range(cfg.steps):
+    for rollout_step in range(cfg.rollout_steps):
         buffer.push(_rollout(logits, answers, cfg, generators, version))
-        batch: Rollouts = buffer.pop(step)
-        schedules = [minibatch_order(rows_per_batch, cell.staleness + 1, 1, s, step) for s in seeds]
+        batch: Rollouts = buffer.pop(rollout_step)
+        schedules = [minibatch_order(rows_per_batch, cell.staleness + 1, 1, seed, rollout_step) for seed in seeds]
         for update in range(cell.staleness + 1):
             rows = torch.stack([schedule[update][1] for schedule in schedules])
-            configs = [c.search_config() for c in controllers] or None
+            configs = [controller.search_config() for controller in controllers] or None
             metrics = _update(
                 logits,
                 answers,
@@ -290,11 +299,14 @@ def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
                 configs,
             )
             if controllers:
-                metrics["bapo/target"] = torch.tensor([c.target for c in controllers], dtype=torch.float64)
+                metrics["bapo/target"] = torch.tensor(
+                    [controller.target for controller in controllers], dtype=torch.float64
+                )
                 for controller, entropy in zip(controllers, metrics["entropy/batch"].tolist()):
                     controller.update(entropy)
                 metrics["bapo/set_point"] = torch.tensor(
-                    [math.nan if c.set_point is None else c.set_point for c in controllers], dtype=torch.float64
+                    [math.nan if controller.set_point is None else controller.set_point for controller in controllers],
+                    dtype=torch.float64,
                 )
             # the trainer's name: optimizer updates between the behaviour policy and this update
             metrics["staleness/mean"] = torch.full((len(seeds),), float(version - batch.version), dtype=torch.float64)
@@ -302,5 +314,5 @@ def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
                 series.setdefault(key, []).append(value.double())
             run.versions.append(batch.version)
             version += 1
-    run.updates = {k: torch.stack(v, 1) for k, v in series.items()}
+    run.updates = {key: torch.stack(values, 1) for key, values in series.items()}
     return run

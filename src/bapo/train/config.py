@@ -171,7 +171,9 @@ class DivergenceSection(Section):
 class RunSection(Section):
     output_dir: str = Field("runs/bapo", description="the run directory (metrics.jsonl, checkpoints/, config.yaml)")
     overwrite: bool = Field(False, description="allow starting afresh in a directory that already holds a run")
-    steps: int = Field(100, gt=0, description="rollout steps; optimizer updates = steps x mini_batches x epochs")
+    rollout_steps: int = Field(
+        100, gt=0, description="rollout steps; optimizer updates = rollout_steps x mini_batches x epochs"
+    )
     seed: int = Field(0, description="seed of sampling, data order and init")
     checkpoint_every: int = Field(50, ge=0, description="rollout steps between checkpoints; 0 = only at the end")
     keep_checkpoints: int = Field(2, gt=0, description="newest checkpoints kept")
@@ -268,7 +270,7 @@ class TrainConfig(Section):
 
     @property
     def total_updates(self) -> int:
-        return self.run.steps * self.updates_per_batch
+        return self.run.rollout_steps * self.updates_per_batch
 
     def to_yaml(self) -> str:
         return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
@@ -406,10 +408,19 @@ def _error_line(msg: str, where: str, origin: _Origin, value=None) -> str:
     return text + origin.where(where)
 
 
+#: old dotted key -> its new name; an old key fails with one line naming the new one
+RENAMED_KEYS = {"run.steps": "run.rollout_steps"}
+
+
 def _check_keys(data: dict, model: type[BaseModel], origin: _Origin, prefix: str = "") -> None:
     """Unknown keys fail with the nearest valid dotted name (before pydantic's own message)."""
     for key, value in data.items():
         fields = model.model_fields
+        if prefix + key in RENAMED_KEYS:
+            raise ConfigError(
+                f"{prefix + key} was renamed {RENAMED_KEYS[prefix + key]}{origin.where(prefix + key)}: "
+                f"write {RENAMED_KEYS[prefix + key]} instead"
+            )
         if key not in fields:
             options = [prefix + name for name in fields]
             raise ConfigError(

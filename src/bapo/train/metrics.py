@@ -18,7 +18,7 @@ from bapo.train.config import ConfigError
 # fields that differ between two runs of the same config (resume tests ignore them)
 TIMING_PREFIXES = ("time/", "tokens_per_s")
 
-ProgressFn = Callable[[int, int, dict], None]
+ProgressFn = Callable[[int, int, dict], None]  # (optimizer updates done, total updates, row)
 
 
 def is_timing(key: str) -> bool:
@@ -32,16 +32,26 @@ def _json_value(value):
 
 
 def _row_line(row: dict) -> str:
-    return json.dumps({k: _json_value(v) for k, v in row.items()}) + "\n"
+    return json.dumps({key: _json_value(value) for key, value in row.items()}) + "\n"
+
+
+def _upgrade_row(row: dict) -> dict:
+    """A row of a metrics.jsonl written before "step" was renamed "update" (optimizer updates
+    done): the one place that maps the legacy key, so every reader sees "update"."""
+    if "step" in row and "update" not in row:
+        row = {("update" if key == "step" else key): value for key, value in row.items()}
+    return row
 
 
 def read_metrics(run_dir: Path) -> list[dict]:
-    """The rows of RUN_DIR/metrics.jsonl, in order. A line that does not parse (the partial last
-    line of a run killed mid-write) is skipped, so a killed run can still be read and resumed."""
+    """The rows of RUN_DIR/metrics.jsonl, in order, each with "update" (optimizer updates done)
+    and "rollout_step"; an old file's "step" is read as "update". A line that does not parse (the
+    partial last line of a run killed mid-write) is skipped, so a killed run can still be read
+    and resumed."""
     rows = []
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
         try:
-            rows.append(json.loads(line))
+            rows.append(_upgrade_row(json.loads(line)))
         except json.JSONDecodeError:
             continue
     return rows
@@ -59,19 +69,19 @@ class MetricsLog:
         self,
         run_dir: Path,
         tensorboard: str = "auto",
-        resume_step: int | None = None,
+        resume_update: int | None = None,
         report_to: tuple[str, ...] = ("jsonl", "tensorboard"),
         config: dict | None = None,
     ):
         run_dir = Path(run_dir)
         self.path = run_dir / "metrics.jsonl"
-        if resume_step is not None and self.path.exists():
+        if resume_update is not None and self.path.exists():
             # rows written after the checkpoint we resume from are replayed: drop them
-            rows = [row for row in read_metrics(run_dir) if row["step"] <= resume_step]
+            rows = [row for row in read_metrics(run_dir) if row["update"] <= resume_update]
             tmp = self.path.with_suffix(".jsonl.tmp")
             tmp.write_text("".join(_row_line(row) for row in rows))
             os.replace(tmp, self.path)  # a kill now leaves the old file, never half of it
-        elif resume_step is None:
+        elif resume_update is None:
             self.path.write_text("")
         self.file = self.path.open("a")
         self.writer = None
@@ -88,17 +98,17 @@ class MetricsLog:
                     ) from None
         self.wandb = None
         if "wandb" in report_to:
-            self.wandb = _start_wandb(run_dir, config or {}, resumed=resume_step is not None)
+            self.wandb = _start_wandb(run_dir, config or {}, resumed=resume_update is not None)
 
     def write(self, row: dict) -> None:
         self.file.write(_row_line(row))
         self.file.flush()
-        scalars = {k: v for k, v in row.items() if isinstance(v, (int, float)) and k != "step"}
+        scalars = {key: value for key, value in row.items() if isinstance(value, (int, float)) and key != "update"}
         if self.writer is not None:
             for key, value in scalars.items():
-                self.writer.add_scalar(key, value, row["step"])
+                self.writer.add_scalar(key, value, row["update"])
         if self.wandb is not None:
-            self.wandb.log(scalars, step=row["step"])
+            self.wandb.log(scalars, step=row["update"])
 
     def close(self) -> None:
         self.file.close()
@@ -139,7 +149,7 @@ class NoSignalWarning:
         self.last: int | None = None
 
     def check(self, row: dict) -> str | None:
-        if not self.every or (self.last is not None and row["step"] - self.last < self.every):
+        if not self.every or (self.last is not None and row["update"] - self.last < self.every):
             return None
         zero = row.get("groups/zero_variance", 0)
         truncated = row.get("rollout/response_length/truncated_frac", 0.0)
@@ -159,8 +169,8 @@ class NoSignalWarning:
             )
         else:
             return None
-        self.last = row["step"]
-        return f"update {row['step']}: no learning signal in this rollout batch: {why}"
+        self.last = row["update"]
+        return f"update {row['update']}: no learning signal in this rollout batch: {why}"
 
 
 # -- progress -----------------------------------------------------------------------------------
@@ -198,8 +208,8 @@ class RichProgress:
     def status(self, text: str) -> None:
         self.progress.update(self.task, doing=text)
 
-    def __call__(self, step: int, total: int, row: dict) -> None:
-        self.progress.update(self.task, completed=step, info=update_summary(row))
+    def __call__(self, update: int, total: int, row: dict) -> None:
+        self.progress.update(self.task, completed=update, info=update_summary(row))
 
     def close(self) -> None:
         self.progress.stop()
@@ -221,12 +231,12 @@ class PlainProgress:
         if text.startswith("warm-up"):  # per-update lines cover the rest
             self._print(text)
 
-    def __call__(self, step: int, total: int, row: dict) -> None:
-        done = step - self.start_done
+    def __call__(self, update: int, total: int, row: dict) -> None:
+        done = update - self.start_done
         elapsed = time.perf_counter() - self.started
-        eta = elapsed / done * (total - step) if done > 0 else float("nan")
+        eta = elapsed / done * (total - update) if done > 0 else float("nan")
         eta_text = f"{int(eta // 60)}m{int(eta % 60):02d}s" if math.isfinite(eta) else "-"
-        self._print(f"update {step}/{total}  {update_summary(row)}  eta {eta_text}")
+        self._print(f"update {update}/{total}  {update_summary(row)}  eta {eta_text}")
 
     def close(self) -> None:
         pass

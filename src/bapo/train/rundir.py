@@ -13,14 +13,14 @@ from pathlib import Path
 
 import yaml
 
-from bapo.train.config import ConfigError, TrainConfig
+from bapo.train.config import RENAMED_KEYS, ConfigError, TrainConfig
 
 LOCK_FILE = ".lock"
 
 # Dotted config fields (or section prefixes) that may differ between a run and its --resume:
 # they change how long, how often or where it is recorded, not what it computes.
 RESUMABLE_FIELDS = (
-    "run.steps",
+    "run.rollout_steps",
     "run.checkpoint_every",
     "run.keep_checkpoints",
     "run.save_optimizer",
@@ -91,7 +91,11 @@ def check_resume_config(run_dir: Path, cfg: TrainConfig) -> None:
             f"--resume {run_dir}: config.yaml is missing, so the run's settings cannot be checked; "
             "restore it or start a new run"
         )
-    saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
+    # a run written before a key was renamed (run.steps) is compared under the new name
+    saved = {
+        RENAMED_KEYS.get(key, key): value
+        for key, value in _flatten(yaml.safe_load(saved_path.read_text()) or {}).items()
+    }
     now = _flatten(cfg.model_dump(mode="json"))
     for key in sorted(set(saved) | set(now)):
         if saved.get(key) != now.get(key) and not key.startswith(RESUMABLE_FIELDS):
