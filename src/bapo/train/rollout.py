@@ -262,30 +262,12 @@ class Rollout:
         params = SamplingParams(self.rollout_cfg.temperature, self.rollout_cfg.top_k, self.rollout_cfg.top_p)
         was_training = model.training  # (train mode only for gradient checkpointing, which breaks the KV cache)
         model.eval()
+        # model, context, budget, sampling params, stop ids, pad: what both samplers take
+        common = (model, ctx_ids, ctx_mask, budget, params, self.eos_ids.tolist(), self.pad_id)
         if resolve_sampler(self.rollout_cfg.sampler, model) == "lean":
-            sampled = lean_sample(
-                model,
-                ctx_ids,
-                ctx_mask,
-                budget,
-                params,
-                self.eos_ids.tolist(),
-                self.pad_id,
-                row_budget=remaining.clamp_max(budget),
-                stop=self.stop,
-            )
+            sampled = lean_sample(*common, row_budget=remaining.clamp_max(budget), stop=self.stop)
         else:
-            sampled = hf_sample(
-                model,
-                ctx_ids,
-                ctx_mask,
-                budget,
-                params,
-                self.eos_ids.tolist(),
-                self.pad_id,
-                tokenizer=self.tokenizer,
-                stop_strings=self.rollout_cfg.stop,
-            )
+            sampled = hf_sample(*common, tokenizer=self.tokenizer, stop_strings=self.rollout_cfg.stop)
         model.train(was_training)
         width = ctx_ids.shape[1]
         new = sampled.tokens  # [n, <= budget]
