@@ -88,6 +88,10 @@ def test_two_processes_equal_one_process_on_the_same_global_batch(runs):
     for a, b, c in zip(one, two, double[1]["fixed"]):
         assert (a["lower"], a["upper"]) == (b["lower"], b["upper"])
         assert a["positive_share"] == pytest.approx(b["positive_share"], rel=1e-6)
+        # the logged diagnostics are over both ranks' tokens, the same on every rank
+        assert a["logged_positive_share"] == pytest.approx(b["logged_positive_share"], rel=1e-6)
+        assert a["logged_tokens"] == b["logged_tokens"] == c["logged_tokens"]
+        assert b["logged_positive_share"] == c["logged_positive_share"]
         assert a["loss"] == pytest.approx(b["loss"], rel=1e-5, abs=1e-7)
         assert a["param_sum"] == pytest.approx(b["param_sum"], rel=1e-6)
         assert a["param_abs_sum"] == pytest.approx(b["param_abs_sum"], rel=1e-6)

@@ -22,7 +22,7 @@ import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
-from bapo.core import BAPOConfig, policy_loss, search_bounds, token_ratio  # noqa: E402
+from bapo.core import BAPOConfig, clip_statistics, policy_loss, search_bounds, token_ratio  # noqa: E402
 from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer  # noqa: E402
 from bapo.integrations.trl.tiny import addition_prompts, build_tiny_model, digit_match_reward  # noqa: E402
 from bapo.integrations.trl.trainer import starts_optimizer_step  # noqa: E402
@@ -285,7 +285,8 @@ def test_grpo_method_reproduces_trl_loss(tiny_model_dir, tmp_path, loss_type):
     )
     buffer = generation_buffer(trainer, seed=1)
     start_optimizer_step(trainer, buffer, 0)
-    for batch in buffer[:ACCUMULATION]:
+    for step, batch in enumerate(buffer[:ACCUMULATION]):
+        trainer._step = step
         ours = trainer._compute_loss(trainer.model, batch)
         trl_loss = GRPOTrainer._compute_loss(trainer, trainer.model, batch)
         torch.testing.assert_close(ours, trl_loss, rtol=1e-5, atol=1e-7)
@@ -302,6 +303,7 @@ def test_vllm_importance_weights_and_kl_match_trl(tiny_model_dir, tmp_path):
         batch["importance_sampling_ratio"] = torch.rand(batch["completion_mask"].shape, generator=generator) * 2
         batch["ref_per_token_logps"] = batch["old_per_token_logps"] - 0.1
     start_optimizer_step(trainer, buffer, 0)
+    trainer.current_gradient_accumulation_steps = 1  # a step of one micro-batch: its metrics are logged at once
     ours = trainer._compute_loss(trainer.model, buffer[0])
     torch.testing.assert_close(ours, GRPOTrainer._compute_loss(trainer, trainer.model, buffer[0]), rtol=1e-5, atol=1e-7)
     assert "kl" in trainer._metrics["train"]
@@ -352,6 +354,77 @@ def test_training_off_policy_logs_bapo_metrics(tiny_model_dir, tmp_path):
     # After the first update the buffered rollouts are stale: ratios leave 1.
     later = logs[1:]
     assert any(entry["bapo/ratio/max"] > 1 + 1e-4 or entry["bapo/ratio/min"] < 1 - 1e-4 for entry in later)
+
+
+def step_statistics(search, step_batches, tensors):
+    """clip_statistics of one optimizer step's micro-batches concatenated, under the step's bounds `search`."""
+    return clip_statistics(
+        torch.cat([log_prob for log_prob, *_ in tensors]),
+        torch.cat([batch["old_per_token_logps"] for batch in step_batches]),
+        torch.cat([advantages for *_, advantages in tensors]),
+        torch.cat([mask for _, mask, _ in tensors]),
+        search.lower,
+        search.upper,
+    ).finalize()
+
+
+def test_diagnostics_are_over_the_whole_optimizer_step(tiny_model_dir, tmp_path):
+    """One value per optimizer step, over all of its tokens; a micro-batch without signal adds no NaN."""
+    trainer = make_trainer(tiny_model_dir, tmp_path, bapo_target=0.6, num_iterations=2)
+    buffer = generation_buffer(trainer, seed=4)
+    buffer[1]["advantages"] = torch.zeros_like(buffer[1]["advantages"])  # no learning signal
+    expected = []
+    for first in (STEPS_PER_GENERATION, STEPS_PER_GENERATION + ACCUMULATION):  # stale: ratios differ from 1
+        start_optimizer_step(trainer, buffer, first)
+        step_batches = buffer[first % STEPS_PER_GENERATION : first % STEPS_PER_GENERATION + ACCUMULATION]
+        tensors = []
+        for index, batch in enumerate(step_batches):
+            mask = batch["completion_mask"]
+            tensors.append((current_log_prob(trainer, batch)[0], mask, batch["advantages"][:, None].expand_as(mask)))
+            trainer._step = first + index
+            trainer._compute_loss(trainer.model, batch)
+            # nothing logged before the step's last micro-batch, then one value
+            assert len(trainer._metrics["train"]["bapo/positive_share"]) == len(expected) + index
+        expected.append(step_statistics(trainer._step_search, step_batches, tensors))
+    metrics = trainer._metrics["train"]
+    assert all(math.isfinite(value) for value in metrics["bapo/positive_share"])
+    for name in ("positive_share", "clip_frac", "clip_frac/upper", "clip_frac/lower", "ratio/mean", "tokens"):
+        assert metrics[f"bapo/{name}"] == pytest.approx([step[name] for step in expected], rel=1e-5), name
+    assert metrics["bapo/tokens"][0] == float(sum(b["completion_mask"].sum() for b in buffer[:ACCUMULATION]))
+    assert 0 < metrics["bapo/clip_frac"][0] < 1 or 0 < metrics["bapo/clip_frac"][1] < 1  # something clipped
+
+
+def test_training_logs_the_share_of_each_optimizer_steps_tokens(tiny_model_dir, tmp_path):
+    """A real run whose first micro-batch has no signal: each logged positive_share is finite and
+    equals the share over all of that step's tokens (token-weighted, not a mean over micro-batches)."""
+    steps: list[list] = []
+
+    class NoSignalFirst(BAPOGRPOTrainer):
+        def _compute_loss(self, model, inputs):
+            if starts_optimizer_step(self):
+                if not steps:
+                    inputs = {**inputs, "advantages": torch.zeros_like(inputs["advantages"])}
+                steps.append([[], []])
+            mask = self._loss_mask(inputs)
+            log_prob = current_log_prob(self, inputs)[0]
+            batches, tensors = steps[-1][:2]
+            batches.append({"old_per_token_logps": self._old_log_prob(inputs, log_prob)})
+            tensors.append((log_prob, mask, self._advantages(inputs, mask)))
+            loss = super()._compute_loss(model, inputs)
+            steps[-1][2:] = [self._step_search]  # the step's bounds
+            return loss
+
+    trainer = make_trainer(
+        tiny_model_dir, tmp_path, trainer_class=NoSignalFirst, max_steps=3, num_iterations=2, bapo_target=0.6
+    )
+    trainer.train()
+    logs = [entry for entry in trainer.state.log_history if "loss" in entry]
+    assert len(logs) == len(steps) == 3
+    assert all(len(tensors) == ACCUMULATION for _, tensors, _ in steps)
+    expected = [step_statistics(search, batches, tensors) for batches, tensors, search in steps]
+    assert all(math.isfinite(entry["bapo/positive_share"]) for entry in logs)
+    for name in ("positive_share", "clip_frac", "tokens"):
+        assert [entry[f"bapo/{name}"] for entry in logs] == pytest.approx([step[name] for step in expected], rel=1e-4)
 
 
 @pytest.mark.parametrize(

@@ -122,6 +122,9 @@ def fixed_batch_steps(model_dir: str, out: Path) -> list[dict]:
                 "lower": search.lower,
                 "upper": search.upper,
                 "positive_share": search.positive_share,
+                # the logged diagnostic: the step's ClipStats summed over ranks, then finalized
+                "logged_positive_share": trainer._metrics["train"]["bapo/positive_share"][-1],
+                "logged_tokens": trainer._metrics["train"]["bapo/tokens"][-1],
                 "loss": float(total),
                 "param_sum": float(params.double().sum()),
                 "param_abs_sum": float(params.double().abs().sum()),

@@ -190,6 +190,6 @@ def test_bapo_grpo_trainer_two_off_policy_steps_on_the_real_model(smollm2_dir, t
     for entry in logged:
         assert 0.6 <= entry["bapo/lower"] < 1 < entry["bapo/upper"] <= 3.0
         assert math.isfinite(entry["grad_norm"])
-        # a micro-batch without reward variance has no positive share (missing, logged NaN -> None)
+        # an optimizer step without reward variance has no positive share (logged NaN -> None)
         share = entry["bapo/positive_share"]
         assert (share is not None and 0.0 <= share <= 1.0) or entry["bapo/no_signal"] > 0, entry

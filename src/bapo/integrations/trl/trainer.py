@@ -20,6 +20,9 @@ serves micro-batch s from `_buffered_inputs[s % steps_per_generation]`, and accu
 2. Every micro-batch of the step then runs `policy_loss(method="bapo", bounds=those bounds)`
    with the normalizer of TRL's `loss_type`, so the summed micro-batch losses equal the loss of
    the whole step, as in TRL.
+3. The diagnostics (`ClipStats`) of the step's micro-batches are summed, combined over ranks
+   (one SUM and one MAX all-reduce) and finalized once at its last micro-batch, so the `bapo/`
+   shares of a step are over all of its tokens and each step appends one value to TRL's metrics.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from trl.models.utils import disable_gradient_checkpointing
 
 from bapo.core import (
     BoundStats,
+    ClipStats,
     EntropyTargetController,
     SearchResult,
     aggregate_loss,
@@ -60,13 +64,15 @@ FORWARD_FIELDS = (
 )
 
 
-def starts_optimizer_step(trainer: GRPOTrainer) -> bool:
+def starts_optimizer_step(trainer: GRPOTrainer, ahead: int = 0) -> bool:
     """Whether the micro-batch about to run is the first of an optimizer step, read from TRL's own
     state: `GRPOTrainer._step` counts the micro-batches already run (`training_step` increments it
     after each) and TRL closes an optimizer step when `_step % current_gradient_accumulation_steps`
     returns to 0 (its `step_time` metric). The one place that reads TRL's private counters;
-    tests/integrations/test_trl_trainer.py checks it against the optimizer steps TRL takes."""
-    return trainer._step % trainer.current_gradient_accumulation_steps == 0
+    tests/integrations/test_trl_trainer.py checks it against the optimizer steps TRL takes.
+    ahead: ask about the micro-batch that many after the one about to run (ahead=1 at the last
+    micro-batch of a step: the next one starts a new step)."""
+    return (trainer._step + ahead) % trainer.current_gradient_accumulation_steps == 0
 
 
 class BAPOGRPOTrainer(GRPOTrainer):
@@ -89,6 +95,9 @@ class BAPOGRPOTrainer(GRPOTrainer):
         # BAPO's rho0, fixed or steered by the entropy of the previous optimizer step (all ranks' tokens)
         self._bapo_target = EntropyTargetController(args.bapo_config())
         self._step_entropy = [0.0, 0.0]  # sum of token entropies, tokens: this step's training micro-batches
+        # per mode: the summed diagnostics and the other metrics of this optimizer step's micro-batches so far
+        self._step_diagnostics: dict[str, ClipStats] = {}
+        self._step_metrics: dict[str, list[dict[str, float]]] = {}
 
     # ---- the loss (overrides GRPOTrainer._compute_loss) -------------------------------------------------
 
@@ -120,6 +129,8 @@ class BAPOGRPOTrainer(GRPOTrainer):
             search = self._log_search(stats.solve(), float(mask.sum()), mode)
             params = {**self._loss_params, "bounds": (search.lower, search.upper)}
         loss_agg_mode, normalizer = self._aggregation(inputs, mask, mode)
+        if mode not in self._step_diagnostics:
+            self._step_diagnostics[mode] = ClipStats.empty(self.accelerator.device)
         loss, metrics = policy_loss(
             log_prob,
             old_log_prob,
@@ -130,15 +141,18 @@ class BAPOGRPOTrainer(GRPOTrainer):
             normalizer=normalizer,
             importance_weights=weights,
             entropy=entropy,
+            stats=self._step_diagnostics[mode],
             **params,
         )
         if self.beta != 0.0:
             kl = self._reference_kl(inputs, log_prob, old_log_prob)
             loss = loss + self.beta * aggregate_loss(kl, mask, loss_agg_mode, normalizer)
-            metrics["kl"] = float((kl.detach() * mask).sum() / mask.sum().clamp(min=1.0))
+            metrics["kl_sum"], metrics["kl_tokens"] = float((kl.detach() * mask).sum()), float(mask.sum())
         if self.aux_loss_enabled:
             loss = loss + self.router_aux_loss_coef * aux_loss / self._accumulation(mode)
-        self._log_bapo_metrics(mode, metrics)
+        self._step_metrics.setdefault(mode, []).append(metrics)
+        if mode == "eval" or starts_optimizer_step(self, ahead=1):  # the step's last micro-batch
+            self._log_step_metrics(mode)
         return loss
 
     # ---- the adaptive target's state in TRL checkpoints -------------------------------------------------
@@ -356,16 +370,40 @@ class BAPOGRPOTrainer(GRPOTrainer):
             normalizer = float(mask.size(0) * self.max_completion_length * accumulation)
         return self.args.bapo_loss_agg_mode, normalizer
 
-    def _log_bapo_metrics(self, mode: str, metrics: dict[str, float]) -> None:
-        """Append `bapo/<name>` (averaged over ranks) to TRL's metrics; TRL averages them per logging step.
+    def _log_step_metrics(self, mode: str) -> None:
+        """Append one optimizer step's `bapo/<name>` values to TRL's metrics (TRL averages them per logging step).
 
-        `entropy` and `kl` also go under TRL's own names, so TRL dashboards keep working.
+        The diagnostics are the step's `ClipStats` summed over its micro-batches and ranks, then
+        finalized: shares over all of the step's tokens (a micro-batch without signal adds nothing
+        instead of a NaN). `loss` is the sum of the micro-batch losses (the step's loss), the
+        method's own metrics the mean over micro-batches, `kl` the mean over the step's tokens;
+        these are averaged over ranks.
         """
-        names = list(metrics)
-        values = [metrics[name] for name in names]
+        diagnostics = self._step_diagnostics.pop(mode)
+        micro_batches = self._step_metrics.pop(mode)
+        if self.accelerator.num_processes > 1:
+            diagnostics.all_reduce()
+        local = {"loss": sum(metrics["loss"] for metrics in micro_batches)}
+        for name in micro_batches[0]:
+            if name not in ("loss", "kl_sum", "kl_tokens"):
+                local[name] = sum(metrics[name] for metrics in micro_batches) / len(micro_batches)
+        if "kl_sum" in micro_batches[0]:
+            tokens = sum(metrics["kl_tokens"] for metrics in micro_batches)
+            local["kl"] = sum(metrics["kl_sum"] for metrics in micro_batches) / max(tokens, 1.0)
+        self._log_bapo_metrics(mode, local, diagnostics.finalize())
+
+    def _log_bapo_metrics(self, mode: str, local: dict[str, float], combined: dict[str, float]) -> None:
+        """Append `bapo/<name>` to TRL's metrics: `local` values averaged over ranks, `combined` ones
+        (already over all ranks) as they are. `entropy` and `kl` also go under TRL's own names, so
+        TRL dashboards keep working.
+        """
+        names = list(local)
+        values = [local[name] for name in names]
         if self.accelerator.num_processes > 1:  # one collective for all of them
             stacked = torch.tensor(values, device=self.accelerator.device)
             values = self.accelerator.reduce(stacked, reduction="mean").tolist()
+        names += list(combined)
+        values += list(combined.values())
         for name, value in zip(names, values):
             self._metrics[mode][name if name.startswith("bapo/") else f"bapo/{name}"].append(value)
             if name in ("entropy", "kl"):
