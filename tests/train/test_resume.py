@@ -54,8 +54,14 @@ def test_resume_is_exact_on_cuda(tiny_model, tmp_path, monkeypatch):
     )
 
 
-def check_resume_is_exact(tiny_model, tmp_path, extra):
-    data = dict(examples=arithmetic_examples(), verifier=digit_share)
+def test_resume_is_exact_for_dcpo(tiny_model, tmp_path):
+    """DCPO's per-prompt reward history is part of the checkpoint: 5 prompts, 4 per step, so the
+    prompts of steps 4-6 all have history from before the checkpoint."""
+    check_resume_is_exact(tiny_model, tmp_path, {"loss.method": "dcpo"}, examples=arithmetic_examples(5))
+
+
+def check_resume_is_exact(tiny_model, tmp_path, extra, examples=None):
+    data = dict(examples=examples or arithmetic_examples(), verifier=digit_share)
     straight = make_config(tiny_model, tmp_path / "straight", **{"run.rollout_steps": 6, **extra})
     rows_straight = read_metrics(train(straight, **data))
 

@@ -118,8 +118,16 @@ BAPOSection = create_model(
 
 class LossSection(Section):
     method: str = Field("grpo", description="grpo | clip-higher | dual-clip | topr | dcpo | bapo")
-    agg_mode: str = Field(
-        "token-mean", description="token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm"
+    agg_mode: str | None = Field(
+        None,
+        description="token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm; "
+        "null = the method's paper's (bapo.core.PAPER_AGG_MODES: token-mean, dcpo and topr seq-mean-token-sum)",
+    )
+    advantages: Literal["auto", "group", "dcpo_smooth"] = Field(
+        "auto",
+        description="group (GRPO's per-group standardisation) | dcpo_smooth (DCPO's smooth advantage "
+        "standardisation over each prompt's reward history, checkpointed; ignores scale_by_std) | "
+        "auto = dcpo_smooth for loss.method=dcpo, group otherwise",
     )
     params: dict[str, Any] = Field(
         {}, description="extra keyword arguments of the loss (lower=, upper=, dual_clip=, ...)"
@@ -135,6 +143,20 @@ class LossSection(Section):
     zero_variance: Literal["keep", "drop"] = Field("keep", description="drop = dynamic sampling (no refill)")
     kl_coef: float = Field(0.0, ge=0, description="k3 KL to the initial model; > 0 keeps a frozen copy")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient")
+
+    @property
+    def resolved_agg_mode(self) -> str:
+        """agg_mode, or the method's paper's aggregation when it is null."""
+        from bapo.core import PAPER_AGG_MODES
+
+        return self.agg_mode if self.agg_mode is not None else PAPER_AGG_MODES[self.method]
+
+    @property
+    def resolved_advantages(self) -> str:
+        """advantages with auto resolved: dcpo_smooth for method dcpo, group otherwise."""
+        if self.advantages != "auto":
+            return self.advantages
+        return "dcpo_smooth" if self.method == "dcpo" else "group"
 
 
 class OffPolicySection(Section):
@@ -217,7 +239,7 @@ class TrainConfig(Section):
                 f"loss.method={self.loss.method!r}: choose one of {', '.join(POLICY_LOSSES)}"
                 + _suggest(self.loss.method, POLICY_LOSSES)
             )
-        if self.loss.agg_mode not in AGG_MODES:
+        if self.loss.agg_mode is not None and self.loss.agg_mode not in AGG_MODES:
             raise ValueError(
                 f"loss.agg_mode={self.loss.agg_mode!r}: choose one of {', '.join(AGG_MODES)}"
                 + _suggest(self.loss.agg_mode, AGG_MODES)

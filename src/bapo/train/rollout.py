@@ -1,7 +1,8 @@
 """Rollout: G sampled responses per prompt (bapo.train.sampling: a lean KV-cache loop, or HF
 `generate`), the behaviour log-prob of every token (read from the sampling pass by the lean loop on
 an fp32 model, else recomputed by a forward of the same weights at the same temperature), rewards
-from the verifier, group advantages.
+from the verifier, advantages: group advantages, or DCPO's smooth advantage standardisation over
+each prompt's reward history (`loss.advantages`; auto = smooth for loss.method=dcpo).
 
 Partial rollout (rollout.segment_tokens = L) runs through the same code: every generation pass
 adds at most L tokens to each unfinished response; a group trains once all its G responses are
@@ -19,7 +20,7 @@ from dataclasses import dataclass, fields
 import torch
 from torch import Tensor
 
-from bapo.core import group_advantages
+from bapo.core import PromptRewardHistory, group_advantages
 from bapo.train.config import TrainConfig
 from bapo.train.data import PromptSampler
 from bapo.train.rewards import score
@@ -37,7 +38,7 @@ class Batch:
     old_log_prob: Tensor  # [N, R] float32, behaviour log-prob of each token (logits / T)
     versions: Tensor  # [N, R] int64, policy version that sampled each token (-1 on padding)
     rewards: Tensor  # [N] float32
-    advantages: Tensor  # [N] float32, group-normalised
+    advantages: Tensor  # [N] float32, group-normalised (or DCPO's smooth standardisation)
     truncated: Tensor  # [N] bool: reached max_new_tokens without EOS / stop string
     example_idx: Tensor  # [N] int64, row of the dataset
     ref_log_prob: Tensor | None = None  # [N, R] reference-model log-prob (only with loss.kl_coef > 0)
@@ -198,6 +199,8 @@ class Rollout:
         self.capacity = self.rollout_cfg.prompts_per_batch * math.ceil(self.rollout_cfg.max_new_tokens / self.segment)
         self.in_flight: list[dict] = []
         self.ready: list[dict] = []
+        # DCPO's per-prompt reward statistics, keyed by dataset index (loss.advantages=dcpo_smooth)
+        self.history = PromptRewardHistory()
         self.stop = None
         if self.rollout_cfg.stop:
             from transformers.generation.stopping_criteria import StopStringCriteria
@@ -206,11 +209,19 @@ class Rollout:
 
     # -- state ------------------------------------------------------------------------------
     def state_dict(self) -> dict:
-        return {"in_flight": self.in_flight, "ready": self.ready, "sampler": self.sampler.state_dict()}
+        return {
+            "in_flight": self.in_flight,
+            "ready": self.ready,
+            "sampler": self.sampler.state_dict(),
+            "history": self.history.state_dict(),
+        }
 
     def load_state_dict(self, state: dict) -> None:
         self.in_flight, self.ready = state["in_flight"], state["ready"]
         self.sampler.load_state_dict(state["sampler"])
+        self.history = PromptRewardHistory()
+        if "history" in state:  # checkpoints from before DCPO's smooth advantages have none
+            self.history.load_state_dict(state["history"])
 
     # -- one rollout step -------------------------------------------------------------------
     def step(self, model, version: int) -> tuple[Batch, dict]:
@@ -326,11 +337,34 @@ class Rollout:
         self.ready += finished
         return failures
 
+    def _smooth_advantages(self, examples: list[int], rewards: Tensor) -> Tensor:
+        """DCPO's smooth advantages [N] for groups of prompts `examples` [P] (dataset indices) with
+        rewards [N = P * group_size], updating each prompt's history. A prompt that occurs k times
+        in one batch (a small dataset, or cohorts of partial rollout finishing together) is seen
+        as k successive steps, in batch order: round j takes every prompt's j-th occurrence."""
+        group_size = self.rollout_cfg.group_size
+        advantages = torch.empty_like(rewards)
+        seen: dict[int, int] = {}
+        rounds: list[list[int]] = []  # group positions, each prompt at most once per round
+        for position, example in enumerate(examples):
+            occurrence = seen[example] = seen.get(example, -1) + 1
+            if occurrence == len(rounds):
+                rounds.append([])
+            rounds[occurrence].append(position)
+        for positions in rounds:
+            rows = (torch.tensor(positions)[:, None] * group_size + torch.arange(group_size)).reshape(-1)
+            advantages[rows] = self.history.advantages([examples[p] for p in positions], rewards[rows], group_size).to(
+                rewards.dtype
+            )
+        return advantages
+
     def _to_batch(self, groups: list[dict]) -> tuple[Batch, int, int]:
         """Finished groups -> Batch with group advantages; drops zero-variance groups when asked."""
         group_size = self.rollout_cfg.group_size
         rewards = torch.tensor([reward for group in groups for reward in group["rewards"]], dtype=torch.float32)
         advantages, zero_var = group_advantages(rewards, group_size, scale_by_std=self.cfg.loss.scale_by_std)
+        if self.cfg.loss.resolved_advantages == "dcpo_smooth":
+            advantages = self._smooth_advantages([group["example"] for group in groups], rewards)
         zero_groups = zero_var.reshape(-1, group_size)[:, 0]
         keep = torch.ones(len(groups), dtype=torch.bool)
         if self.cfg.loss.zero_variance == "drop":

@@ -26,8 +26,8 @@ from bapo.train.rollout import Batch, token_log_probs
 
 
 def _normalizer(cfg: TrainConfig, batch: Batch) -> float:
-    """The denominator of the whole update, so that micro-batch losses add up to it."""
-    mode = cfg.loss.agg_mode
+    """The denominator of the whole update (for the resolved aggregation), so that micro-batch losses add up to it."""
+    mode = cfg.loss.resolved_agg_mode
     if mode == "token-mean":
         return float(max(batch.tokens, 1))
     if mode == "seq-mean-token-sum-norm":
@@ -152,7 +152,7 @@ def optimizer_update(
             mb.advantages,
             mb.response_mask,
             cfg.loss.method,
-            loss_agg_mode=cfg.loss.agg_mode,
+            loss_agg_mode=cfg.loss.resolved_agg_mode,
             normalizer=normalizer,
             entropy=entropy,
             stats=mb_stats,
@@ -160,11 +160,13 @@ def optimizer_update(
         )
         terms = {"loss": metrics.pop("loss")}
         if cfg.loss.kl_coef > 0:  # k3 estimate of KL(pi || ref), verl's "low_var_kl"
-            kl = aggregate_loss(k3_kl(mb.ref_log_prob - log_prob), mb.response_mask, cfg.loss.agg_mode, normalizer)
+            kl = aggregate_loss(
+                k3_kl(mb.ref_log_prob - log_prob), mb.response_mask, cfg.loss.resolved_agg_mode, normalizer
+            )
             loss = loss + cfg.loss.kl_coef * kl
             terms["kl_loss"] = float(kl.detach())
         if cfg.loss.entropy_coef > 0:
-            bonus = aggregate_loss(entropy, mb.response_mask, cfg.loss.agg_mode, normalizer)
+            bonus = aggregate_loss(entropy, mb.response_mask, cfg.loss.resolved_agg_mode, normalizer)
             loss = loss - cfg.loss.entropy_coef * bonus
             terms["entropy_loss"] = float(bonus.detach())
         if not math.isfinite(terms["loss"]) or not torch.isfinite(loss):
