@@ -24,25 +24,18 @@ from tests.core.reference import (
 )
 
 GRADIENT = [
-    BAPOConfig(
-        target=0.5,
-        lower_start=0.6,
-        lower_max=0.9,
-        lower_step=0.05,
-        upper_start=1.2,
-        upper_max=3.0,
-        upper_step=0.05,
-        order="upper-first",
-    ),
-    BAPOConfig(
-        target=0.5,
-        lower_start=0.6,
-        lower_max=0.9,
-        lower_step=0.05,
-        upper_start=1.2,
-        upper_max=3.0,
-        upper_step=0.05,
-        order="lower-first",
+    *(
+        BAPOConfig(
+            target=0.5,
+            lower_start=0.6,
+            lower_max=0.9,
+            lower_step=0.05,
+            upper_start=1.2,
+            upper_max=3.0,
+            upper_step=0.05,
+            order=order,
+        )
+        for order in ("upper-first", "lower-first")
     ),
     BAPOConfig(),  # paper's search space and rho0 0.4, steps 0.02 / 0.05
     BAPOConfig(target=1.0, target_kind="pos_neg", upper_step=0.1, order="lower-first"),

@@ -219,46 +219,27 @@ def test_eval_of_a_run_dir_uses_its_latest_checkpoint_and_settings(tiny_model, t
         ).exit_code
         == 0
     )
-    result = runner.invoke(
-        app,
-        [
-            "eval",
-            "--model",
-            str(tmp_path / "run"),
-            "--data",
-            str(tmp_path / "train.jsonl"),
-            "--k",
-            "2",
-            "--limit",
-            "3",
-            "--seed",
-            "1",
-        ],
-    )
+    eval_args = [
+        "eval",
+        "--model",
+        str(tmp_path / "run"),
+        "--data",
+        str(tmp_path / "train.jsonl"),
+        "--k",
+        "2",
+        "--limit",
+        "3",
+        "--seed",
+        "1",
+    ]
+    result = runner.invoke(app, eval_args)
     assert result.exit_code == 0, result.output
     scores = json.loads(result.output.strip().splitlines()[-1])
     assert scores["model"].endswith("checkpoints/step_000002/model") or scores["model"].endswith("/model")
     assert scores["sampling/temperature"] == 0.7 and scores["sampling/top_k"] == 5
     assert scores["sampling/system_prompt"] == "q: " and scores["sampling/max_new_tokens"] == 6
     assert 0 < scores["response_length/mean_tokens"] <= 6 and scores["seed"] == 1
-    again = runner.invoke(
-        app,
-        [
-            "eval",
-            "--model",
-            str(tmp_path / "run"),
-            "--data",
-            str(tmp_path / "train.jsonl"),
-            "--k",
-            "2",
-            "--limit",
-            "3",
-            "--seed",
-            "1",
-            "--temperature",
-            "0",
-        ],
-    )
+    again = runner.invoke(app, [*eval_args, "--temperature", "0"])
     assert json.loads(again.output.strip().splitlines()[-1])["sampling/temperature"] == 0.0
     missing = runner.invoke(
         app, ["eval", "--model", str(tmp_path / "nope" / "x"), "--data", str(tmp_path / "train.jsonl")]
