@@ -40,6 +40,7 @@ def compose(arguments: list[str]):
 def test_example_config_is_the_papers_setting():
     from verl.utils.config import omega_conf_to_dataclass
 
+    from bapo.core import BAPOConfig
     from bapo.integrations.verl import BAPOPolicyLossConfig
 
     config = compose(launch_arguments(STALENESS="3"))
@@ -58,14 +59,19 @@ def test_example_config_is_the_papers_setting():
     assert (search.lower_step, search.upper_step) == (0.02, 0.05)
     assert actor.optim.lr == 2e-6 and config.actor_rollout_ref.rollout.temperature == 0.6
     assert actor.clip_ratio_c == 3.0  # dual-clip, read by bapo's loss as verl's vanilla reads it
+    # the paper's grid and order with bapo's gradient share (the file names the Eq. 8 switch)
+    assert search == BAPOConfig.paper(contribution="gradient", weighting="none")
 
 
 def test_recipe_config_is_the_recipes_search():
     from verl.utils.config import omega_conf_to_dataclass
 
+    from bapo.core import BAPOConfig
+
     config = compose(launch_arguments(CONFIG="bapo_recipe"))
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)
     search = actor.policy_loss.bapo_config()
+    assert search == BAPOConfig.recipe()  # the recipe exactly: clamped pos/neg, its stepping and eps
     assert (search.target, search.target_kind, search.order) == (1.0, "pos_neg", "lower-first")
     assert (search.lower_grid[0], search.lower_grid[-1]) == pytest.approx((0.6, 0.8))
     assert (search.upper_grid[0], search.upper_grid[-1]) == pytest.approx((1.2, 2.0))

@@ -1,5 +1,6 @@
 """bapo's losses registered in verl: same values and gradients as bapo.core, verl's normalisation."""
 
+import dataclasses
 import math
 
 import pytest
@@ -232,6 +233,32 @@ def test_micro_batch_scope_searches_this_micro_batch(weighted):
     )
     torch.testing.assert_close(loss, expected_loss)
     torch.testing.assert_close(grad, expected_grad)
+
+
+def test_micro_batch_scope_searches_with_the_step_config_and_logs_its_target():
+    """The worker's controller sets rho0 per step (StepBounds.config): the micro-batch search and
+    actor/bapo/target use it, not the policy_loss config's own target."""
+    tokens = make_tokens(seed=4)
+    policy_loss_config = BAPOPolicyLossConfig(loss_mode="bapo", target=0.3, scope="micro_batch", target_mode="entropy")
+    step_config = dataclasses.replace(policy_loss_config.bapo_config(), target=0.75)
+    with optimizer_step_bounds(StepBounds("micro_batch", config=step_config)):
+        _, _, metrics = run_registered(
+            "bapo", "token-mean", actor_config("token-mean", policy_loss_config, {}), tokens, False
+        )
+    ratio = token_ratio(tokens["log_prob"], tokens["old_log_prob"])
+    mask = tokens["response_mask"].bool()
+    found = search_bounds(ratio, tokens["advantages"], mask, step_config)
+    assert (metrics["actor/bapo/search/lower"], metrics["actor/bapo/search/upper"]) == (found.lower, found.upper)
+    own = search_bounds(ratio, tokens["advantages"], mask, policy_loss_config.bapo_config())
+    assert (own.lower, own.upper) != (found.lower, found.upper)  # the step's rho0 mattered
+    assert metrics["actor/bapo/target"] == 0.75
+
+
+def test_entropy_target_without_bapo_worker_fails_naming_the_setting():
+    """No BAPOTrainingWorker (no step bounds): nothing feeds the controller, so refuse, not run fixed."""
+    config = actor_config("token-mean", BAPOPolicyLossConfig(loss_mode="bapo", target_mode="entropy"), {})
+    with pytest.raises(ValueError, match="target_mode.*BAPOTrainingWorker"):
+        run_registered("bapo", "token-mean", config, make_tokens(), False)
 
 
 def test_topr_leaves_out_its_unbounded_upper():

@@ -47,6 +47,9 @@ LOSS_CONFIG = {
     "upper_step": 0.1,
 }
 
+# target_mode=entropy: rho0 held for the first update, then steered hard enough to move each step
+ENTROPY_TARGET = {"target_mode": "entropy", "target_hold_updates": 1, "target_gain": 2.0, "target_integral_gain": 0.5}
+
 
 def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
     """A random 2-layer Qwen2 (hidden 32), float64, built locally from a config (no download)."""
@@ -65,14 +68,19 @@ def tiny_qwen2(seed: int = 0) -> torch.nn.Module:
     return Qwen2ForCausalLM(config).double()
 
 
-def sequence_log_probs(model: torch.nn.Module, input_ids: torch.Tensor) -> torch.Tensor:
-    """verl's no-padding log-probs: nested [B, j] like input_ids, entry i = log p(token i+1 | tokens <= i)."""
-    per_sequence = []
+def sequence_outputs(model: torch.nn.Module, input_ids: torch.Tensor) -> dict[str, torch.Tensor]:
+    """verl's no-padding model outputs, each nested [B, j] like input_ids: log_probs (entry i =
+    log p(token i+1 | tokens <= i)) and entropy (entry i = entropy of the distribution at i)."""
+    log_probs, entropies = [], []
     for ids in input_ids.unbind():
-        logits = model(input_ids=ids[None]).logits[0]  # [j, V]
+        log_softmax = torch.log_softmax(model(input_ids=ids[None]).logits[0], -1)  # [j, V]
         next_ids = torch.roll(ids, -1)
-        per_sequence.append(torch.log_softmax(logits, -1).gather(-1, next_ids[:, None]).squeeze(-1))
-    return torch.nested.as_nested_tensor(per_sequence, layout=torch.jagged)
+        log_probs.append(log_softmax.gather(-1, next_ids[:, None]).squeeze(-1))
+        entropies.append(-(log_softmax.exp() * log_softmax).sum(-1))
+    return {
+        name: torch.nested.as_nested_tensor(values, layout=torch.jagged)
+        for name, values in (("log_probs", log_probs), ("entropy", entropies))
+    }
 
 
 class CPUEngine(BaseEngine):
@@ -119,6 +127,16 @@ class CPUEngine(BaseEngine):
     def lr_scheduler_step(self):
         return self.optimizer.param_groups[0]["lr"]
 
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
+        os.makedirs(local_path, exist_ok=True)
+        state = {"model": self.module.state_dict(), "optimizer": self.optimizer.state_dict()}
+        torch.save(state, os.path.join(local_path, f"engine_rank{dist.get_rank()}.pt"))
+
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
+        state = torch.load(os.path.join(local_path, f"engine_rank{dist.get_rank()}.pt"))
+        self.module.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+
     def split(self, data: TensorDict, same_count_on_all_ranks: bool):
         """verl's dynamic-batch-size micro-batches. FSDPEngine asks for the same count on every rank
         (same_micro_num_in_dp=True, needed by TrainingWorker's metric aggregation); its all-reduce
@@ -142,11 +160,14 @@ class CPUEngine(BaseEngine):
             self.probe_micro_batch_counts.append(len(micro_batches))
         outputs = []
         for micro_batch in micro_batches:
-            log_probs = sequence_log_probs(self.module, micro_batch["input_ids"])
-            loss, metrics = loss_function(model_output={"log_probs": log_probs}, data=micro_batch, dp_group=self.group)
+            model_output = sequence_outputs(self.module, micro_batch["input_ids"])
+            if not tu.get_non_tensor_data(data=micro_batch, key="calculate_entropy", default=False):
+                del model_output["entropy"]  # as verl's engines: entropy only when asked for
+            loss, metrics = loss_function(model_output=model_output, data=micro_batch, dp_group=self.group)
             if not forward_only:
                 loss.backward()
-            outputs.append({"model_output": {"log_probs": log_probs.detach()}, "loss": loss.item(), "metrics": metrics})
+            log_probs = model_output["log_probs"].detach()
+            outputs.append({"model_output": {"log_probs": log_probs}, "loss": loss.item(), "metrics": metrics})
         return postprocess_batch_func(output_lst=outputs, indices=indices, data=data)
 
 
@@ -201,7 +222,7 @@ def interleave(shards: list[TensorDict], per_rank_mini_batch: int) -> TensorDict
     return torch.cat(pieces, dim=0)
 
 
-def make_worker(group, model, scope: str = "step", dynamic_batch_size: bool = True):
+def make_worker(group, model, scope: str = "step", dynamic_batch_size: bool = True, **loss_config):
     """BAPOTrainingWorker wired as ActorRolloutRefWorker.init_model wires it, minus Ray and FSDP."""
     from omegaconf import OmegaConf
     from verl.utils.config import omega_conf_to_dataclass
@@ -211,8 +232,8 @@ def make_worker(group, model, scope: str = "step", dynamic_batch_size: bool = Tr
     import bapo.integrations.verl.worker as bapo_worker
 
     class RecordingWorker(bapo_worker.BAPOTrainingWorker):
-        def solve_bounds(self, data, policy_loss):
-            found, tokens = super().solve_bounds(data, policy_loss)
+        def solve_bounds(self, data, config):
+            found, tokens = super().solve_bounds(data, config)
             self.solved.append(found)
             return found, tokens
 
@@ -225,7 +246,7 @@ def make_worker(group, model, scope: str = "step", dynamic_batch_size: bool = Tr
                 "use_dynamic_bsz": True,
                 "ppo_max_token_len_per_gpu": TRAIN_TOKENS,
                 "rollout_n": 1,
-                "policy_loss": {**LOSS_CONFIG, "scope": scope},
+                "policy_loss": {**LOSS_CONFIG, "scope": scope, **loss_config},
             }
         )
     )
@@ -301,6 +322,8 @@ def rank_main(rank: int, world_size: int, port: int, out_dir: str):
     except ValueError as error:
         result["micro_refusal"] = str(error)
 
+    result["entropy"] = entropy_target_runs(shards, rank, out_dir)
+
     alone = dist.new_group([0])  # every rank takes part in creating it; only rank 0 uses it
     if rank == 0:
         reference = make_worker(alone, tiny_qwen2())
@@ -310,6 +333,64 @@ def rank_main(rank: int, world_size: int, port: int, out_dir: str):
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
+
+
+def entropy_target_runs(shards: list[TensorDict], rank: int, out_dir: str) -> dict:
+    """target_mode=entropy: two rollout batches straight (8 optimizer steps), and the same run
+    split by a checkpoint into a fresh worker with other initial weights."""
+    from bapo.core.target import EntropyTargetController
+
+    class RecordingController(EntropyTargetController):
+        def __init__(self, config):
+            super().__init__(config)
+            self.fed: list[float] = []
+
+        def update(self, entropy: float) -> float:
+            self.fed.append(entropy)
+            return super().update(entropy)
+
+    def entropy_worker(seed: int = 0):
+        worker = make_worker(dist.group.WORLD, tiny_qwen2(seed), **ENTROPY_TARGET)
+        worker.bapo_target = RecordingController(worker.loss_fn.keywords["config"].policy_loss.bapo_config())
+        return worker
+
+    straight = entropy_worker()
+    straight_targets = [
+        target for _ in range(2) for target in train(straight, no_padding(shards[rank]))["actor/bapo/target"]
+    ]
+    first_half = entropy_worker()
+    train(first_half, no_padding(shards[rank]))
+    checkpoint = os.path.join(out_dir, "checkpoint")
+    first_half.save_checkpoint(checkpoint)
+    dist.barrier()
+    resumed = entropy_worker(seed=1)  # the checkpoint must bring back the weights as well
+    resumed.load_checkpoint(checkpoint)
+    resumed_targets = train(resumed, no_padding(shards[rank]))["actor/bapo/target"]
+    return {
+        "fed": straight.bapo_target.fed,
+        "targets": straight_targets,
+        "state": straight.bapo_target.state_dict(),
+        "config": straight.bapo_target.config,
+        "resumed_fed": resumed.bapo_target.fed,
+        "resumed_targets": resumed_targets,
+        "resumed_state": resumed.bapo_target.state_dict(),
+        "checkpoint_files": sorted(os.listdir(checkpoint)),
+        "first_step_direct": direct_entropy(shards, MINI_BATCH // 2) if rank == 0 else None,
+    }
+
+
+def direct_entropy(shards: list[TensorDict], per_rank_mini_batch: int) -> float:
+    """Token-mean entropy of every rank's first mini-batch at the initial weights, in one process."""
+    from verl.workers.utils.padding import no_padding_2_padding
+
+    model, total, count = tiny_qwen2(), 0.0, 0.0
+    for shard in shards:
+        first = no_padding(shard[:per_rank_mini_batch])
+        with torch.no_grad():
+            entropy = no_padding_2_padding(sequence_outputs(model, first["input_ids"])["entropy"], first)
+        mask = first.select("response_mask").to_padded_tensor()["response_mask"]
+        total, count = total + float((entropy * mask).sum()), count + float(mask.sum())
+    return total / count
 
 
 def count_calls(module, name: str) -> SimpleNamespace:
@@ -335,7 +416,7 @@ def direct_search(shards: list[TensorDict], per_rank_mini_batch: int):
     for shard in shards:
         first = no_padding(shard[:per_rank_mini_batch])
         with torch.no_grad():
-            log_prob = no_padding_2_padding(sequence_log_probs(model, first["input_ids"]), first)
+            log_prob = no_padding_2_padding(sequence_outputs(model, first["input_ids"])["log_probs"], first)
         tokens = first.select("old_log_probs", "advantages", "response_mask").to_padded_tensor()
         pieces.append((token_ratio(log_prob, tokens["old_log_probs"]), tokens["advantages"], tokens["response_mask"]))
     ratio, advantages, mask = (torch.cat(parts) for parts in zip(*pieces))
@@ -407,6 +488,34 @@ def test_micro_batch_scope_solves_per_micro_batch_consistently_across_ranks(rank
 
 def test_micro_batch_scope_refuses_dynamic_batch_sizes(ranks):
     assert "use_dynamic_bsz" in ranks[0]["micro_refusal"]
+
+
+def test_entropy_target_is_fed_the_same_all_rank_entropy_on_every_rank(ranks):
+    fed = [rank["entropy"]["fed"] for rank in ranks]
+    assert len(fed[0]) == 8 and fed[0] == fed[1]  # one all-reduced value per optimizer step
+    assert all(value > 0 for value in fed[0])
+    # the first step's entropy is the token mean over both ranks' first mini-batches
+    assert fed[0][0] == pytest.approx(ranks[0]["entropy"]["first_step_direct"], rel=1e-9)
+
+
+def test_entropy_target_sets_each_steps_rho0_from_the_last_steps_entropy(ranks):
+    from bapo.core.target import EntropyTargetController
+
+    run = ranks[0]["entropy"]
+    controller = EntropyTargetController(run["config"])
+    expected = [run["config"].target] + [controller.update(entropy) for entropy in run["fed"][:-1]]
+    assert run["targets"] == pytest.approx(expected, abs=1e-12)  # actor/bapo/target, per step
+    assert len({round(target, 9) for target in run["targets"]}) > 3  # the controller moved rho0
+    assert ranks[1]["entropy"]["targets"] == run["targets"]
+
+
+def test_entropy_target_resumes_exactly_from_a_checkpoint(ranks):
+    for rank, run in enumerate(ranks):
+        run = run["entropy"]
+        assert f"bapo_target_rank{rank}.json" in run["checkpoint_files"]
+        assert run["resumed_state"] == run["state"]  # 4 + resume + 4 == 8 straight
+        assert run["resumed_fed"] == run["fed"][4:]
+        assert run["resumed_targets"] == run["targets"][4:]
 
 
 def test_plugin_import_installs_the_worker_after_verl_loads_its_workers():

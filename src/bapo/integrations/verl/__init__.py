@@ -11,7 +11,9 @@ in every process through the `verl.plugins` entry point, and Hydra imports it wh
 With that config every actor worker solves BAPO's bounds once per optimizer step over the
 whole mini-batch and all data-parallel ranks (`worker.BAPOTrainingWorker`; policy_loss.scope=micro_batch:
 per micro-batch, no extra forward); the search's metrics appear as actor/bapo/search/{lower, upper,
-share, pos_neg, reached, steps, scope, tokens}, the loss's diagnostics as actor/bapo/..., next to verl's own.
+share, pos_neg, reached, steps, scope, tokens}, the step's rho0 as actor/bapo/target (steered by the
+worker's entropy controller under policy_loss.target_mode=entropy), the loss's diagnostics as
+actor/bapo/..., next to verl's own.
 `BAPOTrainingWorker` and `install` live in `bapo.integrations.verl.worker`, which imports verl's
 worker stack (Ray, FastAPI, uvicorn); this module imports only verl's loss registry and configs.
 """

@@ -42,12 +42,15 @@ class StepBounds:
     solved: scope "step": the bounds searched over the whole mini-batch on all ranks.
     process_group: scope "micro_batch": the data-parallel group each micro-batch's loss
       all-reduces its bucket sums over (None: the default group).
+    config: the search config of this step (the policy_loss's, with rho0 set by the worker's
+      entropy controller under target_mode=entropy); None: the policy_loss's own.
     """
 
     scope: str
     solved: SearchResult | None = None
     tokens: int = 0  # tokens the step search saw (this rank)
     process_group: Any = None
+    config: BAPOConfig | None = None
 
 
 _step_bounds: ContextVar[StepBounds | None] = ContextVar("bapo_verl_step_bounds", default=None)
@@ -76,8 +79,10 @@ class BAPOPolicyLossConfig(PolicyLossConfig):
       docstring): target, target_kind ("share" = rho0 | "pos_neg"), order, contribution,
       weighting, stepping, pos_neg_eps, lower_start/lower_max/lower_step and
       upper_start/upper_max/upper_step (ratio bounds, not epsilons), target_mode and the
-      target_* fields of the entropy controller; dual_clip (optional cap on the loss of negative
-      tokens, > 1). BAPOConfig.paper() / .recipe() give the values of the paper and the recipe.
+      target_* fields of the entropy controller (target_mode=entropy: rho0 set each optimizer
+      step by BAPOTrainingWorker from the policy entropy, see bapo.core.target); dual_clip
+      (optional cap on the loss of negative tokens, > 1). BAPOConfig.paper() / .recipe() give
+      the values of the paper and the recipe.
     topr: negative_ratio_max (truncation of the IS ratio of negative tokens).
     dcpo: eps_low, eps_high, ratio_max.
     None means bapo.core's default for that loss.
@@ -117,11 +122,7 @@ class BAPOPolicyLossConfig(PolicyLossConfig):
 
     def __post_init__(self) -> None:
         getattr(super(), "__post_init__", lambda: None)()
-        if self.bapo_config().target_mode == "entropy":  # also fails at config time on a bad search space
-            raise ValueError(
-                "target_mode: 'entropy' is not wired into verl's workers yet; use target_mode=fixed "
-                "there (bapo train and BAPOGRPOTrainer support it)"
-            )
+        self.bapo_config()  # a bad search space or target fails here, when Hydra builds the config
 
     def bapo_config(self) -> BAPOConfig:
         """The search space and target as bapo.core's BAPOConfig."""

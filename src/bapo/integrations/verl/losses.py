@@ -133,6 +133,13 @@ def _core_params(method: str, config: Any) -> dict[str, Any]:
     if method in DUAL_CLIP_LOSSES and params.get("dual_clip") is None:
         getter = config.get if hasattr(config, "get") else lambda name, default: getattr(config, name, default)
         params["dual_clip"] = getter("clip_ratio_c", 3.0)
+    entropy_target = method == "bapo" and params.get("bapo") is not None and params["bapo"].target_mode == "entropy"
+    if entropy_target and step_bounds() is None:
+        raise ValueError(
+            "policy_loss.target_mode: 'entropy' needs bapo's actor worker (BAPOTrainingWorker), which feeds "
+            "the entropy controller; another ActorRolloutRefWorker.actor_worker_cls is installed: remove it "
+            "or set policy_loss.target_mode=fixed"
+        )
     if method == "bapo" and step_bounds() is None and not _warned_per_micro_batch:
         _warned_per_micro_batch = True
         logger.warning(
@@ -152,12 +159,15 @@ def _bounds_of_this_micro_batch(
     weights: Tensor | None,
 ) -> dict[str, float] | None:
     """Set params["bounds"] from the worker's step bounds (scope step) or from this micro-batch's
-    own ratios, summed over the data-parallel group with one all-reduce (scope micro_batch);
-    returns their bapo/search/* metrics (None without a BAPOTrainingWorker: bapo_loss then
-    searches this micro-batch alone)."""
+    own ratios, summed over the data-parallel group with one all-reduce (scope micro_batch), and
+    params["bapo"] to the step's search config (its rho0 set by the worker's controller);
+    returns their bapo/search/* metrics and bapo/target (None without a BAPOTrainingWorker:
+    bapo_loss then searches this micro-batch alone)."""
     bounds = step_bounds()
     if bounds is None:
         return None
+    if bounds.config is not None:
+        params["bapo"] = bounds.config
     if bounds.scope == "step":
         found, tokens = bounds.solved, bounds.tokens
     else:
@@ -172,7 +182,7 @@ def _bounds_of_this_micro_batch(
         found = stats.solve(process_group=bounds.process_group, sync=dist.is_available() and dist.is_initialized())
         tokens = int(response_mask.sum())
     params["bounds"] = (found.lower, found.upper)
-    return search_metrics([(found, tokens)], bounds.scope)
+    return {**search_metrics([(found, tokens)], bounds.scope), "bapo/target": params["bapo"].target}
 
 
 def make_verl_loss(method: str):

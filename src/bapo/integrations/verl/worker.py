@@ -23,6 +23,17 @@ runs the engine's own once-per-call collectives (global token count; with dynami
 FSDP's micro-batch count), as verl's compute_log_prob does. Cost: one extra forward without
 grad per mini-batch, with verl's log-prob micro-batch sizes.
 
+Adaptive target (policy_loss.target_mode=entropy): the worker owns the run's
+`EntropyTargetController`. Each optimizer step it asks the engine for per-token entropy in the
+training forward it already runs (calculate_entropy=True; with entropy_coeff 0 it adds nothing to
+the loss), sums it over the step's micro-batches, and after the step one all-reduce of
+[sum, count] over every rank of the worker group gives all of them the same mean entropy
+(replicas of a tensor- or sequence-parallel group repeat their tokens, which leaves a mean
+unchanged; pipeline stages without the loss add nothing), so every rank's controller moves the
+same way and the next step's search runs with its rho0. Its state goes next to the actor
+checkpoint (`bapo_target_rank<r>.json`, see save_checkpoint). Cost: the entropy over the
+vocabulary in the training forward and one small all-reduce per optimizer step.
+
 `install()` makes verl's `ActorRolloutRefWorker` build this worker as its actor
 (`ActorRolloutRefWorker.actor_worker_cls`, the extension point verl's own Tinker worker uses).
 With any loss other than `bapo` it behaves exactly like verl's `TrainingWorker`.
@@ -30,18 +41,22 @@ With any loss other than `bapo` it behaves exactly like verl's `TrainingWorker`.
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 from functools import partial
 from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
 from tensordict import TensorDict
+from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 from verl.workers.utils.padding import no_padding_2_padding
 
-from bapo.core import BoundStats, SearchResult, token_ratio
+from bapo.core import BAPOConfig, BoundStats, SearchResult, token_ratio
+from bapo.core.target import EntropyTargetController, token_mean_over_ranks
 from bapo.integrations.verl.config import BAPOPolicyLossConfig, StepBounds, optimizer_step_bounds
 
 logger = logging.getLogger(__name__)
@@ -77,6 +92,18 @@ def add_bound_stats(
     return torch.zeros((), device=log_prob.device), {}
 
 
+def add_entropy(
+    model_output: dict, data: TensorDict, dp_group=None, *, loss_fn: Any, entropy_sums: list[float]
+) -> tuple[torch.Tensor, dict]:
+    """verl's loss_fn, plus: add this micro-batch's masked entropy sum and token count to
+    `entropy_sums` ([sum, count]). model_output["entropy"]: nested [B, j] like the log-probs."""
+    entropy = no_padding_2_padding(model_output["entropy"], data).detach()  # [B, T]
+    mask = data.select("response_mask").to_padded_tensor()["response_mask"].to(entropy.dtype)
+    entropy_sums[0] += float((entropy * mask).sum())
+    entropy_sums[1] += float(mask.sum())
+    return loss_fn(model_output=model_output, data=data, dp_group=dp_group)
+
+
 def collective_device(group) -> torch.device:
     """Where a tensor must live for a collective on `group` (CPU for gloo, the accelerator else)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_backend(group) == "gloo":
@@ -100,14 +127,19 @@ class BAPOTrainingWorker(TrainingWorker):
     """verl's TrainingWorker whose optimizer step first solves BAPO's bounds over the mini-batch.
 
     Used as the inner actor of `ActorRolloutRefWorker` (see `install`); `train_mini_batch`
-    calls `train_batch` once per mini-batch.
+    calls `train_batch` once per mini-batch. Holds the run's entropy controller (target_mode
+    entropy), built on first use from the policy_loss config and saved with the checkpoint.
     """
+
+    bapo_target: Optional[EntropyTargetController] = None
 
     def train_batch(self, data: TensorDict) -> TensorDict:
         policy_loss = bound_search_config(self.loss_fn)
         if policy_loss is None:
             return super().train_batch(data)
         dp_group = self.engine.get_data_parallel_group()
+        target = self.target_controller(policy_loss)
+        search_config = target.search_config()
         if policy_loss.scope == "micro_batch":
             if tu.get(data, key="use_dynamic_bsz", default=self.engine_config.use_dynamic_bsz):
                 raise ValueError(
@@ -115,18 +147,36 @@ class BAPOTrainingWorker(TrainingWorker):
                     "dynamic batch sizes do not give: set actor_rollout_ref.actor.use_dynamic_bsz=False "
                     "(with ppo_micro_batch_size_per_gpu) or policy_loss.scope=step"
                 )
-            bounds = StepBounds("micro_batch", process_group=dp_group)
+            bounds = StepBounds("micro_batch", process_group=dp_group, config=search_config)
         else:
-            solved, tokens = self.solve_bounds(data, policy_loss)
-            bounds = StepBounds("step", solved=solved, tokens=tokens)
-        with optimizer_step_bounds(bounds):
-            return super().train_batch(data)
+            solved, tokens = self.solve_bounds(data, search_config)
+            bounds = StepBounds("step", solved=solved, tokens=tokens, config=search_config)
+        if search_config.target_mode != "entropy":
+            with optimizer_step_bounds(bounds):
+                return super().train_batch(data)
+        entropy_sums = [0.0, 0.0]
+        tu.assign_non_tensor(data, calculate_entropy=True)
+        loss_fn, self.loss_fn = self.loss_fn, partial(add_entropy, loss_fn=self.loss_fn, entropy_sums=entropy_sums)
+        try:
+            with optimizer_step_bounds(bounds):
+                output = super().train_batch(data)
+        finally:
+            self.loss_fn = loss_fn
+        # every rank, every step: one all-reduce (see the module docstring for why over all ranks)
+        target.update(token_mean_over_ranks(*entropy_sums, device=collective_device(None)))
+        return output
 
-    def solve_bounds(self, data: TensorDict, policy_loss: BAPOPolicyLossConfig) -> tuple[SearchResult, int]:
-        """No-grad forward of the mini-batch `data`, then one all-reduce: the same bounds on every
-        rank, and the tokens of this rank the search saw."""
+    def target_controller(self, policy_loss: BAPOPolicyLossConfig) -> EntropyTargetController:
+        """The run's controller (fixed mode: one that keeps policy_loss's rho0)."""
+        if self.bapo_target is None or self.bapo_target.config != policy_loss.bapo_config():
+            self.bapo_target = EntropyTargetController(policy_loss.bapo_config())
+        return self.bapo_target
+
+    def solve_bounds(self, data: TensorDict, config: BAPOConfig) -> tuple[SearchResult, int]:
+        """No-grad forward of the mini-batch `data`, then one all-reduce: bounds under `config` (the
+        same on every rank), and the tokens of this rank the search saw."""
         dp_group = self.engine.get_data_parallel_group()
-        stats = BoundStats(policy_loss.bapo_config(), device=collective_device(dp_group))
+        stats = BoundStats(config, device=collective_device(dp_group))
         probe = data.copy()  # shallow: the engine writes its batch info here, not into `data`
         # The engine settings verl's own log-prob forward (TrainingWorker.infer_batch) uses;
         # keys the trainer already set on the mini-batch win. No entropy or distillation outputs.
@@ -146,6 +196,48 @@ class BAPOTrainingWorker(TrainingWorker):
                 probe, loss_function=partial(add_bound_stats, stats=stats, token_counts=token_counts)
             )
         return stats.solve(process_group=dp_group), sum(token_counts)
+
+    # ---- the adaptive target's state next to the actor checkpoint ---------------------------------
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # as TrainingWorker's, for a standalone worker group
+    def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
+        """verl's checkpoint, then this rank's controller state as bapo_target_rank<r>.json in
+        local_path (per rank, as FSDP's shards: a node needs no other node's files to resume)."""
+        result = super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep)
+        if self.bapo_target is not None and self.bapo_target.config.target_mode == "entropy":
+            path = target_state_path(local_path)
+            os.makedirs(local_path, exist_ok=True)
+            with open(path + ".tmp", "w") as file:
+                json.dump(self.bapo_target.state_dict(), file)
+            os.replace(path + ".tmp", path)  # a kill mid-write leaves the previous file whole
+        return result
+
+    @register(dispatch_mode=Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
+        """verl's checkpoint, then the controller state saved beside it (target_mode entropy)."""
+        path = target_state_path(local_path) if local_path is not None else None
+        state = None
+        if path is not None and os.path.exists(path):  # read before verl may delete local_path
+            with open(path) as file:
+                state = json.load(file)
+        result = super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
+        policy_loss = bound_search_config(self.loss_fn)
+        if policy_loss is not None and policy_loss.target_mode == "entropy":
+            if state is None:
+                logger.warning(
+                    "bapo: %s has no entropy-controller state (saved by a run with target_mode=fixed or "
+                    "before bapo saved it); the controller starts afresh from policy_loss.target",
+                    local_path,
+                )
+            else:
+                self.target_controller(policy_loss).load_state_dict(state)
+        return result
+
+
+def target_state_path(local_path: str) -> str:
+    """Where BAPOTrainingWorker keeps this rank's controller state in a checkpoint directory."""
+    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    return os.path.join(local_path, f"bapo_target_rank{rank}.json")
 
 
 def install() -> None:
