@@ -518,6 +518,28 @@ def test_entropy_target_resumes_exactly_from_a_checkpoint(ranks):
         assert run["resumed_targets"] == run["targets"][4:]
 
 
+def test_entropy_target_resume_without_saved_state_warns_and_starts_afresh(tmp_path, caplog):
+    """A checkpoint saved without controller state (a fixed-target run): one warning naming the
+    directory; the controller then starts from policy_loss.target. One process, no collectives."""
+    from verl.workers.config import ActorConfig
+    from verl.workers.utils.losses import ppo_loss
+
+    from bapo.integrations.verl import BAPOPolicyLossConfig
+    from bapo.integrations.verl.worker import BAPOTrainingWorker
+
+    policy_loss = BAPOPolicyLossConfig(**{k: v for k, v in LOSS_CONFIG.items() if k != "_target_"}, **ENTROPY_TARGET)
+    config = ActorConfig(
+        strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, rollout_n=1, policy_loss=policy_loss
+    )
+    worker = BAPOTrainingWorker.__new__(BAPOTrainingWorker)
+    worker.engine = SimpleNamespace(load_checkpoint=lambda *args: None)
+    worker.loss_fn = partial(ppo_loss, config=config)
+    with caplog.at_level("WARNING", logger="bapo.integrations.verl.worker"):
+        worker.load_checkpoint(str(tmp_path))
+    assert str(tmp_path) in caplog.text and "no entropy-controller state" in caplog.text
+    assert worker.target_controller(policy_loss).state_dict()["target"] == LOSS_CONFIG["target"]
+
+
 def test_plugin_import_installs_the_worker_after_verl_loads_its_workers():
     """Importing bapo.integrations.verl (verl's plugin entry point) before verl's worker module
     makes ActorRolloutRefWorker build BAPOTrainingWorker once that module loads; building a
