@@ -137,8 +137,8 @@ def _core_params(method: str, config: Any) -> dict[str, Any]:
     if entropy_target and step_bounds() is None:
         raise ValueError(
             "policy_loss.target_mode: 'entropy' needs bapo's actor worker (BAPOTrainingWorker), which feeds "
-            "the entropy controller; another ActorRolloutRefWorker.actor_worker_cls is installed: remove it "
-            "or set policy_loss.target_mode=fixed"
+            "the entropy controller, and this loss runs outside it (another ActorRolloutRefWorker.actor_worker_cls, "
+            "or a call outside verl's actor update): use BAPOTrainingWorker or set policy_loss.target_mode=fixed"
         )
     if method == "bapo" and step_bounds() is None and not _warned_per_micro_batch:
         _warned_per_micro_batch = True

@@ -168,8 +168,9 @@ class BAPOTrainingWorker(TrainingWorker):
 
     def target_controller(self, policy_loss: BAPOPolicyLossConfig) -> EntropyTargetController:
         """The run's controller (fixed mode: one that keeps policy_loss's rho0)."""
-        if self.bapo_target is None or self.bapo_target.config != policy_loss.bapo_config():
-            self.bapo_target = EntropyTargetController(policy_loss.bapo_config())
+        config = policy_loss.bapo_config()
+        if self.bapo_target is None or self.bapo_target.config != config:
+            self.bapo_target = EntropyTargetController(config)
         return self.bapo_target
 
     def solve_bounds(self, data: TensorDict, config: BAPOConfig) -> tuple[SearchResult, int]:
