@@ -20,9 +20,12 @@ def test_search_and_losses_on_cuda_match_cpu(dtype):
     )
     log_prob = ratio.float().log()
     for method in ("grpo", "bapo", "dcpo", "topr"):
-        cpu_loss, cpu_metrics = policy_loss(log_prob, torch.zeros_like(log_prob), advantages.float(), mask, method)
+        params = {"bounds": search_bounds(ratio, advantages, mask, cfg)} if method == "bapo" else {}
+        cpu_loss, cpu_metrics = policy_loss(
+            log_prob, torch.zeros_like(log_prob), advantages.float(), mask, method, **params
+        )
         gpu_loss, gpu_metrics = policy_loss(
-            log_prob.cuda(), torch.zeros_like(log_prob).cuda(), advantages.float().cuda(), mask.cuda(), method
+            log_prob.cuda(), torch.zeros_like(log_prob).cuda(), advantages.float().cuda(), mask.cuda(), method, **params
         )
         assert float(gpu_loss) == pytest.approx(float(cpu_loss), rel=1e-4, abs=1e-6)
         assert gpu_metrics["upper"] == pytest.approx(cpu_metrics["upper"], rel=1e-5)

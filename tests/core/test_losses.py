@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from bapo.core import (
     POLICY_LOSSES,
     BAPOConfig,
+    BAPOStep,
     BoundStats,
     PromptRewardHistory,
     aggregate_loss,
@@ -90,16 +91,18 @@ def test_dcpo_bounds_widen_for_low_prior_probability():
     assert log_prob.grad[0, 0] != 0 and log_prob.grad[0, 1] == 0
 
 
-def test_bapo_uses_given_bounds_or_searches_them():
+def test_bapo_uses_given_bounds_and_refuses_to_run_without_them():
     generator = torch.Generator().manual_seed(3)
     log_prob = (0.4 * torch.randn(4, 10, generator=generator)).requires_grad_()
     old = torch.zeros(4, 10)
     advantages = torch.randn(4, generator=generator)
     mask = torch.ones(4, 10)
     cfg = BAPOConfig(target=0.5)
-    _, searched = policy_loss(log_prob, old, advantages, mask, "bapo", bapo=cfg)
     found = BoundStats(cfg).add(token_ratio(log_prob, old), advantages, mask).solve(sync=False)
+    _, searched = policy_loss(log_prob, old, advantages, mask, "bapo", bounds=found)  # a SearchResult serves
     assert (searched["lower"], searched["upper"]) == (found.lower, found.upper)
+    with pytest.raises(ValueError, match="^bounds: .*BAPOStep"):  # the loss does no search of its own
+        policy_loss(log_prob, old, advantages, mask, "bapo")
     given_loss, given = policy_loss(log_prob, old, advantages, mask, "bapo", bounds=(0.7, 2.0))
     grpo_loss, _ = policy_loss(log_prob, old, advantages, mask, "grpo", lower=0.7, upper=2.0)
     assert (given["lower"], given["upper"]) == (0.7, 2.0) and float(given_loss.detach()) == pytest.approx(
@@ -137,6 +140,20 @@ def test_importance_weights_multiply_the_token_loss():
     assert log_prob.grad.tolist() == [[-0.5, -2.0]]
 
 
+def required_params(method: str, log_prob, old_log_prob, advantages, mask) -> dict:
+    """What a generic call of `method` must pass besides the tensors: BAPO's bounds, searched on
+    this batch alone by BAPOStep (the loss does no search of its own); {} for the other losses."""
+    if method != "bapo":
+        return {}
+    counted = mask.to(torch.bool)
+    ratio = token_ratio(
+        torch.where(counted, log_prob.detach().float(), 0.0), torch.where(counted, old_log_prob.float(), 0.0)
+    )
+    step = BAPOStep(BAPOConfig(scope="micro_batch"))
+    step.begin()
+    return {"bounds": step.bounds_for(ratio, advantages.float(), mask)}
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     method=st.sampled_from(sorted(POLICY_LOSSES)),
@@ -165,7 +182,10 @@ def test_every_loss_is_finite_on_extreme_inputs(method, mode, gap, advantage_kin
         "full": torch.ones(batch, length),
         "random": (torch.rand(batch, length, generator=generator) > 0.5).float(),
     }[mask_kind]
-    loss, metrics = policy_loss(log_prob, old.to(dtype), advantages.to(dtype), mask, method, loss_agg_mode=mode)
+    params = required_params(method, log_prob, old.to(dtype), advantages.to(dtype), mask)
+    loss, metrics = policy_loss(
+        log_prob, old.to(dtype), advantages.to(dtype), mask, method, loss_agg_mode=mode, **params
+    )
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(log_prob.grad).all()
     # positive_share is NaN exactly when no token carries signal (counted in bapo/no_signal)
@@ -209,22 +229,24 @@ def test_bad_input_names_the_argument(kwargs, name):
         policy_loss(**args)
 
 
-def test_bapo_search_inside_the_loss_weighs_tokens_by_importance_weights():
+def test_bapo_micro_batch_bounds_weigh_tokens_by_importance_weights():
     generator = torch.Generator().manual_seed(5)
     log_prob = 0.5 * torch.randn(4, 12, generator=generator)
     advantages = torch.randn(4, generator=generator)
     mask = torch.ones(4, 12)
     weights = torch.rand(4, 12, generator=generator) * 2
-    cfg = BAPOConfig(target=0.5, lower_step=0.05)
+    cfg = BAPOConfig(target=0.5, lower_step=0.05, scope="micro_batch")
+    step = BAPOStep(cfg)
+    step.begin()
+    ratio = token_ratio(log_prob, torch.zeros(4, 12))
+    searched = step.bounds_for(ratio, advantages, mask, weights=weights)
     _, metrics = policy_loss(
-        log_prob, torch.zeros(4, 12), advantages, mask, "bapo", bapo=cfg, importance_weights=weights
+        log_prob, torch.zeros(4, 12), advantages, mask, "bapo", bounds=searched, importance_weights=weights
     )
-    found = (
-        BoundStats(cfg)
-        .add(token_ratio(log_prob, torch.zeros(4, 12)), advantages, mask, weights=weights)
-        .solve(sync=False)
-    )
+    found = BoundStats(cfg).add(ratio, advantages, mask, weights=weights).solve(sync=False)
+    unweighted = BoundStats(cfg).add(ratio, advantages, mask).solve(sync=False)
     assert (metrics["lower"], metrics["upper"]) == (found.lower, found.upper)
+    assert searched.positive_share == found.positive_share != unweighted.positive_share
 
 
 # --- numerics: fp16 inputs, inf inputs, masked -inf, normalizer --------------------------------
@@ -307,7 +329,9 @@ def test_minus_inf_log_probs_on_masked_positions_give_no_nan(method):
     log_prob = torch.tensor([[-0.5, -1.0, float("-inf")], [-2.0, float("-inf"), float("-inf")]], requires_grad=True)
     old = torch.tensor([[-0.7, -0.9, float("-inf")], [-1.5, float("-inf"), 0.0]])
     mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
-    loss, metrics = policy_loss(log_prob, old, torch.tensor([1.0, -1.0]), mask, method)
+    advantages = torch.tensor([1.0, -1.0])
+    params = required_params(method, log_prob, old, advantages, mask)
+    loss, metrics = policy_loss(log_prob, old, advantages, mask, method, **params)
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(log_prob.grad).all()
     assert log_prob.grad[0, 2] == 0 and log_prob.grad[1, 1:].abs().sum() == 0

@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from bapo.core import BAPOConfig, policy_loss
+from bapo.core import BAPOConfig, BAPOStep, policy_loss, token_ratio
 from bapo.core.target import EntropyTargetController, token_mean_over_ranks
 
 ENTROPY = {"target": 0.5, "target_mode": "entropy", "target_min": 0.2, "target_max": 0.8}
@@ -87,29 +87,26 @@ def test_reacts_in_the_documented_direction_on_a_tabular_softmax_policy():
     logits = torch.zeros(16, requires_grad=True)
     optimizer = torch.optim.SGD([logits], lr=0.5)
     reward = torch.linspace(1, 0, 16)
-    controller = EntropyTargetController(
+    step = BAPOStep(
         BAPOConfig(target=0.5, target_mode="entropy", target_hold_updates=5, target_min=0.2, target_max=0.9)
     )
+    controller = step.controller
     history = [logits.detach().clone()]
     for _ in range(60):
         behaviour = torch.log_softmax(history[max(0, len(history) - 4)], -1)
         actions = torch.multinomial(behaviour.exp(), 64, replacement=True, generator=generator).view(8, 8)
         rewards = reward[actions] + 0.3 * torch.randn(actions.shape, generator=generator)
         advantages = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)
-        loss, metrics = policy_loss(
-            torch.log_softmax(logits, -1)[actions],
-            behaviour[actions],
-            advantages,
-            torch.ones(8, 8, dtype=torch.bool),
-            "bapo",
-            bapo=controller.search_config(),
-        )
+        log_prob, mask = torch.log_softmax(logits, -1)[actions], torch.ones(8, 8, dtype=torch.bool)
+        step.begin(micro_batches=1)  # one micro-batch: its own forward serves the step's search
+        bounds = step.bounds_for(token_ratio(log_prob, behaviour[actions]), advantages, mask)
+        loss, metrics = policy_loss(log_prob, behaviour[actions], advantages, mask, "bapo", bounds=bounds)
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
         history.append(logits.detach().clone())
         probs = torch.softmax(logits.detach(), -1)
-        controller.update(float(-(probs * probs.log()).sum()))
+        step.end(float(-(probs * probs.log()).sum()))
         assert 0.2 <= controller.target <= 0.9 and math.isfinite(metrics["loss"])
     assert controller.set_point == pytest.approx(2.75, abs=0.05)
     assert controller.target == 0.9  # entropy fell well below the held set point

@@ -23,14 +23,17 @@ from bapo.core.search import (
     token_contributions,
 )
 from bapo.core.search_metrics import search_metrics
+from bapo.core.step import BAPOStep, MissingStepStateWarning
 from bapo.core.target import EntropyTargetController, token_mean_over_ranks
 
 __all__ = [
     "BAPOConfig",
+    "BAPOStep",
     "BoundStats",
     "ClipStats",
     "EntropyTargetController",
     "LOSS_AGG_MODES",
+    "MissingStepStateWarning",
     "PAPER_AGG_MODES",
     "POLICY_LOSSES",
     "PromptRewardHistory",

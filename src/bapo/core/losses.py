@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from bapo.core.diagnostics import ClipStats, clip_statistics, compute_dtype, token_ratio
-from bapo.core.search import BAPOConfig, BoundStats
+from bapo.core.search import SearchResult
 from bapo.core.validation import check_dual_clip, check_normalizer, check_ratio_bounds, check_token_inputs, per_token
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
@@ -129,43 +129,25 @@ register_policy_loss("dual-clip")(_fixed_bounds(0.8, 1.2, 3.0))
 def bapo_loss(
     batch: TokenBatch,
     *,
-    bapo: BAPOConfig | None = None,
-    bounds: tuple[float, float] | None = None,
+    bounds: tuple[float, float] | SearchResult | None = None,
     dual_clip: float | None = None,
 ) -> TokenLoss:
-    """Clipped surrogate with BAPO's adaptive bounds.
+    """Clipped surrogate with BAPO's adaptive bounds, solved before the loss runs.
 
-    bounds: (lower, upper) already solved over the whole update (BoundStats over all
-    micro-batches and ranks); None = search on this batch alone with `bapo` (default BAPOConfig()),
-    each token weighted by its importance weight as in BoundStats.add.
+    bounds: (lower, upper), or the SearchResult, that `bapo.core.BAPOStep` solved for this
+    micro-batch (over the whole update and every rank in scope "step"; for one batch alone:
+    `bapo.core.search_bounds`). The loss does no search of its own.
     """
-    metrics: dict[str, float] = {}
-    if bounds is None:
-        # policy_loss has validated the inputs already.
-        found = (
-            BoundStats(bapo or BAPOConfig())
-            .add(
-                batch.ratio,
-                batch.advantages,
-                batch.mask,
-                weights=batch.importance_weights,
-                validate=False,
-                behaviour_log_prob=batch.old_log_prob,
-            )
-            .solve(sync=False)
-        )
-        bounds = (found.lower, found.upper)
-        # Missing values (no signal: NaN reached; pos/neg inf when neg == 0) are left out, not faked.
-        metrics = {
-            f"bapo/{name}": value
-            for name, value in found.metrics().items()
-            if name in ("reached", "steps", "pos_neg", "no_signal") and math.isfinite(value)
-        }
-    lower, upper = bounds
-    check_ratio_bounds(lower, upper)
     check_dual_clip(dual_clip)
+    if bounds is None:
+        raise ValueError(
+            "bounds: method 'bapo' needs its ratio bounds: solve them with bapo.core.BAPOStep (bounds_for) "
+            "or bapo.core.search_bounds(ratio, advantages, mask, config) and pass bounds=(lower, upper)"
+        )
+    lower, upper = (bounds.lower, bounds.upper) if isinstance(bounds, SearchResult) else bounds
+    check_ratio_bounds(lower, upper)
     return TokenLoss(
-        clipped_surrogate(batch.ratio, batch.advantages, lower, upper, dual_clip), lower, upper, metrics, dual_clip
+        clipped_surrogate(batch.ratio, batch.advantages, lower, upper, dual_clip), lower, upper, dual_clip=dual_clip
     )
 
 
@@ -309,7 +291,7 @@ def policy_loss(
     entropy [B, T] / logits [B, T, V]: optional, for the entropy diagnostic and the per-state
     quadrant split. loss_agg_mode: None = the method's paper's (PAPER_AGG_MODES). normalizer:
     the denominator of the whole update (> 0), see aggregate_loss. params: the method's own
-    (lower=, upper=, dual_clip=, bapo=, bounds=, level=, ...).
+    (lower=, upper=, dual_clip=, bounds=, level=, ...).
     stats: when given, this batch's additive diagnostics (ClipStats) are added into it in place
     and the returned metrics hold only "loss" and the method's own metrics (no host sync for
     them); the caller finalizes once per update. Returns (scalar loss in float32, or float64

@@ -144,6 +144,10 @@ class LossSection(Section):
     kl_coef: float = Field(0.0, ge=0, description="k3 KL to the initial model; > 0 keeps a frozen copy")
     entropy_coef: float = Field(0.0, ge=0, description="entropy bonus coefficient")
 
+    def bapo_config(self) -> BAPOConfig:
+        """loss.bapo as bapo.core's BAPOConfig (the search config BAPOStep runs with)."""
+        return BAPOConfig(**self.bapo.model_dump())
+
     @property
     def resolved_agg_mode(self) -> str:
         """agg_mode, or the method's paper's aggregation when it is null."""
@@ -271,7 +275,7 @@ class TrainConfig(Section):
         from bapo.core import POLICY_LOSSES
 
         try:
-            BAPOConfig(**self.loss.bapo.model_dump())
+            self.loss.bapo_config()
         except ValueError as err:
             raise ValueError(f"loss.bapo.{err}") from None
         accepted = [

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bapo.core import BAPOConfig, EntropyTargetController
+from bapo.core import BAPOStep
 from bapo.train.buffer import BatchBuffer, minibatch_order
 from bapo.train.checkpoint import (
     CheckpointError,
@@ -270,10 +270,8 @@ class Trainer:
         self.zero_variance_streak = 0  # rollout steps in a row where every group had zero variance
         self.entropy_was_low = False  # entropy has been below the divergence threshold in this run
         self.interrupted: int | None = None  # the signal number of a first SIGINT/SIGTERM
-        # BAPO's rho0, fixed or steered by entropy (its state is checkpointed)
-        self.bapo_target = (
-            EntropyTargetController(BAPOConfig(**cfg.loss.bapo.model_dump())) if cfg.loss.method == "bapo" else None
-        )
+        # BAPO's per-update protocol: bounds, rho0 fixed or steered by entropy (its state is checkpointed)
+        self.bapo_step = BAPOStep(cfg.loss.bapo_config()) if cfg.loss.method == "bapo" else None
         if cfg.run.deterministic:
             torch.use_deterministic_algorithms(True)
         if checkpoint:
@@ -467,13 +465,11 @@ class Trainer:
                 continue
             mini = batch.select(rows_idx)
             staleness = (self.version - mini.versions[mini.response_mask]).float()
-            search = self.bapo_target.search_config() if self.bapo_target else None
             metrics = optimizer_update(
-                self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg, search, version=self.version
+                self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg, self.bapo_step, self.version
             )
-            if self.bapo_target:  # rho0 of this update; the next one's from this update's entropy
-                metrics["bapo/target"] = search.target
-                self.bapo_target.update(metrics.get("entropy", float("nan")))
+            if self.bapo_step:  # the next update's rho0 from this update's entropy
+                self.bapo_step.end(metrics.get("entropy", float("nan")))
             self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["skipped"] else 0
             metrics["tokens_per_s/update"] = metrics["tokens/update"] / max(metrics["time/update_s"], 1e-9)
             rows.append(
@@ -519,7 +515,7 @@ class Trainer:
             "rng": rng_state(),
             "buffer": self.buffer.state_dict(),
             "rollout": self.rollout.state_dict(),
-            "bapo_target": self.bapo_target.state_dict() if self.bapo_target else None,
+            "bapo_step": self.bapo_step.state_dict() if self.bapo_step else None,
         }
         try:
             return save_checkpoint(
@@ -552,8 +548,8 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.buffer.load_state_dict(state["buffer"])
         self.rollout.load_state_dict(state["rollout"])
-        if self.bapo_target and state.get("bapo_target"):
-            self.bapo_target.load_state_dict(state["bapo_target"])
+        if self.bapo_step:  # "bapo_target": the key of checkpoints written before BAPOStep
+            self.bapo_step.load_state_dict(state.get("bapo_step", state.get("bapo_target")), source=checkpoint.name)
         set_rng_state(state["rng"])
 
     def close(self) -> None:

@@ -9,17 +9,7 @@ import time
 
 import torch
 
-from bapo.core import (
-    BAPOConfig,
-    BoundStats,
-    ClipStats,
-    SearchResult,
-    aggregate_loss,
-    k3_kl,
-    policy_loss,
-    search_metrics,
-    token_ratio,
-)
+from bapo.core import BAPOStep, ClipStats, aggregate_loss, k3_kl, policy_loss, token_ratio
 from bapo.core.losses import loss_parameters
 from bapo.train.config import TrainConfig
 from bapo.train.rollout import Batch, token_log_probs
@@ -55,33 +45,26 @@ def behaviour_is_current(batch: Batch, version: int | None) -> bool:
     return version is not None and bool((batch.versions[batch.response_mask] == version).all())
 
 
-def _step_bounds(
-    model, micro: list[Batch], cfg: TrainConfig, bapo_cfg: BAPOConfig, ratio_is_one: bool
-) -> SearchResult | None:
-    """Bounds over every token of the update (scope "step"), or None when the update's own forward
-    serves (a single micro-batch). A batch the current weights just generated has ratio 1 on every
-    token, so the search runs on that without a forward; otherwise a no-grad forward first."""
-    stats = BoundStats(bapo_cfg)
-    if ratio_is_one:
-        for mb in micro:
-            stats.add(
-                torch.ones_like(mb.old_log_prob), mb.advantages, mb.response_mask, behaviour_log_prob=mb.old_log_prob
-            )
-        return stats.solve()
-    if len(micro) == 1:
-        return None
-    with torch.no_grad():
-        for mb in micro:
-            log_prob, _ = token_log_probs(
-                model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, cfg.rollout.temperature
-            )
-            stats.add(
-                token_ratio(log_prob, mb.old_log_prob),
-                mb.advantages,
-                mb.response_mask,
-                behaviour_log_prob=mb.old_log_prob,
-            )
-    return stats.solve()
+def _observe_update(model, micro: list[Batch], cfg: TrainConfig, bapo_step: BAPOStep, fresh: bool) -> None:
+    """BAPOStep's pre-pass over every micro-batch of the update: ratio 1 without a forward for a
+    batch the current weights just generated (`fresh`), else from a no-grad forward."""
+    for mb in micro:
+        ratio = None
+        if not fresh:
+            with torch.no_grad():
+                log_prob, _ = token_log_probs(
+                    model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, cfg.rollout.temperature
+                )
+            ratio = token_ratio(log_prob, mb.old_log_prob)
+        bapo_step.observe(ratio, mb.advantages, mb.response_mask, behaviour_log_prob=mb.old_log_prob)
+
+
+def loss_params(cfg: TrainConfig) -> dict:
+    """policy_loss's keyword parameters from cfg.loss (its params, plus loss.dual_clip for a method that takes one)."""
+    params = dict(cfg.loss.params)
+    if cfg.loss.dual_clip is not None and "dual_clip" in loss_parameters(cfg.loss.method):
+        params.setdefault("dual_clip", cfg.loss.dual_clip)
+    return params
 
 
 def optimizer_update(
@@ -90,7 +73,7 @@ def optimizer_update(
     scheduler,
     batch: Batch,
     cfg: TrainConfig,
-    bapo: BAPOConfig | None = None,
+    bapo_step: BAPOStep | None = None,
     version: int | None = None,
 ) -> dict:
     """Forward+backward over micro-batches of `batch` (on the model's device), then one step.
@@ -99,10 +82,11 @@ def optimizer_update(
     summed then finalized once), the losses (micro-batch terms add up to the update's), the
     method's own metrics (mean over micro-batches), grad_norm
     (before clipping), lr, skipped (1 when the loss or gradient was non-finite and no step was taken).
-    bapo: the search config of this update (the trainer's adaptive target); None = cfg.loss.bapo.
-    version: the policy version of the current weights; when every token of `batch` has it
-    (just generated, first update), BAPO's step-scope search needs no extra forward. Method bapo
-    adds bapo/search/* (bapo.core.search_metrics).
+    bapo_step: method bapo's per-update protocol (bounds, rho0, bapo/search/* and bapo/target);
+    the trainer passes its run-long one and calls its `end` after the update; None = a fresh
+    BAPOStep of cfg.loss.bapo for this update alone. version: the policy version of the current
+    weights; when every token of `batch` has it (just generated, first update), the step-scope
+    search needs no extra forward.
     """
     start = time.perf_counter()
     micro = [
@@ -110,42 +94,34 @@ def optimizer_update(
         for s in range(0, len(batch), cfg.optim.micro_batch_size)
     ]
     normalizer = _normalizer(cfg, batch)
-    params = dict(cfg.loss.params)
-    if cfg.loss.dual_clip is not None and "dual_clip" in loss_parameters(cfg.loss.method):
-        params.setdefault("dual_clip", cfg.loss.dual_clip)
-    bapo_cfg = (bapo or BAPOConfig(**cfg.loss.bapo.model_dump())) if cfg.loss.method == "bapo" else None
-    searches: list[tuple[SearchResult, int]] = []  # (result, tokens) per search, for bapo/search/*
-    if bapo_cfg is not None and bapo_cfg.scope == "step":
-        found = _step_bounds(model, micro, cfg, bapo_cfg, behaviour_is_current(batch, version))
-        if found is not None:
-            params["bounds"] = (found.lower, found.upper)
-            searches.append((found, batch.tokens))
+    params = loss_params(cfg)
+    if cfg.loss.method == "bapo":
+        bapo_step = bapo_step or BAPOStep(cfg.loss.bapo_config())
+        bapo_step.begin(micro_batches=len(micro))
+        fresh = behaviour_is_current(batch, version)
+        if bapo_step.needs_pre_pass(fresh):
+            _observe_update(model, micro, cfg, bapo_step, fresh)
+            bapo_step.solve()
+    else:
+        bapo_step = None
 
     optimizer.zero_grad(set_to_none=True)
     diagnostic_sums: ClipStats | None = None  # the diagnostics' sums over the finite micro-batches
     losses: dict[str, float] = {}  # each term uses the update's normalizer, so micro-batch values add up
     own_metrics: list[dict[str, float]] = []
     finite = True
-    # the micro-batch's own forward serves the search: scope micro_batch, or a step of one micro-batch
-    search_in_loop = bapo_cfg is not None and not searches
     for mb in micro:
         log_prob, entropy = _forward(model, mb, cfg)
         mb_stats = ClipStats.empty(mb.response_mask.device)
-        if search_in_loop:
-            # validate=False: a non-finite forward must reach the skip below, not raise here
-            found = (
-                BoundStats(bapo_cfg)
-                .add(
-                    token_ratio(log_prob.detach(), mb.old_log_prob),
-                    mb.advantages,
-                    mb.response_mask,
-                    validate=False,
-                    behaviour_log_prob=mb.old_log_prob,
-                )
-                .solve()
+        bounds = {}
+        if bapo_step is not None:
+            found = bapo_step.bounds_for(
+                token_ratio(log_prob.detach(), mb.old_log_prob),
+                mb.advantages,
+                mb.response_mask,
+                behaviour_log_prob=mb.old_log_prob,
             )
-            searches.append((found, mb.tokens))
-            params["bounds"] = (found.lower, found.upper)
+            bounds = {"bounds": (found.lower, found.upper)}
         loss, metrics = policy_loss(
             log_prob,
             mb.old_log_prob,
@@ -157,6 +133,7 @@ def optimizer_update(
             entropy=entropy,
             stats=mb_stats,
             **params,
+            **bounds,
         )
         terms = {"loss": metrics.pop("loss")}
         if cfg.loss.kl_coef > 0:  # k3 estimate of KL(pi || ref), verl's "low_var_kl"
@@ -188,10 +165,10 @@ def optimizer_update(
         optimizer.step()
         scheduler.step()
     out = {} if diagnostic_sums is None else {**diagnostic_sums.finalize(), **losses}
-    for name in own_metrics[0] if own_metrics else ():  # e.g. bapo/reached of a search inside the loss
+    for name in own_metrics[0] if own_metrics else ():  # a registered loss's own metrics
         out[name] = sum(metrics[name] for metrics in own_metrics) / len(own_metrics)
-    if bapo_cfg is not None:
-        out.update(search_metrics(searches, bapo_cfg.scope))
+    if bapo_step is not None:
+        out.update(bapo_step.metrics())
     out.update(
         {
             "grad_norm": grad_norm,
