@@ -188,7 +188,6 @@ def test_bapo_bounds_see_the_whole_optimizer_step_and_loss_equals_core(tiny_mode
                 "bapo",
                 normalizer=tokens_per_step,
                 entropy=entropy,
-                bapo=config,
                 bounds=(expected_bounds.lower, expected_bounds.upper),
             )
             torch.testing.assert_close(loss.detach(), expected, rtol=1e-5, atol=1e-6)
@@ -325,7 +324,7 @@ def test_vllm_importance_weights_and_kl_match_trl(tiny_model_dir, tmp_path):
     )
     assert unweighted.upper != expected.upper  # the weights change the answer on this batch
     bapo._compute_loss(bapo.model, step[0])
-    assert (bapo._step_search.lower, bapo._step_search.upper) == (expected.lower, expected.upper)
+    assert (bapo.bapo_step.solved.lower, bapo.bapo_step.solved.upper) == (expected.lower, expected.upper)
 
 
 def test_training_off_policy_logs_bapo_metrics(tiny_model_dir, tmp_path):
@@ -385,7 +384,7 @@ def test_diagnostics_are_over_the_whole_optimizer_step(tiny_model_dir, tmp_path)
             trainer._compute_loss(trainer.model, batch)
             # nothing logged before the step's last micro-batch, then one value
             assert len(trainer._metrics["train"]["bapo/positive_share"]) == len(expected) + index
-        expected.append(step_statistics(trainer._step_search, step_batches, tensors))
+        expected.append(step_statistics(trainer.bapo_step.solved, step_batches, tensors))
     metrics = trainer._metrics["train"]
     assert all(math.isfinite(value) for value in metrics["bapo/positive_share"])
     for name in ("positive_share", "clip_frac", "clip_frac/upper", "clip_frac/lower", "ratio/mean", "tokens"):
@@ -411,7 +410,7 @@ def test_training_logs_the_share_of_each_optimizer_steps_tokens(tiny_model_dir, 
             batches.append({"old_per_token_logps": self._old_log_prob(inputs, log_prob)})
             tensors.append((log_prob, mask, self._advantages(inputs, mask)))
             loss = super()._compute_loss(model, inputs)
-            steps[-1][2:] = [self._step_search]  # the step's bounds
+            steps[-1][2:] = [self.bapo_step.solved]  # the step's bounds
             return loss
 
     trainer = make_trainer(

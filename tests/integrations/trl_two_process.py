@@ -115,7 +115,7 @@ def fixed_batch_steps(model_dir: str, out: Path) -> list[dict]:
         if world > 1:  # each rank's loss is scaled by the world size and DDP averages: the mean is the step loss
             torch.distributed.all_reduce(total)
             total /= world
-        search = trainer._step_search
+        search = trainer.bapo_step.solved
         params = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
         steps.append(
             {
@@ -139,7 +139,7 @@ class RecordBounds(TrainerCallback):
         self.trainer, self.steps = trainer, []
 
     def on_step_end(self, args, state, control, **kwargs):
-        search = self.trainer._step_search
+        search = self.trainer.bapo_step.solved
         self.steps.append({"step": state.global_step, "lower": search.lower, "upper": search.upper})
 
 

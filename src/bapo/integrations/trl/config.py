@@ -132,11 +132,10 @@ class BAPOGRPOConfig(GRPOConfig):
         return LOSS_TYPE_TO_AGG_MODE[self.loss_type]
 
     def bapo_loss_params(self) -> dict[str, Any]:
-        """Keyword parameters of `policy_loss` for `bapo_method` (bounds of a BAPO step are added per step)."""
+        """Keyword parameters of `policy_loss` for `bapo_method` (BAPO's bounds come per micro-batch from
+        the trainer's BAPOStep, built from `bapo_config()`)."""
         params = dict(self.bapo_method_kwargs or {})
-        if self.bapo_method == "bapo":
-            params["bapo"] = self.bapo_config()
-        elif self.bapo_method in ("grpo", "clip-higher", "dual-clip"):
+        if self.bapo_method in ("grpo", "clip-higher", "dual-clip"):
             epsilon_high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
             params.setdefault("lower", self.bapo_lower if self.bapo_lower is not None else 1.0 - self.epsilon)
             params.setdefault("upper", self.bapo_upper if self.bapo_upper is not None else 1.0 + epsilon_high)

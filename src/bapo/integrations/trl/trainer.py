@@ -9,9 +9,12 @@ How one optimizer step goes (TRL buffers `steps_per_generation` micro-batches pe
 serves micro-batch s from `_buffered_inputs[s % steps_per_generation]`, and accumulates
 `gradient_accumulation_steps` micro-batches per optimizer step):
 
-1. `bapo_scope="step"`: at the first micro-batch of a step, the `BoundStats` of every
-   micro-batch of that step are summed and solved once (one all-reduce across ranks when
-   torch.distributed is up), so BAPO's bounds see the whole step. The current ratios come from
+The BAPO protocol of each optimizer step is `bapo.core.BAPOStep` (`trainer.bapo_step`); this
+class only turns TRL's buffered batches into its tensors.
+
+1. `bapo_scope="step"`: at the first micro-batch of a step, every micro-batch of that step is
+   observed and the bounds solved once (one all-reduce across ranks when torch.distributed is
+   up), so BAPO's bounds see the whole step. The current ratios come from
    one no-grad forward per micro-batch, except right after a generation (TRL's old log-probs were
    computed by these weights: ratio 1) or on-policy (no old log-probs: ratio 1), where no forward runs.
    `bapo_scope="micro_batch"`: each micro-batch solves its own bounds from the forward of its
@@ -19,7 +22,8 @@ serves micro-batch s from `_buffered_inputs[s % steps_per_generation]`, and accu
    micro-batches per step under accelerate), no extra forward.
 2. Every micro-batch of the step then runs `policy_loss(method="bapo", bounds=those bounds)`
    with the normalizer of TRL's `loss_type`, so the summed micro-batch losses equal the loss of
-   the whole step, as in TRL.
+   the whole step, as in TRL. At the step's last micro-batch `BAPOStep.end` feeds the entropy
+   controller the step's entropy (target_mode="entropy": one all-reduce over ranks).
 3. The diagnostics (`ClipStats`) of the step's micro-batches are summed, combined over ranks
    (one SUM and one MAX all-reduce) and finalized once at its last micro-batch, so the `bapo/`
    shares of a step are over all of its tokens and each step appends one value to TRL's metrics.
@@ -35,18 +39,9 @@ from torch import Tensor
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
 
-from bapo.core import (
-    BoundStats,
-    ClipStats,
-    EntropyTargetController,
-    SearchResult,
-    aggregate_loss,
-    policy_loss,
-    search_metrics,
-    token_mean_over_ranks,
-    token_ratio,
-)
+from bapo.core import BAPOStep, ClipStats, SearchResult, aggregate_loss, policy_loss, token_ratio
 from bapo.core.validation import per_token
+from bapo.integrations.step_state import load_step_state, save_step_state
 from bapo.integrations.trl.config import BAPOGRPOConfig
 
 #: Optional (multimodal) fields of TRL's batch that its forward helper takes by the same name.
@@ -91,10 +86,8 @@ class BAPOGRPOTrainer(GRPOTrainer):
             raise TypeError(f"args: expected a BAPOGRPOConfig, got {type(args).__name__}; the BAPO fields live there")
         super().__init__(model, reward_funcs, args=args, **kwargs)
         self._loss_params = args.bapo_loss_params()
-        self._step_search: SearchResult | None = None  # bounds of the current optimizer step (scope "step")
-        # BAPO's rho0, fixed or steered by the entropy of the previous optimizer step (all ranks' tokens)
-        self._bapo_target = EntropyTargetController(args.bapo_config())
-        self._step_entropy = [0.0, 0.0]  # sum of token entropies, tokens: this step's training micro-batches
+        # BAPO's bounds, metrics and rho0 (fixed, or steered by each optimizer step's entropy over all ranks)
+        self.bapo_step = BAPOStep(args.bapo_config()) if args.bapo_method == "bapo" else None
         # per mode: the summed diagnostics and the other metrics of this optimizer step's micro-batches so far
         self._step_diagnostics: dict[str, ClipStats] = {}
         self._step_metrics: dict[str, list[dict[str, float]]] = {}
@@ -104,30 +97,20 @@ class BAPOGRPOTrainer(GRPOTrainer):
     def _compute_loss(self, model, inputs: dict[str, Any]) -> Tensor:
         """Loss of one micro-batch, scaled so that the step's micro-batch losses add up to the step loss."""
         mode = "train" if self.model.training else "eval"
-        params = self._step_loss_params(model, mode)  # before this forward's graph exists
+        if self.bapo_step is not None and mode == "train" and starts_optimizer_step(self):
+            self._begin_bapo_step(model)  # before this forward's graph exists
         mask = self._loss_mask(inputs)
         advantages = self._advantages(inputs, mask)
         log_prob, entropy, aux_loss = self._completion_log_probs(
             model, inputs, compute_entropy=True, compute_aux_loss=self.aux_loss_enabled
         )
         old_log_prob = self._old_log_prob(inputs, log_prob)
-        if mode == "train" and entropy is not None:
-            self._step_entropy = [
-                self._step_entropy[0] + float((entropy.detach() * mask).sum()),
-                self._step_entropy[1] + float(mask.sum()),
-            ]
+        if self.bapo_step is not None and mode == "train" and entropy is not None:
+            self.bapo_step.record_entropy(entropy, mask)
         weights = self._token_weights(inputs, log_prob.detach(), old_log_prob, entropy, mask, advantages)
-        if params is None:  # bounds of this micro-batch alone, from the forward just run
-            stats = BoundStats(self._bapo_target.search_config()).add(
-                token_ratio(log_prob.detach(), old_log_prob),
-                advantages,
-                mask,
-                weights=weights,
-                validate=False,
-                behaviour_log_prob=old_log_prob,
-            )
-            search = self._log_search(stats.solve(), float(mask.sum()), mode)
-            params = {**self._loss_params, "bounds": (search.lower, search.upper)}
+        params = dict(self._loss_params)
+        if self.bapo_step is not None:
+            params["bounds"] = self._bapo_bounds(log_prob, old_log_prob, advantages, mask, weights, mode)
         loss_agg_mode, normalizer = self._aggregation(inputs, mask, mode)
         if mode not in self._step_diagnostics:
             self._step_diagnostics[mode] = ClipStats.empty(self.accelerator.device)
@@ -153,50 +136,56 @@ class BAPOGRPOTrainer(GRPOTrainer):
         self._step_metrics.setdefault(mode, []).append(metrics)
         if mode == "eval" or starts_optimizer_step(self, ahead=1):  # the step's last micro-batch
             self._log_step_metrics(mode)
+            if self.bapo_step is not None and mode == "train":
+                self.bapo_step.end(device=self.accelerator.device)  # every rank: the next step's rho0
         return loss
 
-    # ---- the adaptive target's state in TRL checkpoints -------------------------------------------------
-
-    def _target_state_file(self, folder: str) -> str:
-        # per rank: the controller is the same everywhere, the not-yet-fed entropy sums are local
-        return os.path.join(folder, f"bapo_target_rank{self.accelerator.process_index}.pt")
+    # ---- the BAPO step's state in TRL checkpoints (bapo.integrations.step_state) -------------------------
 
     def _save_checkpoint(self, model, trial) -> None:
         super()._save_checkpoint(model, trial)
         folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-        if os.path.isdir(folder):
-            torch.save(
-                {"controller": self._bapo_target.state_dict(), "step_entropy": self._step_entropy},
-                self._target_state_file(folder),
-            )
+        if self.bapo_step is not None and os.path.isdir(folder):
+            save_step_state(folder, self.accelerator.process_index, self.bapo_step.state_dict())
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         super()._load_from_checkpoint(resume_from_checkpoint, model)
-        path = self._target_state_file(resume_from_checkpoint)
-        if os.path.exists(path):
-            state = torch.load(path, weights_only=False)
-            self._bapo_target.load_state_dict(state["controller"])
-            self._step_entropy = state["step_entropy"]
+        if self.bapo_step is not None:
+            state = load_step_state(resume_from_checkpoint, self.accelerator.process_index)
+            self.bapo_step.load_state_dict(state, source=resume_from_checkpoint)
 
     # ---- the bounds of one optimizer step ----------------------------------------------------------------
 
-    def _step_loss_params(self, model, mode: str) -> dict[str, Any] | None:
-        """`policy_loss` parameters of this micro-batch: the configured ones, plus BAPO's step bounds;
-        None when the bounds come from this micro-batch's own forward (scope "micro_batch", evaluation)."""
-        if self.args.bapo_method != "bapo":
-            return self._loss_params
+    def _begin_bapo_step(self, model) -> None:
+        """Start BAPO's optimizer step at its first micro-batch: scope "step" observes every
+        micro-batch of the step and solves the bounds once (logged as one search)."""
+        self.bapo_step.begin()  # TRL's accumulation: the micro-batch count is not known here
+        if self.bapo_step.needs_pre_pass():
+            self._observe_step(model, self._step_micro_batches())
+            self._log_search(self.bapo_step.metrics(), "train")
+
+    def _bapo_bounds(
+        self,
+        log_prob: Tensor,
+        old_log_prob: Tensor,
+        advantages: Tensor,
+        mask: Tensor,
+        weights: Tensor | None,
+        mode: str,
+    ) -> SearchResult:
+        """BAPO bounds of this micro-batch: the step's (scope "step"), or searched on this
+        micro-batch from the forward just run (scope "micro_batch"; evaluation, which has no
+        accumulation, always: the batch is the whole step, not recorded in the training step)."""
+        ratio = token_ratio(log_prob.detach(), old_log_prob)
+        tensors = dict(weights=weights, behaviour_log_prob=old_log_prob, validate=False)
         if mode == "eval":
-            return None  # evaluation has no accumulation: the batch is the whole step
-        scope = self._loss_params["bapo"].scope
-        if starts_optimizer_step(self):
-            if self._bapo_target.config.target_mode == "entropy":  # every rank, every step: one all-reduce
-                self._bapo_target.update(token_mean_over_ranks(*self._step_entropy, device=self.accelerator.device))
-                self._step_entropy = [0.0, 0.0]
-            if scope == "step":
-                self._step_search = self._solve_bounds(model, self._step_micro_batches(), mode)
-        if scope == "micro_batch":
-            return None
-        return {**self._loss_params, "bounds": (self._step_search.lower, self._step_search.upper)}
+            found = self.bapo_step.search(ratio, advantages, mask, **tensors)
+            self._log_search(self.bapo_step.metrics([(found, mask.to(torch.bool).sum())]), mode)
+            return found
+        found = self.bapo_step.bounds_for(ratio, advantages, mask, **tensors)
+        if self.bapo_step.scope == "micro_batch":
+            self._log_search(self.bapo_step.metrics(self.bapo_step.searches[-1:]), mode)
+        return found
 
     def _step_micro_batches(self) -> list[dict[str, Any]]:
         """TRL's buffered micro-batches of the optimizer step that starts at micro-batch `self._step`.
@@ -215,44 +204,40 @@ class BAPOGRPOTrainer(GRPOTrainer):
         ]
 
     @torch.no_grad()
-    def _solve_bounds(self, model, micro_batches: list[dict[str, Any]], mode: str) -> SearchResult:
-        """BAPO bounds of `micro_batches` together (one BoundStats, solved and all-reduced once); logs the search.
+    def _observe_step(self, model, micro_batches: list[dict[str, Any]]) -> None:
+        """BAPOStep's pre-pass over `micro_batches`, then the step's bounds (one solve, all-reduced once).
 
         The share counts each token's |r*A| times TRL's per-token loss weights (vLLM IS ratio,
         off-policy mask, entropy mask), i.e. what the token contributes to the gradient.
         """
-        stats = BoundStats(self._bapo_target.search_config())
-        tokens = 0.0
         # TRL generated (and scored old log-probs) in this very micro-batch, with these weights
-        just_generated = mode == "train" and self._step % (self.args.steps_per_generation * self.num_iterations) == 0
+        just_generated = self._step % (self.args.steps_per_generation * self.num_iterations) == 0
         with disable_gradient_checkpointing(self.model, self.args.gradient_checkpointing_kwargs):
             for inputs in micro_batches:
                 mask = self._loss_mask(inputs)
                 advantages = self._advantages(inputs, mask)
-                log_prob, entropy = self._search_log_probs(model, inputs, mask, just_generated)
+                log_prob, entropy, ratio_is_one = self._search_log_probs(model, inputs, mask, just_generated)
                 old_log_prob = self._old_log_prob(inputs, log_prob)
                 weights = self._token_weights(inputs, log_prob, old_log_prob, entropy, mask, advantages)
-                stats.add(
-                    token_ratio(log_prob, old_log_prob),
+                self.bapo_step.observe(
+                    None if ratio_is_one else token_ratio(log_prob, old_log_prob),
                     advantages,
                     mask,
                     weights=weights,
                     behaviour_log_prob=old_log_prob,
                 )
-                tokens += float(mask.sum())
-        return self._log_search(stats.solve(), tokens, mode)
+        self.bapo_step.solve()
 
-    def _log_search(self, search: SearchResult, tokens: float, mode: str) -> SearchResult:
-        """Append bapo/search/* of one search to TRL's metrics (TRL averages them per logging step)."""
-        for name, value in search_metrics([(search, int(tokens))], self._loss_params["bapo"].scope).items():
+    def _log_search(self, metrics: dict[str, float], mode: str) -> None:
+        """Append bapo/search/* and bapo/target of one search to TRL's metrics (TRL averages them per logging step)."""
+        for name, value in metrics.items():
             self._metrics[mode][name].append(value)
-        self._metrics[mode]["bapo/target"].append(self._bapo_target.target)
-        return search
 
     def _search_log_probs(
         self, model, inputs: dict[str, Any], mask: Tensor, just_generated: bool
-    ) -> tuple[Tensor, Tensor | None]:
-        """Current log-probs [B, T] (and entropy when the entropy mask needs it) for the search.
+    ) -> tuple[Tensor, Tensor | None, bool]:
+        """Current log-probs [B, T] (and entropy when the entropy mask needs it) for the search,
+        and whether every ratio is known to be exactly 1 (BAPOStep.observe's fresh-batch shortcut).
 
         No forward (unless the entropy mask needs entropies) when the answer is known: right after
         a generation TRL's old log-probs were computed by the current weights, so they are the
@@ -262,11 +247,11 @@ class BAPOGRPOTrainer(GRPOTrainer):
         needs_entropy = self.top_entropy_quantile < 1.0
         old_log_prob = inputs.get("old_per_token_logps")
         if not needs_entropy and old_log_prob is not None and just_generated:
-            return old_log_prob, None
+            return old_log_prob, None, True
         if not needs_entropy and old_log_prob is None and self.off_policy_mask_threshold is None:
-            return torch.zeros_like(mask, dtype=torch.float32), None
+            return torch.zeros_like(mask, dtype=torch.float32), None, True
         log_prob, entropy, _ = self._completion_log_probs(model, inputs, compute_entropy=needs_entropy)
-        return log_prob, entropy
+        return log_prob, entropy, False
 
     # ---- per-token tensors of TRL's batch -----------------------------------------------------------------
 
