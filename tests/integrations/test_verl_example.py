@@ -106,7 +106,7 @@ def test_the_plugin_hook_installs_the_worker_and_the_config_does_not(monkeypatch
     from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
 
     from bapo.integrations.verl import BAPOPolicyLossConfig
-    from bapo.integrations.verl.config import install_worker_hook
+    from bapo.integrations.verl.plugin import install_worker_hook
     from bapo.integrations.verl.worker import BAPOTrainingWorker
 
     monkeypatch.setattr(ActorRolloutRefWorker, "actor_worker_cls", TrainingWorker)

@@ -12,9 +12,16 @@ from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, agg_loss, compute_
 from verl.workers.config import ActorConfig, PolicyLossConfig  # noqa: E402
 
 import bapo.integrations.verl  # noqa: E402,F401  (registers the losses)
-from bapo.core import SearchResult, aggregate_loss, policy_loss, search_bounds, token_ratio  # noqa: E402
+from bapo.core import (  # noqa: E402
+    BAPOConfig,
+    BAPOStep,
+    SearchResult,
+    aggregate_loss,
+    policy_loss,
+    search_bounds,
+    token_ratio,
+)
 from bapo.integrations.verl import BAPOPolicyLossConfig, core_aggregation  # noqa: E402
-from bapo.integrations.verl.config import StepBounds, optimizer_step_bounds  # noqa: E402
 
 VERL_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # One micro-batch of a bigger update on 2 ranks (what verl's ppo_loss writes), and a lone batch.
@@ -69,6 +76,22 @@ def expected_normalizer(mode: str, mask: torch.Tensor, info: dict) -> float:
         "seq-mean-token-mean": sequences / dp,
         "seq-mean-token-sum-norm": sequences * (info.get("loss_scale_factor") or mask.shape[-1]) / dp,
     }[mode]
+
+
+def in_step(
+    policy_loss_config: BAPOPolicyLossConfig, solved: SearchResult | None = None, tokens: int = 0, target=None
+) -> BAPOPolicyLossConfig:
+    """`policy_loss_config` with a BAPOStep attached in the middle of an optimizer update, as
+    BAPOTrainingWorker leaves it for the loss: `solved` adopted as the step's bounds (scope step,
+    `tokens` seen by its search); target: the controller's rho0 of this step."""
+    step = BAPOStep(policy_loss_config.bapo_config())
+    if target is not None:
+        step.controller.target = target
+    step.begin()
+    if solved is not None:
+        step.adopt(solved, tokens)
+    policy_loss_config.attach_step(step)
+    return policy_loss_config
 
 
 def run_registered(method: str, mode: str, config: ActorConfig, tokens: dict, weighted: bool):
@@ -140,9 +163,8 @@ def test_registered_loss_equals_core(method, loss_config, core_params, mode, inf
     policy_loss_config = BAPOPolicyLossConfig(loss_mode=method, **loss_config)
     # bounds as BAPOTrainingWorker hands them to the step
     solved = SearchResult(lower=0.7, upper=1.6, positive_share=0.55, reached=True, steps=9)
-    config = actor_config(mode, policy_loss_config, info)
-    with optimizer_step_bounds(StepBounds("step", solved=solved, tokens=10)):
-        loss, grad, _ = run_registered(method, mode, config, tokens, weighted)
+    config = actor_config(mode, in_step(policy_loss_config, solved, tokens=10), info)
+    loss, grad, _ = run_registered(method, mode, config, tokens, weighted)
     expected_loss, expected_grad = run_core(method, mode, info, tokens, weighted, **core_params)
     torch.testing.assert_close(loss, expected_loss)
     torch.testing.assert_close(grad, expected_grad)
@@ -158,10 +180,9 @@ def test_bapo_with_ppo_bounds_equals_verl_vanilla(mode, weighted, clip_ratio_c):
     info = GLOBAL_INFOS[1]
     bapo_config = BAPOPolicyLossConfig(loss_mode="bapo")
     solved = SearchResult(lower=0.8, upper=1.2, positive_share=0.5, reached=True, steps=0)
-    config = actor_config(mode, bapo_config, info)
+    config = actor_config(mode, in_step(bapo_config, solved), info)
     object.__setattr__(config, "clip_ratio_c", clip_ratio_c)
-    with optimizer_step_bounds(StepBounds("step", solved=solved)):
-        loss, grad, metrics = run_registered("bapo", mode, config, tokens, weighted)
+    loss, grad, metrics = run_registered("bapo", mode, config, tokens, weighted)
 
     vanilla = actor_config(mode, PolicyLossConfig(), info)
     object.__setattr__(vanilla, "clip_ratio_c", clip_ratio_c)
@@ -189,10 +210,8 @@ def test_metrics_use_verl_names_and_the_solved_bounds():
     tokens = make_tokens(seed=3)
     policy_loss_config = BAPOPolicyLossConfig(loss_mode="bapo")
     solved = SearchResult(lower=0.66, upper=1.85, positive_share=0.52, reached=True, steps=13, pos_neg=0.52 / 0.48)
-    with optimizer_step_bounds(StepBounds("step", solved=solved, tokens=40)):
-        _, _, metrics = run_registered(
-            "bapo", "token-mean", actor_config("token-mean", policy_loss_config, {}), tokens, True
-        )
+    config = actor_config("token-mean", in_step(policy_loss_config, solved, tokens=40), {})
+    _, _, metrics = run_registered("bapo", "token-mean", config, tokens, True)
     assert metrics["actor/bapo/lower"] == 0.66 and metrics["actor/bapo/upper"] == 1.85
     assert metrics["actor/bapo/search/share"] == 0.52 and metrics["actor/bapo/search/steps"] == 13.0
     assert metrics["actor/bapo/search/tokens"] == 40.0 and metrics["actor/bapo/search/scope"] == 0.0
@@ -215,10 +234,8 @@ def test_micro_batch_scope_searches_this_micro_batch(weighted):
     """scope micro_batch: the loss solves bounds on its own micro-batch (weighted as in the loss)."""
     tokens = make_tokens(seed=4)
     policy_loss_config = BAPOPolicyLossConfig(loss_mode="bapo", target=0.6, scope="micro_batch")
-    with optimizer_step_bounds(StepBounds("micro_batch")):
-        loss, grad, metrics = run_registered(
-            "bapo", "token-mean", actor_config("token-mean", policy_loss_config, {}), tokens, weighted
-        )
+    config = actor_config("token-mean", in_step(policy_loss_config), {})
+    loss, grad, metrics = run_registered("bapo", "token-mean", config, tokens, weighted)
     found = search_bounds(
         token_ratio(tokens["log_prob"], tokens["old_log_prob"]),
         tokens["advantages"],
@@ -236,15 +253,13 @@ def test_micro_batch_scope_searches_this_micro_batch(weighted):
 
 
 def test_micro_batch_scope_searches_with_the_step_config_and_logs_its_target():
-    """The worker's controller sets rho0 per step (StepBounds.config): the micro-batch search and
-    actor/bapo/target use it, not the policy_loss config's own target."""
+    """The worker's controller sets rho0 per step (BAPOStep.search_config): the micro-batch search
+    and actor/bapo/target use it, not the policy_loss config's own target."""
     tokens = make_tokens(seed=4)
     policy_loss_config = BAPOPolicyLossConfig(loss_mode="bapo", target=0.3, scope="micro_batch", target_mode="entropy")
     step_config = dataclasses.replace(policy_loss_config.bapo_config(), target=0.75)
-    with optimizer_step_bounds(StepBounds("micro_batch", config=step_config)):
-        _, _, metrics = run_registered(
-            "bapo", "token-mean", actor_config("token-mean", policy_loss_config, {}), tokens, False
-        )
+    config = actor_config("token-mean", in_step(policy_loss_config, target=0.75), {})
+    _, _, metrics = run_registered("bapo", "token-mean", config, tokens, False)
     ratio = token_ratio(tokens["log_prob"], tokens["old_log_prob"])
     mask = tokens["response_mask"].bool()
     found = search_bounds(ratio, tokens["advantages"], mask, step_config)
@@ -255,7 +270,7 @@ def test_micro_batch_scope_searches_with_the_step_config_and_logs_its_target():
 
 
 def test_entropy_target_without_bapo_worker_fails_naming_the_setting():
-    """No BAPOTrainingWorker (no step bounds): nothing feeds the controller, so refuse, not run fixed."""
+    """No BAPOTrainingWorker (no BAPOStep attached): nothing feeds the controller, so refuse, not run fixed."""
     config = actor_config("token-mean", BAPOPolicyLossConfig(loss_mode="bapo", target_mode="entropy"), {})
     with pytest.raises(ValueError, match="target_mode.*BAPOTrainingWorker"):
         run_registered("bapo", "token-mean", config, make_tokens(), False)
@@ -276,8 +291,15 @@ def test_plain_policy_loss_config_searches_per_micro_batch():
     """loss_mode=bapo without BAPOPolicyLossConfig still works: core's search on this micro-batch alone."""
     tokens = make_tokens(seed=4)
     config = actor_config("token-mean", PolicyLossConfig(loss_mode="bapo"), {})
-    loss, grad, _ = run_registered("bapo", "token-mean", config, tokens, False)
-    expected_loss, expected_grad = run_core("bapo", "token-mean", {}, tokens, False)
+    loss, grad, metrics = run_registered("bapo", "token-mean", config, tokens, False)
+    found = search_bounds(
+        token_ratio(tokens["log_prob"], tokens["old_log_prob"]),
+        tokens["advantages"],
+        tokens["response_mask"].bool(),
+        BAPOConfig(),
+    )
+    assert (metrics["actor/bapo/search/lower"], metrics["actor/bapo/search/upper"]) == (found.lower, found.upper)
+    expected_loss, expected_grad = run_core("bapo", "token-mean", {}, tokens, False, bounds=found, dual_clip=3.0)
     torch.testing.assert_close(loss, expected_loss)
     torch.testing.assert_close(grad, expected_grad)
 

@@ -232,10 +232,10 @@ def make_worker(group, model, scope: str = "step", dynamic_batch_size: bool = Tr
     import bapo.integrations.verl.worker as bapo_worker
 
     class RecordingWorker(bapo_worker.BAPOTrainingWorker):
-        def solve_bounds(self, data, config):
-            found, tokens = super().solve_bounds(data, config)
+        def solve_bounds(self, data, step):
+            found = super().solve_bounds(data, step)
             self.solved.append(found)
-            return found, tokens
+            return found
 
     actor_config = omega_conf_to_dataclass(
         OmegaConf.create(
@@ -338,6 +338,7 @@ def rank_main(rank: int, world_size: int, port: int, out_dir: str):
 def entropy_target_runs(shards: list[TensorDict], rank: int, out_dir: str) -> dict:
     """target_mode=entropy: two rollout batches straight (8 optimizer steps), and the same run
     split by a checkpoint into a fresh worker with other initial weights."""
+    from bapo.core import BAPOStep
     from bapo.core.target import EntropyTargetController
 
     class RecordingController(EntropyTargetController):
@@ -351,7 +352,9 @@ def entropy_target_runs(shards: list[TensorDict], rank: int, out_dir: str) -> di
 
     def entropy_worker(seed: int = 0):
         worker = make_worker(dist.group.WORLD, tiny_qwen2(seed), **ENTROPY_TARGET)
-        worker.bapo_target = RecordingController(worker.loss_fn.keywords["config"].policy_loss.bapo_config())
+        config = worker.loss_fn.keywords["config"].policy_loss.bapo_config()
+        group = worker.engine.get_data_parallel_group()
+        worker.bapo_step = BAPOStep(config, device="cpu", process_group=group, controller=RecordingController(config))
         return worker
 
     straight = entropy_worker()
@@ -367,13 +370,13 @@ def entropy_target_runs(shards: list[TensorDict], rank: int, out_dir: str) -> di
     resumed.load_checkpoint(checkpoint)
     resumed_targets = train(resumed, no_padding(shards[rank]))["actor/bapo/target"]
     return {
-        "fed": straight.bapo_target.fed,
+        "fed": straight.bapo_step.controller.fed,
         "targets": straight_targets,
-        "state": straight.bapo_target.state_dict(),
-        "config": straight.bapo_target.config,
-        "resumed_fed": resumed.bapo_target.fed,
+        "state": straight.bapo_step.state_dict(),
+        "config": straight.bapo_step.config,
+        "resumed_fed": resumed.bapo_step.controller.fed,
         "resumed_targets": resumed_targets,
-        "resumed_state": resumed.bapo_target.state_dict(),
+        "resumed_state": resumed.bapo_step.state_dict(),
         "checkpoint_files": sorted(os.listdir(checkpoint)),
         "first_step_direct": direct_entropy(shards, MINI_BATCH // 2) if rank == 0 else None,
     }
@@ -512,18 +515,19 @@ def test_entropy_target_sets_each_steps_rho0_from_the_last_steps_entropy(ranks):
 def test_entropy_target_resumes_exactly_from_a_checkpoint(ranks):
     for rank, run in enumerate(ranks):
         run = run["entropy"]
-        assert f"bapo_target_rank{rank}.json" in run["checkpoint_files"]
+        assert f"bapo_step_rank{rank}.json" in run["checkpoint_files"]
         assert run["resumed_state"] == run["state"]  # 4 + resume + 4 == 8 straight
         assert run["resumed_fed"] == run["fed"][4:]
         assert run["resumed_targets"] == run["targets"][4:]
 
 
-def test_entropy_target_resume_without_saved_state_warns_and_starts_afresh(tmp_path, caplog):
+def test_entropy_target_resume_without_saved_state_warns_and_starts_afresh(tmp_path):
     """A checkpoint saved without controller state (a fixed-target run): one warning naming the
     directory; the controller then starts from policy_loss.target. One process, no collectives."""
     from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
 
+    from bapo.core import MissingStepStateWarning
     from bapo.integrations.verl import BAPOPolicyLossConfig
     from bapo.integrations.verl.worker import BAPOTrainingWorker
 
@@ -532,12 +536,13 @@ def test_entropy_target_resume_without_saved_state_warns_and_starts_afresh(tmp_p
         strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, rollout_n=1, policy_loss=policy_loss
     )
     worker = BAPOTrainingWorker.__new__(BAPOTrainingWorker)
-    worker.engine = SimpleNamespace(load_checkpoint=lambda *args: None)
+    worker.engine = SimpleNamespace(load_checkpoint=lambda *args: None, get_data_parallel_group=lambda: None)
     worker.loss_fn = partial(ppo_loss, config=config)
-    with caplog.at_level("WARNING", logger="bapo.integrations.verl.worker"):
+    with pytest.warns(MissingStepStateWarning) as warned:
         worker.load_checkpoint(str(tmp_path))
-    assert str(tmp_path) in caplog.text and "no entropy-controller state" in caplog.text
-    assert worker.target_controller(policy_loss).state_dict()["target"] == LOSS_CONFIG["target"]
+    assert len(warned) == 1 and str(tmp_path) in str(warned[0].message)
+    assert "no entropy-controller state" in str(warned[0].message)
+    assert worker.step_for(policy_loss).controller.state_dict()["target"] == LOSS_CONFIG["target"]
 
 
 def test_plugin_import_installs_the_worker_after_verl_loads_its_workers():

@@ -656,14 +656,17 @@ def search_bounds(
     *,
     weights: Tensor | None = None,
     behaviour_log_prob: Tensor | None = None,
+    validate: bool = True,
 ) -> SearchResult:
-    """Bounds of the search on this batch alone (no cross-rank sync; use BoundStats for that).
+    """Bounds of the search on this batch alone (no cross-rank sync; bapo.core.BAPOStep runs
+    the search of an optimizer update over micro-batches and ranks).
 
     ratio, mask: [B, T]; advantages: [B, T] or [B]; weights, behaviour_log_prob: optional
-    [B, T] (see BoundStats.add).
+    [B, T] (see BoundStats.add); validate=False skips the input checks (a caller that must let
+    a non-finite forward through to its own skip).
     """
     return (
         BoundStats(config, device=ratio.device)
-        .add(ratio, advantages, mask, weights=weights, behaviour_log_prob=behaviour_log_prob)
+        .add(ratio, advantages, mask, weights=weights, behaviour_log_prob=behaviour_log_prob, validate=validate)
         .solve(sync=False)
     )

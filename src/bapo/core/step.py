@@ -53,6 +53,7 @@ class BAPOStep:
 
     config: the run's BAPOConfig (scope, search space, share definition, target control).
     device: where the bucket sums live (e.g. CPU for a gloo process group); None = the ratios'.
+    process_group: the data-parallel group the searches all-reduce over (None: the default group).
     controller: the entropy-target controller (default: a fresh one from config; pass a
       subclass to observe it). In target_mode="fixed" it only counts updates.
     """
@@ -62,10 +63,13 @@ class BAPOStep:
         config: BAPOConfig,
         *,
         device: torch.device | str | None = None,
+        process_group: dist.ProcessGroup | None = None,
         controller: EntropyTargetController | None = None,
     ) -> None:
         self.config = config
         self.device = torch.device(device) if device is not None else None
+        self.process_group = process_group
+        self.in_update = False  # between begin() and end()
         self.controller = controller or EntropyTargetController(config)
         self.searches: list[tuple[SearchResult, int | Tensor]] = []  # (result, tokens it saw) of this update
         self._stats: BoundStats | None = None
@@ -105,6 +109,7 @@ class BAPOStep:
         scope "step" searches it from the forward its loss runs anyway (`bounds_for`), since a
         pre-pass would only repeat that forward.
         """
+        self.in_update = True
         self.searches = []
         self._stats = None
         self._observed_tokens = []
@@ -149,15 +154,20 @@ class BAPOStep:
         )
         self._observed_tokens.append(mask.to(torch.bool).sum())
 
-    def solve(self, *, process_group: dist.ProcessGroup | None = None, sync: bool | None = None) -> SearchResult:
-        """The update's bounds over everything `observe` saw (sync: sum over ranks first, one
-        all-reduce; None = whenever torch.distributed is initialised). Every rank must call it,
-        also one that observed nothing."""
+    def solve(self, *, sync: bool | None = None) -> SearchResult:
+        """The update's bounds over everything `observe` saw (sync: sum over the process group's
+        ranks first, one all-reduce; None = whenever torch.distributed is initialised). Every
+        rank must call it, also one that observed nothing."""
         stats = self._stats or BoundStats(self.search_config, device=self.device)
-        self._solved = stats.solve(process_group=process_group, sync=sync)
         tokens = torch.stack(self._observed_tokens).sum() if self._observed_tokens else 0
-        self.searches.append((self._solved, tokens))
-        return self._solved
+        return self.adopt(stats.solve(process_group=self.process_group, sync=sync), tokens)
+
+    def adopt(self, solved: SearchResult, tokens: int | Tensor = 0) -> SearchResult:
+        """Take `solved` as this update's bounds (scope "step"): what `solve` does with its own
+        result; also for bounds solved elsewhere. tokens: how many this rank's search saw."""
+        self._solved = solved
+        self.searches.append((solved, tokens))
+        return solved
 
     def bounds_for(
         self,
@@ -167,7 +177,6 @@ class BAPOStep:
         *,
         weights: Tensor | None = None,
         behaviour_log_prob: Tensor | None = None,
-        process_group: dist.ProcessGroup | None = None,
         sync: bool | None = None,
         validate: bool = False,
     ) -> SearchResult:
@@ -192,7 +201,6 @@ class BAPOStep:
             mask,
             weights=weights,
             behaviour_log_prob=behaviour_log_prob,
-            process_group=process_group,
             sync=sync,
             validate=validate,
         )
@@ -207,7 +215,6 @@ class BAPOStep:
         *,
         weights: Tensor | None = None,
         behaviour_log_prob: Tensor | None = None,
-        process_group: dist.ProcessGroup | None = None,
         sync: bool | None = None,
         validate: bool = True,
     ) -> SearchResult:
@@ -222,7 +229,7 @@ class BAPOStep:
             behaviour_log_prob=behaviour_log_prob,
             validate=validate,
         )
-        return stats.solve(process_group=process_group, sync=sync)
+        return stats.solve(process_group=self.process_group, sync=sync)
 
     def record_entropy(self, entropy: Tensor, mask: Tensor) -> None:
         """Add one micro-batch's policy entropy ([B, T], masked by mask [B, T]) to the update's;
@@ -255,6 +262,7 @@ class BAPOStep:
                 entropy = token_mean_over_ranks(total, count, device=device, process_group=process_group)
         self.controller.update(entropy)
         self._entropy_sums = []
+        self.in_update = False
 
     # ---- metrics and state ------------------------------------------------------------------------
 

@@ -10,8 +10,8 @@ The two off-policy axes are the trainer's own (bapo.train), not a copy:
 
 Per update: one `bapo.core.policy_loss` call over the rows of all seeds, aggregated as a token sum
 and divided per seed by that seed's token count, which is exactly each seed's own token-mean
-gradient (seeds share no parameter). BAPO searches its bounds per seed (`BoundStats`) and the loss
-runs once per distinct pair of bounds. Plain SGD on the logits: the Entropy-Clip Rule is derived
+gradient (seeds share no parameter). BAPO searches its bounds per seed (one `BAPOStep` each) and
+the loss runs once per distinct pair of bounds. Plain SGD on the logits: the Entropy-Clip Rule is derived
 for a gradient step on softmax logits.
 """
 
@@ -25,7 +25,7 @@ from torch import Tensor
 
 from bapo.core import (
     BAPOConfig,
-    BoundStats,
+    BAPOStep,
     clip_diagnostics,
     group_advantages,
     policy_loss,
@@ -143,21 +143,22 @@ def _rollout(
 
 
 def _loss_groups(
-    method: str, params: dict, ratio: Tensor, advantages: Tensor, mask: Tensor, configs: list[BAPOConfig] | None = None
+    method: str, params: dict, ratio: Tensor, advantages: Tensor, mask: Tensor, steps: list[BAPOStep] | None = None
 ) -> tuple[list[tuple[list[int], dict]], dict[str, Tensor]]:
     """Seeds grouped by the loss parameters they use: [(seed indices, params)], and per-seed
     search results ({} for fixed bounds). A fixed-bound method is one group; BAPO searches its
-    bounds per seed (as the trainer does per update; `configs`: one BAPOConfig per seed, e.g.
-    from an adaptive target) and seeds that found the same bounds share a group."""
+    bounds per seed (as the trainer does per update: `steps`, one BAPOStep per seed, each begun
+    for this update) and seeds that found the same bounds share a group."""
     seed_count = ratio.shape[0]
     if method != "bapo":
         return [(list(range(seed_count)), params)], {}
-    configs = configs or [params.get("bapo", BAPOConfig())] * seed_count
+    if steps is None:
+        raise ValueError("steps: method 'bapo' needs one BAPOStep per seed (BAPOStep(config) for each)")
     groups: dict[tuple[float, float], list[int]] = {}
     share = torch.zeros(seed_count, dtype=torch.float64)
     reached = torch.zeros(seed_count, dtype=torch.float64)
-    for seed, config in enumerate(configs):
-        found = BoundStats(config).add(ratio[seed], advantages[seed], mask[seed], validate=False).solve(sync=False)
+    for seed, step in enumerate(steps):
+        found = step.bounds_for(ratio[seed], advantages[seed], mask[seed])  # one micro-batch: the update
         groups.setdefault((found.lower, found.upper), []).append(seed)
         share[seed], reached[seed] = found.positive_share, float(found.reached)
     rest = {name: value for name, value in params.items() if name != "bapo"}
@@ -176,7 +177,7 @@ def _update(
     cfg: LabConfig,
     share: bool,
     check: bool,
-    configs: list[BAPOConfig] | None = None,
+    steps: list[BAPOStep] | None = None,
 ) -> dict[str, Tensor]:
     """One optimizer update of every seed on its mini-batch rows [S, b]; returns per-seed metrics [S]."""
     method, params = METHODS[cell.method]
@@ -195,7 +196,7 @@ def _update(
     ratio = token_ratio(log_prob.detach(), old_log_prob)
     lower, upper = torch.zeros(seed_count, dtype=torch.float64), torch.zeros(seed_count, dtype=torch.float64)
     total = torch.zeros((), dtype=logits.dtype)
-    groups, searched = _loss_groups(method, params, ratio, advantages, mask, configs)
+    groups, searched = _loss_groups(method, params, ratio, advantages, mask, steps)
     for members, group_params in groups:
         # a token sum (normalizer 1), made each seed's token mean below
         loss, metrics = policy_loss(
@@ -277,16 +278,17 @@ def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
         buffer.push(_rollout(logits, answers, cfg, generators, version))
     rows_per_batch = cfg.task.prompts * cfg.group_size
     method, params = METHODS[cell.method]
-    # The adaptive target: one controller per seed, fed the entropy of each update (as a trainer would).
-    adaptive = method == "bapo" and getattr(params.get("bapo"), "target_mode", "fixed") == "entropy"
-    controllers = [EntropyTargetController(params["bapo"]) for _ in seeds] if adaptive else []
+    # One BAPOStep per seed (its adaptive target fed the entropy of each update, as a trainer would).
+    steps = [BAPOStep(params.get("bapo", BAPOConfig())) for _ in seeds] if method == "bapo" else []
+    adaptive = bool(steps) and steps[0].config.target_mode == "entropy"
     for rollout_step in range(cfg.rollout_steps):
         buffer.push(_rollout(logits, answers, cfg, generators, version))
         batch: Rollouts = buffer.pop(rollout_step)
         schedules = [minibatch_order(rows_per_batch, cell.staleness + 1, 1, seed, rollout_step) for seed in seeds]
         for update in range(cell.staleness + 1):
             rows = torch.stack([schedule[update][1] for schedule in schedules])
-            configs = [controller.search_config() for controller in controllers] or None
+            for step in steps:
+                step.begin(micro_batches=1)
             metrics = _update(
                 logits,
                 answers,
@@ -296,17 +298,16 @@ def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
                 cfg,
                 cell.method in cfg.share_methods,
                 cell.name in cfg.check_cells,
-                configs,
+                steps or None,
             )
-            if controllers:
-                metrics["bapo/target"] = torch.tensor(
-                    [controller.target for controller in controllers], dtype=torch.float64
-                )
-                for controller, entropy in zip(controllers, metrics["entropy/batch"].tolist()):
-                    controller.update(entropy)
+            if adaptive:
+                metrics["bapo/target"] = torch.tensor([step.target for step in steps], dtype=torch.float64)
+            for step, entropy in zip(steps, metrics["entropy/batch"].tolist()):
+                step.end(entropy)
+            if adaptive:
+                set_points = [step.controller.set_point for step in steps]
                 metrics["bapo/set_point"] = torch.tensor(
-                    [math.nan if controller.set_point is None else controller.set_point for controller in controllers],
-                    dtype=torch.float64,
+                    [math.nan if point is None else point for point in set_points], dtype=torch.float64
                 )
             # the trainer's name: optimizer updates between the behaviour policy and this update
             metrics["staleness/mean"] = torch.full((len(seeds),), float(version - batch.version), dtype=torch.float64)

@@ -14,14 +14,16 @@ per micro-batch, no extra forward); the search's metrics appear as actor/bapo/se
 share, pos_neg, reached, steps, scope, tokens}, the step's rho0 as actor/bapo/target (steered by the
 worker's entropy controller under policy_loss.target_mode=entropy), the loss's diagnostics as
 actor/bapo/..., next to verl's own.
-`BAPOTrainingWorker` and `install` live in `bapo.integrations.verl.worker`, which imports verl's
-worker stack (Ray, FastAPI, uvicorn); this module imports only verl's loss registry and configs.
+Layout: `config` (the dataclass), `losses` (verl-signature losses over bapo.core), `plugin`
+(registration, the import hook that installs the worker), `worker` (`BAPOTrainingWorker`, the
+adapter from verl's batches to `bapo.core.BAPOStep`; it imports verl's worker stack: Ray,
+FastAPI, uvicorn). This module imports only verl's loss registry and configs.
 """
 
-from bapo.integrations.verl.config import BAPOPolicyLossConfig, install_worker_hook
+from bapo.integrations.verl.config import BAPOPolicyLossConfig
 from bapo.integrations.verl.losses import VERL_LOSSES, core_aggregation, make_verl_loss, register_verl_losses
+from bapo.integrations.verl.plugin import install_plugin
 
-register_verl_losses()
-install_worker_hook()  # the bound-search worker, once verl's worker module loads
+install_plugin()  # the losses now; the bound-search worker once verl's worker module loads
 
 __all__ = ["BAPOPolicyLossConfig", "VERL_LOSSES", "core_aggregation", "make_verl_loss", "register_verl_losses"]

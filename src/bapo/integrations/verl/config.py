@@ -8,67 +8,24 @@ patching verl:
     actor_rollout_ref.actor.policy_loss.loss_mode=bapo
     +actor_rollout_ref.actor.policy_loss.target=0.5
 
-The config holds configuration only. What the worker solves for one optimizer step reaches the
-loss through `step_bounds`, a context variable the worker sets around that step
-(`optimizer_step_bounds`); the worker itself is installed from the plugin entry point
-(`install_worker_hook`, run when `bapo.integrations.verl` is imported); see
-`bapo.integrations.verl.worker`.
+This module is the dataclass only; it imports nothing of bapo's verl worker. The worker
+(`bapo.integrations.verl.worker.BAPOTrainingWorker`) attaches the run's `bapo.core.BAPOStep` to
+this config (`attach_step`), and the registered loss reads it from the `config` argument verl
+passes it (`config.policy_loss.step`): the bounds of each micro-batch come from that step.
+Registration and the worker's installation live in `bapo.integrations.verl.plugin`.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
-import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
-from contextvars import ContextVar
 from dataclasses import dataclass, fields
 from typing import Any, Optional
 
 from verl.workers.config import PolicyLossConfig
 
-from bapo.core import BAPOConfig, SearchResult
+from bapo.core import BAPOConfig, BAPOStep
 
-# The losses whose bounds are solved once per optimizer step, before the first micro-batch.
+# The losses whose bounds BAPOTrainingWorker solves (BAPOStep), per optimizer step or micro-batch.
 BOUND_SEARCH_LOSSES = ("bapo",)
-WORKER_MODULE = "verl.workers.engine_workers"
-
-
-@dataclass(frozen=True)
-class StepBounds:
-    """What the worker hands the loss for one optimizer step.
-
-    solved: scope "step": the bounds searched over the whole mini-batch on all ranks.
-    process_group: scope "micro_batch": the data-parallel group each micro-batch's loss
-      all-reduces its bucket sums over (None: the default group).
-    config: the search config of this step (the policy_loss's, with rho0 set by the worker's
-      entropy controller under target_mode=entropy); None: the policy_loss's own.
-    """
-
-    scope: str
-    solved: SearchResult | None = None
-    tokens: int = 0  # tokens the step search saw (this rank)
-    process_group: Any = None
-    config: BAPOConfig | None = None
-
-
-_step_bounds: ContextVar[StepBounds | None] = ContextVar("bapo_verl_step_bounds", default=None)
-
-
-@contextmanager
-def optimizer_step_bounds(bounds: StepBounds) -> Iterator[StepBounds]:
-    """Make `bounds` visible to the bapo loss for the optimizer step run inside this block."""
-    token = _step_bounds.set(bounds)
-    try:
-        yield bounds
-    finally:
-        _step_bounds.reset(token)
-
-
-def step_bounds() -> StepBounds | None:
-    """The bounds of the optimizer step in progress (None outside BAPOTrainingWorker.train_batch)."""
-    return _step_bounds.get()
 
 
 @dataclass
@@ -130,47 +87,23 @@ class BAPOPolicyLossConfig(PolicyLossConfig):
 
     @property
     def searches_bounds(self) -> bool:
-        """True when the selected loss needs bounds solved over the whole mini-batch."""
+        """True when the selected loss needs bounds solved by BAPOTrainingWorker's BAPOStep."""
         return self.loss_mode in BOUND_SEARCH_LOSSES
 
+    @property
+    def step(self) -> BAPOStep | None:
+        """The run's BAPOStep, attached by BAPOTrainingWorker; None when another worker runs the loss."""
+        return self.__dict__.get("_bapo_step")
+
+    def attach_step(self, step: BAPOStep) -> None:
+        """Give the loss the worker's BAPOStep. Not a dataclass field (verl's frozen BaseConfig
+        refuses to reassign those, and a step is run state, not configuration)."""
+        object.__setattr__(self, "_bapo_step", step)
+
     def core_params(self, method: str) -> dict[str, Any]:
-        """Keyword parameters of bapo.core.policy_loss(method=...) taken from this config (bounds: see step_bounds)."""
+        """Keyword parameters of bapo.core.policy_loss(method=...) taken from this config (bapo's
+        bounds come from `step`)."""
         if method == "bapo":
-            return {"bapo": self.bapo_config(), "dual_clip": self.dual_clip}
+            return {"dual_clip": self.dual_clip}
         names = {"topr": ("negative_ratio_max",), "dcpo": ("eps_low", "eps_high", "ratio_max")}[method]
         return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
-
-
-class _InstallAfterImport(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Runs `install()` right after verl's worker module has been imported (one shot)."""
-
-    def find_spec(self, name, path, target=None):
-        if name != WORKER_MODULE:
-            return None
-        sys.meta_path.remove(self)  # find the real module below us, and never fire twice
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.loader is None:
-            return spec
-        self.real_loader, spec.loader = spec.loader, self
-        return spec
-
-    def create_module(self, spec):
-        return self.real_loader.create_module(spec)
-
-    def exec_module(self, module) -> None:
-        self.real_loader.exec_module(module)
-        from bapo.integrations.verl.worker import install
-
-        install()
-
-
-def install_worker_hook() -> None:
-    """Make verl's actor workers build `BAPOTrainingWorker`: now when verl's worker module is
-    loaded, else right after it is first imported. Called by `bapo.integrations.verl`, which verl
-    imports in every process through the `verl.plugins` entry point; imports nothing heavy itself."""
-    if WORKER_MODULE in sys.modules:
-        from bapo.integrations.verl.worker import install
-
-        install()
-    elif not any(isinstance(finder, _InstallAfterImport) for finder in sys.meta_path):
-        sys.meta_path.insert(0, _InstallAfterImport())

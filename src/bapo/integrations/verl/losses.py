@@ -17,14 +17,13 @@ import math
 from typing import Any, Optional
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
 
-from bapo.core import BoundStats, policy_loss, search_metrics, token_ratio
+from bapo.core import BAPOConfig, BAPOStep, SearchResult, policy_loss, search_bounds, search_metrics, token_ratio
 from bapo.core.diagnostics import LOG_RATIO_CLAMP
 from bapo.integrations.verl.compat import check_verl_api
-from bapo.integrations.verl.config import BAPOPolicyLossConfig, step_bounds
+from bapo.integrations.verl.config import BAPOPolicyLossConfig
 
 logger = logging.getLogger(__name__)
 
@@ -117,7 +116,6 @@ def _core_params(method: str, config: Any) -> dict[str, Any]:
     """bapo.core parameters from verl's config (ActorConfig): its policy_loss (a plain
     PolicyLossConfig gives core's defaults) and, for bapo and dcpo, the dual-clip cap
     clip_ratio_c read as vanilla reads it (default 3.0; BAPOPolicyLossConfig.dual_clip overrides)."""
-    global _warned_per_micro_batch
     policy_loss_config = getattr(config, "policy_loss", None)
     if policy_loss_config is None and method == "bapo":
         # verl's distillation path passes its DistillationLossConfig, which has no policy_loss.
@@ -133,56 +131,62 @@ def _core_params(method: str, config: Any) -> dict[str, Any]:
     if method in DUAL_CLIP_LOSSES and params.get("dual_clip") is None:
         getter = config.get if hasattr(config, "get") else lambda name, default: getattr(config, name, default)
         params["dual_clip"] = getter("clip_ratio_c", 3.0)
-    entropy_target = method == "bapo" and params.get("bapo") is not None and params["bapo"].target_mode == "entropy"
-    if entropy_target and step_bounds() is None:
+    return params
+
+
+def _active_step(config: Any) -> BAPOStep | None:
+    """The BAPOStep of the optimizer update in progress, attached to config.policy_loss by
+    BAPOTrainingWorker; None outside one (another actor worker, or a call outside verl's update)."""
+    policy_loss_config = getattr(config, "policy_loss", None)
+    step = policy_loss_config.step if isinstance(policy_loss_config, BAPOPolicyLossConfig) else None
+    return step if step is not None and step.in_update else None
+
+
+def _bapo_bounds(
+    config: Any,
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    weights: Tensor | None,
+) -> tuple[SearchResult, dict[str, float]]:
+    """This micro-batch's bounds and their bapo/search/* metrics and bapo/target: from the
+    worker's BAPOStep (scope step: the step's bounds; scope micro_batch: searched on this
+    micro-batch, one all-reduce over the data-parallel group), or, without a BAPOTrainingWorker,
+    searched on this micro-batch alone (with a one-time warning)."""
+    global _warned_per_micro_batch
+    ratio = token_ratio(log_prob.detach(), old_log_prob)
+    step = _active_step(config)
+    if step is not None:
+        found = step.bounds_for(
+            ratio, advantages, response_mask.bool(), weights=weights, behaviour_log_prob=old_log_prob
+        )
+        return found, step.metrics(step.searches[-1:])
+    policy_loss_config = getattr(config, "policy_loss", None)
+    search_config = (
+        policy_loss_config.bapo_config() if isinstance(policy_loss_config, BAPOPolicyLossConfig) else BAPOConfig()
+    )
+    if search_config.target_mode == "entropy":
         raise ValueError(
             "policy_loss.target_mode: 'entropy' needs bapo's actor worker (BAPOTrainingWorker), which feeds "
             "the entropy controller, and this loss runs outside it (another ActorRolloutRefWorker.actor_worker_cls, "
             "or a call outside verl's actor update): use BAPOTrainingWorker or set policy_loss.target_mode=fixed"
         )
-    if method == "bapo" and step_bounds() is None and not _warned_per_micro_batch:
+    if not _warned_per_micro_batch:
         _warned_per_micro_batch = True
         logger.warning(
             "bapo: no bounds solved for this optimizer step, searching on each micro-batch alone. "
             "Set actor_rollout_ref.actor.policy_loss._target_=bapo.integrations.verl.BAPOPolicyLossConfig "
             "so that the bounds are solved over the whole mini-batch and all data-parallel ranks."
         )
-    return params
-
-
-def _bounds_of_this_micro_batch(
-    params: dict[str, Any],
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    weights: Tensor | None,
-) -> dict[str, float] | None:
-    """Set params["bounds"] from the worker's step bounds (scope step) or from this micro-batch's
-    own ratios, summed over the data-parallel group with one all-reduce (scope micro_batch), and
-    params["bapo"] to the step's search config (its rho0 set by the worker's controller);
-    returns their bapo/search/* metrics and bapo/target (None without a BAPOTrainingWorker:
-    bapo_loss then searches this micro-batch alone)."""
-    bounds = step_bounds()
-    if bounds is None:
-        return None
-    if bounds.config is not None:
-        params["bapo"] = bounds.config
-    if bounds.scope == "step":
-        found, tokens = bounds.solved, bounds.tokens
-    else:
-        stats = BoundStats(params["bapo"]).add(
-            token_ratio(log_prob.detach(), old_log_prob),
-            advantages,
-            response_mask.bool(),
-            weights=weights,
-            validate=False,
-            behaviour_log_prob=old_log_prob,
-        )
-        found = stats.solve(process_group=bounds.process_group, sync=dist.is_available() and dist.is_initialized())
-        tokens = int(response_mask.sum())
-    params["bounds"] = (found.lower, found.upper)
-    return {**search_metrics([(found, tokens)], bounds.scope), "bapo/target": params["bapo"].target}
+    mask = response_mask.bool()
+    found = search_bounds(
+        ratio, advantages, mask, search_config, weights=weights, behaviour_log_prob=old_log_prob, validate=False
+    )
+    return found, {
+        **search_metrics([(found, int(mask.sum()))], "micro_batch"),
+        "bapo/target": search_config.target,
+    }
 
 
 def make_verl_loss(method: str):
@@ -202,11 +206,11 @@ def make_verl_loss(method: str):
             raise ValueError("config: verl's ActorConfig is required (verl passes it from ppo_loss)")
         params = _core_params(method, config)
         mode, normalizer = core_aggregation(loss_agg_mode, response_mask, **config.global_batch_info)
-        search = (
-            _bounds_of_this_micro_batch(params, log_prob, old_log_prob, advantages, response_mask, rollout_is_weights)
-            if method == "bapo"
-            else None
-        )
+        search = None
+        if method == "bapo":
+            params["bounds"], search = _bapo_bounds(
+                config, log_prob, old_log_prob, advantages, response_mask, rollout_is_weights
+            )
         loss, core_metrics = policy_loss(
             log_prob,
             old_log_prob,

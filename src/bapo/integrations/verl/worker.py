@@ -8,8 +8,10 @@ depend on the ratios of all of them, so `BAPOTrainingWorker.train_batch` first r
 forward of the mini-batch through the same engine (`engine.infer_batch`, the path verl's own
 `compute_log_prob` takes) with a "loss" that only adds each micro-batch's ratios to a
 `bapo.core.BoundStats`; then one all-reduce over the data-parallel group (`BoundStats.solve`)
-gives every rank the same bounds, which the registered `bapo` loss reads from the context
-variable `config.step_bounds()` that `train_batch` sets around the real step.
+gives every rank the same bounds. All of that is the run's `bapo.core.BAPOStep`
+(`BAPOTrainingWorker.bapo_step`), which the worker attaches to the actor's policy-loss config
+(`BAPOPolicyLossConfig.attach_step`): the registered `bapo` loss reads it from the `config`
+argument verl passes it, and takes each micro-batch's bounds from `BAPOStep.bounds_for`.
 
 With `policy_loss.scope=micro_batch` there is no pre-pass: each micro-batch's loss solves its own
 bounds from the forward it runs, with one all-reduce of the bucket sums per micro-batch over the
@@ -23,27 +25,26 @@ runs the engine's own once-per-call collectives (global token count; with dynami
 FSDP's micro-batch count), as verl's compute_log_prob does. Cost: one extra forward without
 grad per mini-batch, with verl's log-prob micro-batch sizes.
 
-Adaptive target (policy_loss.target_mode=entropy): the worker owns the run's
-`EntropyTargetController`. Each optimizer step it asks the engine for per-token entropy in the
-training forward it already runs (calculate_entropy=True; with entropy_coeff 0 it adds nothing to
-the loss), sums it over the step's micro-batches, and after the step one all-reduce of
-[sum, count] over every rank of the worker group gives all of them the same mean entropy
-(replicas of a tensor- or sequence-parallel group repeat their tokens, which leaves a mean
-unchanged; pipeline stages without the loss add nothing), so every rank's controller moves the
-same way and the next step's search runs with its rho0. Its state goes next to the actor
-checkpoint (`bapo_target_rank<r>.json`, see save_checkpoint). Cost: the entropy over the
-vocabulary in the training forward and one small all-reduce per optimizer step.
+Adaptive target (policy_loss.target_mode=entropy): the step's `EntropyTargetController`. Each
+optimizer step the worker asks the engine for per-token entropy in the training forward it
+already runs (calculate_entropy=True; with entropy_coeff 0 it adds nothing to the loss), the
+step records it per micro-batch, and after the step one all-reduce of [sum, count] over every
+rank of the worker group gives all of them the same mean entropy (replicas of a tensor- or
+sequence-parallel group repeat their tokens, which leaves a mean unchanged; pipeline stages
+without the loss add nothing), so every rank's controller moves the same way and the next
+step's search runs with its rho0. The step's state goes next to the actor checkpoint
+(`bapo_step_rank<r>.json`, bapo.integrations.step_state; see save_checkpoint). Cost: the entropy
+over the vocabulary in the training forward and one small all-reduce per optimizer step.
 
-`install()` makes verl's `ActorRolloutRefWorker` build this worker as its actor
-(`ActorRolloutRefWorker.actor_worker_cls`, the extension point verl's own Tinker worker uses).
+`bapo.integrations.verl.plugin.install_worker()` makes verl's `ActorRolloutRefWorker` build this
+worker as its actor (`ActorRolloutRefWorker.actor_worker_cls`, the extension point verl's own
+Tinker worker uses).
 With any loss other than `bapo` it behaves exactly like verl's `TrainingWorker`.
 """
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 from functools import partial
 from typing import Any, Optional
 
@@ -52,23 +53,25 @@ import torch.distributed as dist
 from tensordict import TensorDict
 from verl.single_controller.base.decorator import Dispatch, register
 from verl.utils import tensordict_utils as tu
-from verl.workers.engine_workers import ActorRolloutRefWorker, TrainingWorker
+from verl.workers.engine_workers import TrainingWorker
 from verl.workers.utils.padding import no_padding_2_padding
 
-from bapo.core import BAPOConfig, BoundStats, SearchResult, token_ratio
-from bapo.core.target import EntropyTargetController, token_mean_over_ranks
-from bapo.integrations.verl.config import BAPOPolicyLossConfig, StepBounds, optimizer_step_bounds
+from bapo.core import BAPOStep, SearchResult, token_ratio
+from bapo.integrations.step_state import load_step_state, save_step_state
+from bapo.integrations.verl.config import BAPOPolicyLossConfig
 
 logger = logging.getLogger(__name__)
 
 # What the pre-pass reads from each micro-batch, besides the model's log-probs.
 PROBE_FIELDS = ("response_mask", "old_log_probs", "advantages")
+# The controller state file of bapo versions before BAPOStep (a bare controller state dict).
+LEGACY_STATE_FILES = ("bapo_target_rank{rank}.json",)
 
 
-def add_bound_stats(
-    model_output: dict, data: TensorDict, dp_group=None, *, stats: BoundStats, token_counts: list[int] | None = None
+def observe_micro_batch(
+    model_output: dict, data: TensorDict, dp_group=None, *, step: BAPOStep
 ) -> tuple[torch.Tensor, dict]:
-    """A verl loss_function for the no-grad pre-pass: add one micro-batch to `stats`, return loss 0.
+    """A verl loss_function for the no-grad pre-pass: `step.observe` one micro-batch, return loss 0.
 
     model_output["log_probs"]: nested [B, j] over prompt + response (verl's no-padding layout);
     data: the micro-batch, with response_mask, old_log_probs, advantages ([B, T] padded or
@@ -79,28 +82,22 @@ def add_bound_stats(
     fields = [*PROBE_FIELDS, *(["rollout_is_weights"] if "rollout_is_weights" in data else [])]
     tokens = data.select(*fields).to_padded_tensor()
     weights = tokens["rollout_is_weights"].to(log_prob.dtype) if "rollout_is_weights" in tokens else None
-    ratio = token_ratio(log_prob, tokens["old_log_probs"].to(log_prob.dtype))
-    stats.add(
-        ratio,
+    old_log_prob = tokens["old_log_probs"].to(log_prob.dtype)
+    step.observe(
+        token_ratio(log_prob, old_log_prob),
         tokens["advantages"].to(log_prob.dtype),
         tokens["response_mask"].to(torch.bool),
         weights=weights,
-        behaviour_log_prob=tokens["old_log_probs"].to(log_prob.dtype),
+        behaviour_log_prob=old_log_prob,
     )
-    if token_counts is not None:
-        token_counts.append(int(tokens["response_mask"].sum()))
     return torch.zeros((), device=log_prob.device), {}
 
 
-def add_entropy(
-    model_output: dict, data: TensorDict, dp_group=None, *, loss_fn: Any, entropy_sums: list[float]
-) -> tuple[torch.Tensor, dict]:
-    """verl's loss_fn, plus: add this micro-batch's masked entropy sum and token count to
-    `entropy_sums` ([sum, count]). model_output["entropy"]: nested [B, j] like the log-probs."""
-    entropy = no_padding_2_padding(model_output["entropy"], data).detach()  # [B, T]
-    mask = data.select("response_mask").to_padded_tensor()["response_mask"].to(entropy.dtype)
-    entropy_sums[0] += float((entropy * mask).sum())
-    entropy_sums[1] += float(mask.sum())
+def record_entropy(model_output: dict, data: TensorDict, dp_group=None, *, loss_fn: Any, step: BAPOStep):
+    """verl's loss_fn, plus: `step.record_entropy` of this micro-batch (model_output["entropy"]:
+    nested [B, j] like the log-probs)."""
+    entropy = no_padding_2_padding(model_output["entropy"], data)  # [B, T]
+    step.record_entropy(entropy, data.select("response_mask").to_padded_tensor()["response_mask"])
     return loss_fn(model_output=model_output, data=data, dp_group=dp_group)
 
 
@@ -123,6 +120,11 @@ def bound_search_config(loss_fn: Any) -> Optional[BAPOPolicyLossConfig]:
     return None
 
 
+def rank() -> int:
+    """This process's rank (0 without torch.distributed)."""
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
 class BAPOTrainingWorker(TrainingWorker):
     """verl's TrainingWorker whose optimizer step first solves BAPO's bounds over the mini-batch.
 
@@ -131,53 +133,53 @@ class BAPOTrainingWorker(TrainingWorker):
     entropy), built on first use from the policy_loss config and saved with the checkpoint.
     """
 
-    bapo_target: Optional[EntropyTargetController] = None
+    bapo_step: Optional[BAPOStep] = None
 
     def train_batch(self, data: TensorDict) -> TensorDict:
         policy_loss = bound_search_config(self.loss_fn)
         if policy_loss is None:
             return super().train_batch(data)
-        dp_group = self.engine.get_data_parallel_group()
-        target = self.target_controller(policy_loss)
-        search_config = target.search_config()
-        if policy_loss.scope == "micro_batch":
-            if tu.get(data, key="use_dynamic_bsz", default=self.engine_config.use_dynamic_bsz):
-                raise ValueError(
-                    "policy_loss.scope=micro_batch needs the same number of micro-batches on every rank, which "
-                    "dynamic batch sizes do not give: set actor_rollout_ref.actor.use_dynamic_bsz=False "
-                    "(with ppo_micro_batch_size_per_gpu) or policy_loss.scope=step"
-                )
-            bounds = StepBounds("micro_batch", process_group=dp_group, config=search_config)
-        else:
-            solved, tokens = self.solve_bounds(data, search_config)
-            bounds = StepBounds("step", solved=solved, tokens=tokens, config=search_config)
-        if search_config.target_mode != "entropy":
-            with optimizer_step_bounds(bounds):
+        step = self.step_for(policy_loss)
+        if step.scope == "micro_batch" and tu.get(
+            data, key="use_dynamic_bsz", default=self.engine_config.use_dynamic_bsz
+        ):
+            raise ValueError(
+                "policy_loss.scope=micro_batch needs the same number of micro-batches on every rank, which "
+                "dynamic batch sizes do not give: set actor_rollout_ref.actor.use_dynamic_bsz=False "
+                "(with ppo_micro_batch_size_per_gpu) or policy_loss.scope=step"
+            )
+        step.begin()  # verl's engine splits the mini-batch: every step scope search runs the pre-pass
+        if step.needs_pre_pass():
+            self.solve_bounds(data, step)
+        if step.config.target_mode != "entropy":
+            try:
                 return super().train_batch(data)
-        entropy_sums = [0.0, 0.0]
+            finally:
+                step.end()
         tu.assign_non_tensor(data, calculate_entropy=True)
-        loss_fn, self.loss_fn = self.loss_fn, partial(add_entropy, loss_fn=self.loss_fn, entropy_sums=entropy_sums)
+        loss_fn, self.loss_fn = self.loss_fn, partial(record_entropy, loss_fn=self.loss_fn, step=step)
         try:
-            with optimizer_step_bounds(bounds):
-                output = super().train_batch(data)
+            output = super().train_batch(data)
         finally:
             self.loss_fn = loss_fn
         # every rank, every step: one all-reduce (see the module docstring for why over all ranks)
-        target.update(token_mean_over_ranks(*entropy_sums, device=collective_device(None)))
+        step.end(device=collective_device(None))
         return output
 
-    def target_controller(self, policy_loss: BAPOPolicyLossConfig) -> EntropyTargetController:
-        """The run's controller (fixed mode: one that keeps policy_loss's rho0)."""
+    def step_for(self, policy_loss: BAPOPolicyLossConfig) -> BAPOStep:
+        """The run's BAPOStep for `policy_loss` (built on first use, rebuilt if its config changed),
+        attached to it so that the registered loss finds it."""
         config = policy_loss.bapo_config()
-        if self.bapo_target is None or self.bapo_target.config != config:
-            self.bapo_target = EntropyTargetController(config)
-        return self.bapo_target
+        if self.bapo_step is None or self.bapo_step.config != config:
+            dp_group = self.engine.get_data_parallel_group()
+            self.bapo_step = BAPOStep(config, device=collective_device(dp_group), process_group=dp_group)
+        if policy_loss.step is not self.bapo_step:
+            policy_loss.attach_step(self.bapo_step)
+        return self.bapo_step
 
-    def solve_bounds(self, data: TensorDict, config: BAPOConfig) -> tuple[SearchResult, int]:
-        """No-grad forward of the mini-batch `data`, then one all-reduce: bounds under `config` (the
-        same on every rank), and the tokens of this rank the search saw."""
-        dp_group = self.engine.get_data_parallel_group()
-        stats = BoundStats(config, device=collective_device(dp_group))
+    def solve_bounds(self, data: TensorDict, step: BAPOStep) -> SearchResult:
+        """The step's bounds over the mini-batch `data`: a no-grad forward through the engine,
+        each micro-batch `observe`d by `step`, then one all-reduce (the same bounds on every rank)."""
         probe = data.copy()  # shallow: the engine writes its batch info here, not into `data`
         # The engine settings verl's own log-prob forward (TrainingWorker.infer_batch) uses;
         # keys the trainer already set on the mini-batch win. No entropy or distillation outputs.
@@ -192,69 +194,28 @@ class BAPOTrainingWorker(TrainingWorker):
         tu.assign_non_tensor(probe, calculate_entropy=False, distillation_use_topk=False)
         disable_auto_offload = tu.get(data, key="disable_auto_offload", default=False)
         with self.engine.train_mode(disable_auto_offload=disable_auto_offload):
-            token_counts: list[int] = []
-            self.engine.infer_batch(
-                probe, loss_function=partial(add_bound_stats, stats=stats, token_counts=token_counts)
-            )
-        return stats.solve(process_group=dp_group), sum(token_counts)
+            self.engine.infer_batch(probe, loss_function=partial(observe_micro_batch, step=step))
+        return step.solve()
 
-    # ---- the adaptive target's state next to the actor checkpoint ---------------------------------
+    # ---- the BAPO step's state next to the actor checkpoint ---------------------------------------
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)  # as TrainingWorker's, for a standalone worker group
     def save_checkpoint(self, local_path, hdfs_path=None, global_step=0, max_ckpt_to_keep=None):
-        """verl's checkpoint, then this rank's controller state as bapo_target_rank<r>.json in
+        """verl's checkpoint, then this rank's BAPOStep state as bapo_step_rank<r>.json in
         local_path (per rank, as FSDP's shards: a node needs no other node's files to resume)."""
         result = super().save_checkpoint(local_path, hdfs_path, global_step, max_ckpt_to_keep)
-        if self.bapo_target is not None and self.bapo_target.config.target_mode == "entropy":
-            path = target_state_path(local_path)
-            os.makedirs(local_path, exist_ok=True)
-            with open(path + ".tmp", "w") as file:
-                json.dump(self.bapo_target.state_dict(), file)
-            os.replace(path + ".tmp", path)  # a kill mid-write leaves the previous file whole
+        if self.bapo_step is not None:
+            save_step_state(local_path, rank(), self.bapo_step.state_dict())
         return result
 
     @register(dispatch_mode=Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, local_path, hdfs_path=None, del_local_after_load=False):
-        """verl's checkpoint, then the controller state saved beside it (target_mode entropy)."""
-        path = target_state_path(local_path) if local_path is not None else None
-        state = None
-        if path is not None and os.path.exists(path):  # read before verl may delete local_path
-            with open(path) as file:
-                state = json.load(file)
+        """verl's checkpoint, then the BAPOStep state saved beside it (missing: a warning naming
+        local_path, and the controller starts afresh; BAPOStep.load_state_dict)."""
+        # read before verl may delete local_path
+        state = load_step_state(local_path, rank(), LEGACY_STATE_FILES) if local_path is not None else None
         result = super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
         policy_loss = bound_search_config(self.loss_fn)
-        if policy_loss is not None and policy_loss.target_mode == "entropy":
-            if state is None:
-                logger.warning(
-                    "bapo: %s has no entropy-controller state (saved by a run with target_mode=fixed or "
-                    "before bapo saved it); the controller starts afresh from policy_loss.target",
-                    local_path,
-                )
-            else:
-                self.target_controller(policy_loss).load_state_dict(state)
+        if policy_loss is not None:
+            self.step_for(policy_loss).load_state_dict(state, source=str(local_path))
         return result
-
-
-def target_state_path(local_path: str) -> str:
-    """Where BAPOTrainingWorker keeps this rank's controller state in a checkpoint directory."""
-    rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-    return os.path.join(local_path, f"bapo_target_rank{rank}.json")
-
-
-def install() -> None:
-    """Make verl's ActorRolloutRefWorker build a BAPOTrainingWorker as its actor (idempotent).
-
-    Leaves a worker class someone else installed in place (with a warning): then the bounds are
-    searched per micro-batch.
-    """
-    current = ActorRolloutRefWorker.actor_worker_cls
-    if issubclass(current, BAPOTrainingWorker):
-        return
-    if current is not TrainingWorker:
-        logger.warning(
-            "bapo: ActorRolloutRefWorker.actor_worker_cls is %s, not verl's TrainingWorker; "
-            "leaving it, so BAPO bounds are searched per micro-batch",
-            current.__qualname__,
-        )
-        return
-    ActorRolloutRefWorker.actor_worker_cls = BAPOTrainingWorker
