@@ -149,3 +149,25 @@ def verl_config_dir() -> str:
     import verl.trainer.config
 
     return str(Path(verl.trainer.config.__file__).parent)
+
+
+def test_verl_modules_import_no_circle_and_the_config_nothing_of_the_worker():
+    """config (the dataclass) <- losses <- plugin, worker: imports read with ast, function-level ones included."""
+    from tests.test_layering import PACKAGE, imports_of, module_name
+
+    folder = PACKAGE / "integrations" / "verl"
+    graph = {
+        module_name(path): {imp.module for imp in imports_of(path) if imp.module.startswith("bapo.integrations.verl.")}
+        for path in folder.glob("*.py")
+        if path.name != "__init__.py"
+    }
+    assert graph["bapo.integrations.verl.config"] == set()
+
+    def reaches(start: str, target: str, seen: set[str]) -> bool:
+        return any(
+            name == target or (name not in seen and reaches(name, target, seen | {name}))
+            for name in graph.get(start, ())
+        )
+
+    circles = [name for name in graph if reaches(name, name, set())]
+    assert circles == [], f"import circle through {circles}"
