@@ -1,6 +1,6 @@
-"""One optimizer update on one mini-batch: micro-batch gradient accumulation, the BAPO bound
-search (over the whole update, or per micro-batch: `loss.bapo.scope`), optional KL / entropy
-terms, gradient clipping, and skipping of non-finite updates."""
+"""One optimizer update on one mini-batch: micro-batch gradient accumulation, BAPO's bounds
+(bapo.core.BAPOStep: over the whole update, or per micro-batch: `loss.bapo.scope`), optional KL /
+entropy terms, gradient clipping, and skipping of non-finite updates."""
 
 from __future__ import annotations
 
@@ -67,6 +67,75 @@ def loss_params(cfg: TrainConfig) -> dict:
     return params
 
 
+def _begin_bapo_update(model, micro: list[Batch], cfg: TrainConfig, bapo_step: BAPOStep, fresh: bool) -> None:
+    """Start BAPO's update: scope "step" solves the bounds over every micro-batch first (the
+    pre-pass), unless the update's one micro-batch serves from its own forward."""
+    bapo_step.begin(micro_batches=len(micro))
+    if bapo_step.needs_pre_pass(fresh):
+        _observe_update(model, micro, cfg, bapo_step, fresh)
+        bapo_step.solve()
+
+
+def _micro_batch_loss(
+    model,
+    mb: Batch,
+    cfg: TrainConfig,
+    params: dict,
+    normalizer: float,
+    bapo_step: BAPOStep | None,
+    stats: ClipStats,
+) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
+    """One micro-batch's forward and loss: (scalar loss to backward, its terms {loss, kl_loss,
+    entropy_loss} as floats, the method's own metrics). Diagnostics are added into `stats`."""
+    log_prob, entropy = _forward(model, mb, cfg)
+    if bapo_step is not None:
+        found = bapo_step.bounds_for(
+            token_ratio(log_prob.detach(), mb.old_log_prob),
+            mb.advantages,
+            mb.response_mask,
+            behaviour_log_prob=mb.old_log_prob,
+        )
+        params = {**params, "bounds": (found.lower, found.upper)}
+    mode = cfg.loss.resolved_agg_mode
+    loss, metrics = policy_loss(
+        log_prob,
+        mb.old_log_prob,
+        mb.advantages,
+        mb.response_mask,
+        cfg.loss.method,
+        loss_agg_mode=mode,
+        normalizer=normalizer,
+        entropy=entropy,
+        stats=stats,
+        **params,
+    )
+    terms = {"loss": metrics.pop("loss")}
+    if cfg.loss.kl_coef > 0:  # k3 estimate of KL(pi || ref), verl's "low_var_kl"
+        kl = aggregate_loss(k3_kl(mb.ref_log_prob - log_prob), mb.response_mask, mode, normalizer)
+        loss = loss + cfg.loss.kl_coef * kl
+        terms["kl_loss"] = float(kl.detach())
+    if cfg.loss.entropy_coef > 0:
+        bonus = aggregate_loss(entropy, mb.response_mask, mode, normalizer)
+        loss = loss - cfg.loss.entropy_coef * bonus
+        terms["entropy_loss"] = float(bonus.detach())
+    return loss, terms, metrics
+
+
+def _step_optimizer(model, optimizer, scheduler, cfg: TrainConfig, finite: bool) -> dict:
+    """Clip the accumulated gradient and step (or drop it when the loss or its norm is not
+    finite): {grad_norm (before clipping), lr (of this update), skipped}."""
+    max_norm = cfg.optim.max_grad_norm or float("inf")
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)) if finite else float("nan")
+    skipped = not (finite and math.isfinite(grad_norm))
+    lr = scheduler.get_last_lr()[0]
+    if skipped:
+        optimizer.zero_grad(set_to_none=True)
+    else:
+        optimizer.step()
+        scheduler.step()
+    return {"grad_norm": grad_norm, "lr": lr, "skipped": int(skipped)}
+
+
 def optimizer_update(
     model,
     optimizer,
@@ -95,15 +164,12 @@ def optimizer_update(
     ]
     normalizer = _normalizer(cfg, batch)
     params = loss_params(cfg)
-    if cfg.loss.method == "bapo":
-        bapo_step = bapo_step or BAPOStep(cfg.loss.bapo_config())
-        bapo_step.begin(micro_batches=len(micro))
-        fresh = behaviour_is_current(batch, version)
-        if bapo_step.needs_pre_pass(fresh):
-            _observe_update(model, micro, cfg, bapo_step, fresh)
-            bapo_step.solve()
-    else:
+    if cfg.loss.method != "bapo":
         bapo_step = None
+    elif bapo_step is None:
+        bapo_step = BAPOStep(cfg.loss.bapo_config())
+    if bapo_step is not None:
+        _begin_bapo_update(model, micro, cfg, bapo_step, behaviour_is_current(batch, version))
 
     optimizer.zero_grad(set_to_none=True)
     diagnostic_sums: ClipStats | None = None  # the diagnostics' sums over the finite micro-batches
@@ -111,41 +177,8 @@ def optimizer_update(
     own_metrics: list[dict[str, float]] = []
     finite = True
     for mb in micro:
-        log_prob, entropy = _forward(model, mb, cfg)
         mb_stats = ClipStats.empty(mb.response_mask.device)
-        bounds = {}
-        if bapo_step is not None:
-            found = bapo_step.bounds_for(
-                token_ratio(log_prob.detach(), mb.old_log_prob),
-                mb.advantages,
-                mb.response_mask,
-                behaviour_log_prob=mb.old_log_prob,
-            )
-            bounds = {"bounds": (found.lower, found.upper)}
-        loss, metrics = policy_loss(
-            log_prob,
-            mb.old_log_prob,
-            mb.advantages,
-            mb.response_mask,
-            cfg.loss.method,
-            loss_agg_mode=cfg.loss.resolved_agg_mode,
-            normalizer=normalizer,
-            entropy=entropy,
-            stats=mb_stats,
-            **params,
-            **bounds,
-        )
-        terms = {"loss": metrics.pop("loss")}
-        if cfg.loss.kl_coef > 0:  # k3 estimate of KL(pi || ref), verl's "low_var_kl"
-            kl = aggregate_loss(
-                k3_kl(mb.ref_log_prob - log_prob), mb.response_mask, cfg.loss.resolved_agg_mode, normalizer
-            )
-            loss = loss + cfg.loss.kl_coef * kl
-            terms["kl_loss"] = float(kl.detach())
-        if cfg.loss.entropy_coef > 0:
-            bonus = aggregate_loss(entropy, mb.response_mask, cfg.loss.resolved_agg_mode, normalizer)
-            loss = loss - cfg.loss.entropy_coef * bonus
-            terms["entropy_loss"] = float(bonus.detach())
+        loss, terms, metrics = _micro_batch_loss(model, mb, cfg, params, normalizer, bapo_step, mb_stats)
         if not math.isfinite(terms["loss"]) or not torch.isfinite(loss):
             finite = False
             break
@@ -155,15 +188,7 @@ def optimizer_update(
             losses[name] = losses.get(name, 0.0) + value
         own_metrics.append(metrics)
 
-    max_norm = cfg.optim.max_grad_norm or float("inf")
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)) if finite else float("nan")
-    skipped = not (finite and math.isfinite(grad_norm))
-    lr = scheduler.get_last_lr()[0]
-    if skipped:
-        optimizer.zero_grad(set_to_none=True)
-    else:
-        optimizer.step()
-        scheduler.step()
+    stepped = _step_optimizer(model, optimizer, scheduler, cfg, finite)
     out = {} if diagnostic_sums is None else {**diagnostic_sums.finalize(), **losses}
     for name in own_metrics[0] if own_metrics else ():  # a registered loss's own metrics
         out[name] = sum(metrics[name] for metrics in own_metrics) / len(own_metrics)
@@ -171,9 +196,7 @@ def optimizer_update(
         out.update(bapo_step.metrics())
     out.update(
         {
-            "grad_norm": grad_norm,
-            "lr": lr,
-            "skipped": int(skipped),
+            **stepped,
             "tokens/update": batch.tokens,
             "time/update_s": time.perf_counter() - start,
         }
