@@ -24,6 +24,7 @@ from trl import GRPOTrainer  # noqa: E402
 
 from bapo.core import BAPOConfig, clip_statistics, policy_loss, search_bounds, token_ratio  # noqa: E402
 from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer  # noqa: E402
+from bapo.integrations.trl.config import BAPO_DUAL_CLIP  # noqa: E402
 from bapo.integrations.trl.tiny import addition_prompts, build_tiny_model, digit_match_reward  # noqa: E402
 from bapo.integrations.trl.trainer import starts_optimizer_step  # noqa: E402
 
@@ -355,8 +356,9 @@ def test_training_off_policy_logs_bapo_metrics(tiny_model_dir, tmp_path):
     assert any(entry["bapo/ratio/max"] > 1 + 1e-4 or entry["bapo/ratio/min"] < 1 - 1e-4 for entry in later)
 
 
-def step_statistics(search, step_batches, tensors):
-    """clip_statistics of one optimizer step's micro-batches concatenated, under the step's bounds `search`."""
+def step_statistics(search, step_batches, tensors, dual_clip=BAPO_DUAL_CLIP):
+    """clip_statistics of one optimizer step's micro-batches concatenated, under the step's bounds
+    `search` and the dual-clip cap of method bapo (BAPOGRPOConfig's default, as bapo train's and verl's)."""
     return clip_statistics(
         torch.cat([log_prob for log_prob, *_ in tensors]),
         torch.cat([batch["old_per_token_logps"] for batch in step_batches]),
@@ -364,6 +366,7 @@ def step_statistics(search, step_batches, tensors):
         torch.cat([mask for _, mask, _ in tensors]),
         search.lower,
         search.upper,
+        dual_clip=dual_clip,
     ).finalize()
 
 

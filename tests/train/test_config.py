@@ -155,3 +155,28 @@ def test_print_config_lists_every_key_with_default_and_description():
     assert "  tensorboard: 'off'" in text and "(default auto)" in text and "  method: bapo" in text
     bare = describe_config(None, [])  # no file, no model.path: still prints, path shown as null
     assert "  path: null" in bare
+
+
+def test_bapo_presets_by_name_with_overrides_and_the_flat_keys_still_work(tmp_path):
+    from bapo.core import BAPOConfig
+
+    def bapo_config(**keys):
+        sections = {"loss.method": "bapo", **{f"loss.bapo.{name}": value for name, value in keys.items()}}
+        return make_config("unused", str(tmp_path / "run"), **sections).loss.bapo_config()
+
+    assert bapo_config(preset="paper") == BAPOConfig.paper()
+    assert bapo_config(preset="recipe", target=1.5) == BAPOConfig.recipe(target=1.5)
+    assert bapo_config(target=0.5) == BAPOConfig(target=0.5)  # the keys of earlier configs
+    with pytest.raises(ConfigError, match="loss.bapo.preset"):
+        load_config("examples/configs/bapo_math.yaml", ["loss.bapo.preset=papr"])
+
+
+def test_print_config_describes_every_bapo_key_with_bapo_configs_own_help():
+    from dataclasses import fields
+
+    from bapo.core import BAPOConfig
+    from bapo.train.config import describe_config
+
+    lines = {line.split(":")[0].strip(): line for line in describe_config(None, []).splitlines()}
+    for spec in fields(BAPOConfig):
+        assert f"# {spec.metadata['help']} (default " in lines[spec.name], spec.name

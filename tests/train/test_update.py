@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from bapo.core import BAPOConfig, policy_loss, search_bounds, token_ratio
+from bapo.core import policy_loss, search_bounds, token_ratio
 from bapo.train import Trainer
 from bapo.train.rollout import token_log_probs
 from bapo.train.update import behaviour_is_current, optimizer_update
@@ -73,7 +73,7 @@ def test_micro_batches_give_the_same_update(stale_setup, method):
             token_ratio(lp, batch.old_log_prob),
             batch.advantages,
             batch.response_mask,
-            BAPOConfig(**trainer.cfg.loss.bapo.model_dump()),
+            trainer.cfg.loss.bapo_config(),
         )
         assert (split["lower"], split["upper"]) == (found.lower, found.upper)
         assert (found.lower, found.upper) != (0.6, 1.2)  # the search moved
@@ -117,7 +117,7 @@ def test_micro_batch_scope_solves_each_micro_batch_alone(stale_setup):
     # reference: search_bounds on each micro-batch's ratio, policy_loss with those bounds, summed gradients
     model = copy.deepcopy(trainer.model)
     model.zero_grad()
-    bapo_cfg = BAPOConfig(**cfg.loss.bapo.model_dump())
+    bapo_cfg = cfg.loss.bapo_config()
     found_all, tokens = [], []
     for start in range(0, len(batch), 5):
         mb = batch.select(torch.arange(start, min(start + 5, len(batch))))
@@ -179,5 +179,5 @@ def test_step_scope_skips_the_forward_on_a_fresh_batch(fresh_setup):
         )
     ratio = token_ratio(lp, batch.old_log_prob)
     assert (ratio[batch.response_mask] - 1).abs().max() < 1e-4
-    found = search_bounds(ratio, batch.advantages, batch.response_mask, BAPOConfig(**cfg.loss.bapo.model_dump()))
+    found = search_bounds(ratio, batch.advantages, batch.response_mask, cfg.loss.bapo_config())
     assert (skipped["bapo/search/lower"], skipped["bapo/search/upper"]) == (found.lower, found.upper)

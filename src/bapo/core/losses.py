@@ -258,6 +258,35 @@ def loss_parameters(method: str) -> list[str]:
     return [name for name, p in inspect.signature(POLICY_LOSSES[method]).parameters.items() if p.kind is p.KEYWORD_ONLY]
 
 
+#: Parameters a loss receives per call from BAPOStep, not from a config.
+PER_CALL_PARAMETERS = ("bounds",)
+
+
+def configurable_parameters(method: str) -> list[str]:
+    """The keyword parameters of `method` a config may set: loss_parameters without `bounds`
+    (BAPO's, which BAPOStep supplies per micro-batch)."""
+    return [name for name in loss_parameters(method) if name not in PER_CALL_PARAMETERS]
+
+
+def resolve_loss_params(method: str, params: dict | None = None, defaults: dict | None = None) -> dict[str, Any]:
+    """The one resolution of a method's keyword parameters for policy_loss, with a framework's defaults.
+
+    params: what the user set for this method (each must be one of its configurable
+    parameters: ValueError naming the first that is not). defaults: the framework's value for
+    parameters many methods share (e.g. {"dual_clip": 3.0}, {"lower": 1 - epsilon}); each one
+    the method takes and `params` lacks is added, None values skipped (= the loss's own default).
+    """
+    accepted = configurable_parameters(method)
+    params = dict(params or {})
+    unknown = [name for name in params if name not in accepted]
+    if unknown:
+        raise ValueError(f"{unknown[0]}: not a parameter of the {method!r} loss; it takes {accepted}")
+    for name, value in (defaults or {}).items():
+        if name in accepted and name not in params and value is not None:
+            params[name] = value
+    return params
+
+
 def _check_params(method: str, params: dict) -> PolicyLossFn:
     accepted = loss_parameters(method)
     fn = POLICY_LOSSES[method]

@@ -12,7 +12,7 @@ the only host sync is reading the answer. The per-bucket sums add up across micr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -65,6 +65,12 @@ RECIPE_SETTINGS = {
 }
 
 
+def _field(default: Any, help_text: str) -> Any:
+    """A BAPOConfig field with its help text: written once here, shown by `bapo train
+    --print-config`, TRL's generated `bapo_*` arguments and verl's policy-loss config."""
+    return field(default=default, metadata={"help": help_text})
+
+
 @dataclass(frozen=True)
 class BAPOConfig:
     """Search space, positive-share definition and target of the BAPO bounds.
@@ -96,27 +102,43 @@ class BAPOConfig:
       log(target entropy / entropy).
     """
 
-    target: float = 0.4
-    lower_start: float = 0.6
-    lower_max: float = 0.9
-    lower_step: float = 0.02
-    upper_start: float = 1.2
-    upper_max: float = 3.0
-    upper_step: float = 0.05
-    order: str = "upper-first"
-    target_kind: str = "share"
-    scope: str = "step"
-    contribution: str = "gradient"
-    weighting: str = "none"
-    stepping: str = "grid"
-    pos_neg_eps: float = 0.0
-    target_mode: str = "fixed"
-    target_entropy: float = 0.0
-    target_hold_updates: int = 5
-    target_min: float = 0.2
-    target_max: float = 0.8
-    target_gain: float = 0.5
-    target_integral_gain: float = 0.1
+    target: float = _field(
+        0.4, "rho0: the positive share to reach (in (0, 1)), or the pos/neg ratio with target_kind=pos_neg (> 0)"
+    )
+    lower_start: float = _field(0.6, "lower ratio bound at the start of every search (a ratio, not an epsilon)")
+    lower_max: float = _field(0.9, "largest lower bound the search may reach (< 1)")
+    lower_step: float = _field(0.02, "lower bound increment")
+    upper_start: float = _field(1.2, "upper ratio bound at the start of every search (> 1)")
+    upper_max: float = _field(3.0, "largest upper bound the search may reach")
+    upper_step: float = _field(0.05, "upper bound increment")
+    order: str = _field("upper-first", "upper-first (paper: admit positive tokens first) | lower-first (recipe)")
+    target_kind: str = _field("share", "share (rho = pos/(pos+neg), the paper's) | pos_neg (pos/neg, the recipe's)")
+    scope: str = _field(
+        "step",
+        "step (bounds solved once over every micro-batch and rank of the optimizer update) | "
+        "micro_batch (each micro-batch from its own forward: no extra forward, one all-reduce each)",
+    )
+    contribution: str = _field(
+        "gradient",
+        "how a token counts: gradient (|r*A| while it still carries gradient, bapo's) | "
+        "clamped (its clipped-surrogate magnitude: paper Eq. 8, recipe)",
+    )
+    weighting: str = _field("none", "none | behaviour_prob (each token times pi_behaviour(y_t): paper Eq. 8)")
+    stepping: str = _field(
+        "grid", "candidates: grid (start + k*step <= max) | add_clamped (recipe: min(current + step, max))"
+    )
+    pos_neg_eps: float = _field(0.0, "pos/neg is pos / (neg + eps) (recipe: 1e-8); infinite when neg == 0")
+    target_mode: str = _field(
+        "fixed", "fixed (rho0 = target) | entropy (rho0 steered each update so that entropy tracks target_entropy)"
+    )
+    target_entropy: float = _field(
+        0.0, "entropy mode: the entropy to track; <= 0 holds the mean of the first target_hold_updates updates"
+    )
+    target_hold_updates: int = _field(5, "entropy mode: updates averaged for the held set point")
+    target_min: float = _field(0.2, "entropy mode: smallest rho0")
+    target_max: float = _field(0.8, "entropy mode: largest rho0")
+    target_gain: float = _field(0.5, "entropy mode: proportional gain on log(target entropy / entropy)")
+    target_integral_gain: float = _field(0.1, "entropy mode: integral gain (no wind-up at the limits)")
 
     def __post_init__(self) -> None:
         for name, allowed in (
@@ -176,6 +198,13 @@ class BAPOConfig:
                 )
 
     @classmethod
+    def preset(cls, name: str = "default", **overrides: Any) -> BAPOConfig:
+        """The preset `name` (one of PRESETS: default = bapo's reading, paper, recipe) with `overrides`."""
+        if name not in PRESETS:
+            raise ValueError(f"preset: {name!r} is not one of {tuple(PRESETS)} (bapo's default, the paper, the recipe)")
+        return cls(**{**PRESETS[name], **overrides})
+
+    @classmethod
     def paper(cls, **overrides: Any) -> BAPOConfig:
         """arXiv 2510.18927 taken literally: Eq. 8's share (clamped clipped-surrogate magnitudes,
         each token weighted by pi_behaviour(y_t)), rho0 0.4, lower [0.6, 0.9] step 0.02, upper
@@ -197,6 +226,16 @@ class BAPOConfig:
     @property
     def upper_grid(self) -> list[float]:
         return candidate_grid(self.upper_start, self.upper_step, self.upper_max, self.stepping)
+
+
+#: The presets selectable by name (BAPOConfig.preset; `loss.bapo.preset`, TRL's `bapo_preset`,
+#: verl's `policy_loss.preset`): the settings each one changes from BAPOConfig's defaults.
+PRESETS: dict[str, dict[str, Any]] = {"default": {}, "paper": PAPER_SETTINGS, "recipe": RECIPE_SETTINGS}
+
+
+def field_help() -> dict[str, str]:
+    """Each BAPOConfig field's help text, by field name (in declaration order)."""
+    return {spec.name: spec.metadata["help"] for spec in fields(BAPOConfig)}
 
 
 def candidate_grid(start: float, step: float, maximum: float, stepping: str = "grid") -> list[float]:

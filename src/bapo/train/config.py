@@ -20,6 +20,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from bapo.core import BAPOConfig
+from bapo.core.search import PRESETS
 
 
 class ConfigError(ValueError):
@@ -92,26 +93,31 @@ class RewardSection(Section):
     correct_threshold: float = Field(1.0, description="accuracy = share of responses with reward >= this")
 
 
-# The fields of bapo.core.BAPOConfig (Algorithm 1's search space), derived so that the two never
+class _BAPOPresetSection(Section):
+    """loss.bapo's preset: a named BAPOConfig (bapo.core.PRESETS) under the keys given explicitly."""
+
+    preset: Literal["default", "paper", "recipe"] = Field(
+        "default",
+        description="default (bapo's gradient share) | paper (Eq. 8 literally) | recipe (the public verl "
+        "recipe's loop); the other keys given override it",
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _fill_from_preset(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("preset") in PRESETS:
+            return {**PRESETS[data["preset"]], **data}
+        return data
+
+
+# The fields of bapo.core.BAPOConfig, derived (defaults and help text) so that the two never
 # drift apart; BAPOConfig's own checks run on them in TrainConfig._check_loss_params.
-_BAPO_DESCRIPTIONS = {
-    "target": "rho0: the positive share to reach (or pos/neg with target_kind=pos_neg)",
-    "lower_start": "lower ratio bound at the start of every search",
-    "lower_max": "largest lower bound the search may reach",
-    "lower_step": "lower bound increment",
-    "upper_start": "upper ratio bound at the start of every search",
-    "upper_max": "largest upper bound the search may reach",
-    "upper_step": "upper bound increment",
-    "order": "upper-first (paper) | lower-first (public recipe)",
-    "target_kind": "share (paper's rho) | pos_neg (recipe's ratio)",
-    "scope": "step (bounds over the whole optimizer step) | micro_batch",
-}
 BAPOSection = create_model(
     "BAPOSection",
-    __base__=Section,
+    __base__=_BAPOPresetSection,
     **{
-        f.name: (type(f.default), Field(f.default, description=_BAPO_DESCRIPTIONS.get(f.name)))
-        for f in dataclass_fields(BAPOConfig)
+        spec.name: (type(spec.default), Field(spec.default, description=spec.metadata["help"]))
+        for spec in dataclass_fields(BAPOConfig)
     },
 )
 
@@ -146,7 +152,7 @@ class LossSection(Section):
 
     def bapo_config(self) -> BAPOConfig:
         """loss.bapo as bapo.core's BAPOConfig (the search config BAPOStep runs with)."""
-        return BAPOConfig(**self.bapo.model_dump())
+        return BAPOConfig(**self.bapo.model_dump(exclude={"preset"}))
 
     @property
     def resolved_agg_mode(self) -> str:
@@ -270,19 +276,13 @@ class TrainConfig(Section):
 
     def _check_loss_params(self) -> None:
         """Method parameters and the BAPO search space, checked by bapo.core's own rules."""
-        import inspect
-
-        from bapo.core import POLICY_LOSSES
+        from bapo.core.losses import configurable_parameters
 
         try:
             self.loss.bapo_config()
         except ValueError as err:
             raise ValueError(f"loss.bapo.{err}") from None
-        accepted = [
-            n
-            for n, p in inspect.signature(POLICY_LOSSES[self.loss.method]).parameters.items()
-            if p.kind is p.KEYWORD_ONLY and n not in ("bapo", "bounds")
-        ]
+        accepted = configurable_parameters(self.loss.method)
         for name in self.loss.params:
             if name not in accepted:
                 raise ValueError(

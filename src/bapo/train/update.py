@@ -10,7 +10,7 @@ import time
 import torch
 
 from bapo.core import BAPOStep, ClipStats, aggregate_loss, k3_kl, policy_loss, token_ratio
-from bapo.core.losses import loss_parameters
+from bapo.core.losses import resolve_loss_params
 from bapo.train.config import TrainConfig
 from bapo.train.rollout import Batch, token_log_probs
 
@@ -61,10 +61,7 @@ def _observe_update(model, micro: list[Batch], cfg: TrainConfig, bapo_step: BAPO
 
 def loss_params(cfg: TrainConfig) -> dict:
     """policy_loss's keyword parameters from cfg.loss (its params, plus loss.dual_clip for a method that takes one)."""
-    params = dict(cfg.loss.params)
-    if cfg.loss.dual_clip is not None and "dual_clip" in loss_parameters(cfg.loss.method):
-        params.setdefault("dual_clip", cfg.loss.dual_clip)
-    return params
+    return resolve_loss_params(cfg.loss.method, cfg.loss.params, {"dual_clip": cfg.loss.dual_clip})
 
 
 def _begin_bapo_update(model, micro: list[Batch], cfg: TrainConfig, bapo_step: BAPOStep, fresh: bool) -> None:

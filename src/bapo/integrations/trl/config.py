@@ -2,21 +2,21 @@
 
 Every field is prefixed `bapo_` so that it cannot collide with TRL's or Transformers' arguments
 and reads unambiguously on a command line (`--bapo_method bapo --bapo_target 0.4`).
-The `bapo_<name>` fields mirror `bapo.core.BAPOConfig.<name>` one to one (same defaults, read
-from BAPOConfig itself), and `bapo_config()` builds it.
+The `bapo_<name>` fields are generated from `bapo.core.BAPOConfig.<name>` (its help text; None =
+the value of the preset `bapo_preset`, bapo's defaults unless set), and `bapo_config()` builds it.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any
 
 from trl import GRPOConfig
 
 from bapo.core import POLICY_LOSSES, BAPOConfig
-
-_BAPO_DEFAULTS = BAPOConfig()
+from bapo.core.losses import configurable_parameters, resolve_loss_params
+from bapo.core.search import PRESETS
 
 #: TRL `loss_type` -> `bapo.core` `loss_agg_mode`. The normalizer of each (so that the summed
 #: micro-batch losses equal TRL's loss of the whole optimizer step) is set by the trainer.
@@ -26,15 +26,29 @@ LOSS_TYPE_TO_AGG_MODE = {
     "grpo": "seq-mean-token-mean",
     "dr_grpo": "seq-mean-token-sum-norm",  # fixed denominator: sequences x max_completion_length
 }
+#: The dual-clip cap of bapo_method=bapo when bapo_dual_clip is None: `bapo train`'s loss.dual_clip
+#: and verl's clip_ratio_c default. The fixed-bound methods stay without one, as TRL's own GRPO.
+BAPO_DUAL_CLIP = 3.0
 
-
-def _bapo_field(name: str, help_text: str) -> Any:
-    """A dataclass field whose default is `BAPOConfig().<name>` (no second copy of the defaults)."""
-    return field(default=getattr(_BAPO_DEFAULTS, name), metadata={"help": help_text})
+#: `bapo_<name>` for every BAPOConfig field, generated: the help text is BAPOConfig's own.
+_BAPOConfigFields = make_dataclass(
+    "_BAPOConfigFields",
+    [
+        (
+            f"bapo_{spec.name}",
+            type(spec.default) | None,
+            field(
+                default=None,
+                metadata={"help": f"BAPO: {spec.metadata['help']}. None = the preset's ({spec.default!r} by default)."},
+            ),
+        )
+        for spec in fields(BAPOConfig)
+    ],
+)
 
 
 @dataclass
-class BAPOGRPOConfig(GRPOConfig):
+class BAPOGRPOConfig(_BAPOConfigFields, GRPOConfig):
     """`GRPOConfig` whose clipped surrogate is replaced by `bapo.core.policy_loss(method=bapo_method)`.
 
     TRL's `loss_type` keeps choosing the aggregation (see LOSS_TYPE_TO_AGG_MODE); TRL's
@@ -68,52 +82,21 @@ class BAPOGRPOConfig(GRPOConfig):
             '{"negative_ratio_max": 1.0} (a dict, or a JSON string on the command line).'
         },
     )
-    bapo_target: float = _bapo_field("target", "BAPO target: positive share rho0, or pos/neg with target_kind=pos_neg.")
-    bapo_lower_start: float = _bapo_field("lower_start", "BAPO: lower ratio bound the search starts from.")
-    bapo_lower_max: float = _bapo_field("lower_max", "BAPO: largest lower ratio bound.")
-    bapo_lower_step: float = _bapo_field("lower_step", "BAPO: step of the lower bound.")
-    bapo_upper_start: float = _bapo_field("upper_start", "BAPO: upper ratio bound the search starts from.")
-    bapo_upper_max: float = _bapo_field("upper_max", "BAPO: largest upper ratio bound.")
-    bapo_upper_step: float = _bapo_field("upper_step", "BAPO: step of the upper bound.")
-    bapo_order: str = _bapo_field(
-        "order",
-        "BAPO: 'upper-first' (paper) or 'lower-first' (the recipe's order only; "
-        "the whole recipe is BAPOConfig.recipe()).",
+    bapo_preset: str = field(
+        default="default",
+        metadata={
+            "help": f"BAPO preset, one of {tuple(PRESETS)}: bapo's default, the paper's Eq. 8, the public verl "
+            "recipe; every bapo_<field> given overrides it."
+        },
     )
-    bapo_target_kind: str = _bapo_field(
-        "target_kind",
-        "BAPO: 'share' (rho0) or 'pos_neg' (the recipe's kind of target; the whole recipe is BAPOConfig.recipe()).",
+    bapo_dual_clip: float | None = field(
+        default=None,
+        metadata={
+            "help": f"Cap on the ratio of negative-advantage tokens for a loss that takes one; None = "
+            f"{BAPO_DUAL_CLIP} for bapo_method=bapo (as bapo train and verl), off for the others (TRL's GRPO "
+            "has none); bapo_method_kwargs={'dual_clip': null} turns it off."
+        },
     )
-    bapo_scope: str = _bapo_field(
-        "scope", "BAPO: bounds per optimizer 'step' (exact) or per 'micro_batch' (no extra forward)."
-    )
-    bapo_contribution: str = _bapo_field(
-        "contribution",
-        "BAPO: 'gradient' (|r*A| of unclipped tokens) or 'clamped' (clipped-surrogate values: paper Eq. 8, recipe).",
-    )
-    bapo_weighting: str = _bapo_field(
-        "weighting", "BAPO: 'none' or 'behaviour_prob' (paper Eq. 8: tokens weighted by pi_old)."
-    )
-    bapo_stepping: str = _bapo_field(
-        "stepping", "BAPO: 'grid' (start + k*step) or 'add_clamped' (recipe: min(cur + step, max))."
-    )
-    bapo_pos_neg_eps: float = _bapo_field(
-        "pos_neg_eps", "BAPO: pos/(neg + eps) for target_kind=pos_neg (recipe: 1e-8)."
-    )
-    bapo_target_mode: str = _bapo_field(
-        "target_mode", "BAPO: 'fixed' rho0 or 'entropy' (rho0 steered so entropy tracks a target)."
-    )
-    bapo_target_entropy: float = _bapo_field(
-        "target_entropy",
-        "BAPO entropy mode: entropy to track; <= 0 holds the mean of the first target_hold_updates updates.",
-    )
-    bapo_target_hold_updates: int = _bapo_field(
-        "target_hold_updates", "BAPO entropy mode: updates averaged for the held target."
-    )
-    bapo_target_min: float = _bapo_field("target_min", "BAPO entropy mode: smallest rho0.")
-    bapo_target_max: float = _bapo_field("target_max", "BAPO entropy mode: largest rho0.")
-    bapo_target_gain: float = _bapo_field("target_gain", "BAPO entropy mode: proportional gain on log(target/entropy).")
-    bapo_target_integral_gain: float = _bapo_field("target_integral_gain", "BAPO entropy mode: integral gain.")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -121,10 +104,14 @@ class BAPOGRPOConfig(GRPOConfig):
             self.bapo_method_kwargs = json.loads(self.bapo_method_kwargs)
         self._refuse_unsupported()
         self.bapo_config()  # validates the search space now rather than at the first step
+        self.bapo_loss_params()  # and the method's parameters
 
     def bapo_config(self) -> BAPOConfig:
-        """The `bapo.core.BAPOConfig` of the `bapo_<name>` fields."""
-        return BAPOConfig(**{spec.name: getattr(self, f"bapo_{spec.name}") for spec in fields(BAPOConfig)})
+        """The `bapo.core.BAPOConfig` of `bapo_preset` and the `bapo_<name>` fields that are set."""
+        given = {spec.name: getattr(self, f"bapo_{spec.name}") for spec in fields(BAPOConfig)}
+        return BAPOConfig.preset(
+            self.bapo_preset, **{name: value for name, value in given.items() if value is not None}
+        )
 
     @property
     def bapo_loss_agg_mode(self) -> str:
@@ -133,13 +120,19 @@ class BAPOGRPOConfig(GRPOConfig):
 
     def bapo_loss_params(self) -> dict[str, Any]:
         """Keyword parameters of `policy_loss` for `bapo_method` (BAPO's bounds come per micro-batch from
-        the trainer's BAPOStep, built from `bapo_config()`)."""
-        params = dict(self.bapo_method_kwargs or {})
-        if self.bapo_method in ("grpo", "clip-higher", "dual-clip"):
-            epsilon_high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
-            params.setdefault("lower", self.bapo_lower if self.bapo_lower is not None else 1.0 - self.epsilon)
-            params.setdefault("upper", self.bapo_upper if self.bapo_upper is not None else 1.0 + epsilon_high)
-        return params
+        the trainer's BAPOStep, built from `bapo_config()`): bapo_method_kwargs, then TRL's defaults."""
+        epsilon_high = self.epsilon_high if self.epsilon_high is not None else self.epsilon
+        defaults = {
+            "lower": self.bapo_lower if self.bapo_lower is not None else 1.0 - self.epsilon,
+            "upper": self.bapo_upper if self.bapo_upper is not None else 1.0 + epsilon_high,
+            "dual_clip": BAPO_DUAL_CLIP
+            if self.bapo_dual_clip is None and self.bapo_method == "bapo"
+            else self.bapo_dual_clip,
+        }
+        try:
+            return resolve_loss_params(self.bapo_method, self.bapo_method_kwargs, defaults)
+        except ValueError as err:
+            raise ValueError(f"bapo_method_kwargs: {err}") from None
 
     def _refuse_unsupported(self) -> None:
         """Raise ValueError, naming the field, for TRL options bapo's losses do not implement."""
@@ -164,6 +157,6 @@ class BAPOGRPOConfig(GRPOConfig):
         for name, (is_set, reason) in refused.items():
             if is_set:
                 raise ValueError(f"{name}: {getattr(self, name)!r} is not supported by BAPOGRPOTrainer: {reason}")
-        uses_fixed_bounds = self.bapo_method in ("grpo", "clip-higher", "dual-clip")
+        uses_fixed_bounds = {"lower", "upper"} <= set(configurable_parameters(self.bapo_method))
         if not uses_fixed_bounds and (self.bapo_lower is not None or self.bapo_upper is not None):
             raise ValueError(f"bapo_lower/bapo_upper: only the fixed-bound methods take them, not {self.bapo_method!r}")

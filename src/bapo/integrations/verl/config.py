@@ -17,60 +17,48 @@ Registration and the worker's installation live in `bapo.integrations.verl.plugi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields, make_dataclass
 from typing import Any, Optional
 
 from verl.workers.config import PolicyLossConfig
 
 from bapo.core import BAPOConfig, BAPOStep
+from bapo.core.losses import resolve_loss_params
 
 # The losses whose bounds BAPOTrainingWorker solves (BAPOStep), per optimizer step or micro-batch.
 BOUND_SEARCH_LOSSES = ("bapo",)
+# This config's fields that are parameters of bapo.core losses (each goes to the methods that take it).
+LOSS_PARAMETERS = ("negative_ratio_max", "eps_low", "eps_high", "ratio_max")
+
+
+#: Every BAPOConfig field, generated (its help text as metadata); None = the value of `preset`.
+_BAPOConfigFields = make_dataclass(
+    "_BAPOConfigFields",
+    [
+        (spec.name, Optional[type(spec.default)], field(default=None, metadata={"help": spec.metadata["help"]}))
+        for spec in fields(BAPOConfig)
+    ],
+)
 
 
 @dataclass
-class BAPOPolicyLossConfig(PolicyLossConfig):
+class BAPOPolicyLossConfig(_BAPOConfigFields, PolicyLossConfig):
     """verl's PolicyLossConfig plus the parameters of bapo's `bapo`, `topr` and `dcpo` losses.
 
-    bapo (defaults: bapo.core.BAPOConfig, bapo's gradient share; every BAPOConfig field, see its
-      docstring): target, target_kind ("share" = rho0 | "pos_neg"), order, contribution,
-      weighting, stepping, pos_neg_eps, lower_start/lower_max/lower_step and
-      upper_start/upper_max/upper_step (ratio bounds, not epsilons), target_mode and the
-      target_* fields of the entropy controller (target_mode=entropy: rho0 set each optimizer
-      step by BAPOTrainingWorker from the policy entropy, see bapo.core.target); dual_clip
-      (optional cap on the loss of negative tokens, > 1). BAPOConfig.paper() / .recipe() give
-      the values of the paper and the recipe.
+    bapo: preset (one of bapo.core.PRESETS: "default" = bapo's gradient share, "paper" = Eq. 8
+      literally, "recipe" = the public verl recipe's loop) and every BAPOConfig field (generated
+      from it, help text included: target, target_kind, order, scope, contribution, weighting,
+      stepping, pos_neg_eps, lower_*/upper_* ratio bounds, target_mode and the target_* fields
+      of the entropy controller); a field left None takes the preset's value. dual_clip:
+      optional cap on the loss of negative tokens (> 1; None = the actor's clip_ratio_c, 3.0).
+      scope=micro_batch needs actor.use_dynamic_bsz=False (the same micro-batch count per rank).
     topr: negative_ratio_max (truncation of the IS ratio of negative tokens).
     dcpo: eps_low, eps_high, ratio_max.
     None means bapo.core's default for that loss.
-
-    scope: "step" (bounds over the mini-batch and all ranks, solved by BAPOTrainingWorker) or
-      "micro_batch" (each micro-batch's loss solves its own, one all-reduce per micro-batch;
-      needs actor.use_dynamic_bsz=False so that every rank runs the same number of micro-batches).
     """
 
     loss_mode: str = "bapo"
-    target: float = BAPOConfig.target
-    target_kind: str = BAPOConfig.target_kind
-    scope: str = BAPOConfig.scope
-    order: str = BAPOConfig.order
-    lower_start: float = BAPOConfig.lower_start
-    lower_max: float = BAPOConfig.lower_max
-    lower_step: float = BAPOConfig.lower_step
-    upper_start: float = BAPOConfig.upper_start
-    upper_max: float = BAPOConfig.upper_max
-    upper_step: float = BAPOConfig.upper_step
-    contribution: str = BAPOConfig.contribution
-    weighting: str = BAPOConfig.weighting
-    stepping: str = BAPOConfig.stepping
-    pos_neg_eps: float = BAPOConfig.pos_neg_eps
-    target_mode: str = BAPOConfig.target_mode
-    target_entropy: float = BAPOConfig.target_entropy
-    target_hold_updates: int = BAPOConfig.target_hold_updates
-    target_min: float = BAPOConfig.target_min
-    target_max: float = BAPOConfig.target_max
-    target_gain: float = BAPOConfig.target_gain
-    target_integral_gain: float = BAPOConfig.target_integral_gain
+    preset: str = "default"
     dual_clip: Optional[float] = None
     negative_ratio_max: Optional[float] = None
     eps_low: Optional[float] = None
@@ -82,8 +70,9 @@ class BAPOPolicyLossConfig(PolicyLossConfig):
         self.bapo_config()  # a bad search space or target fails here, when Hydra builds the config
 
     def bapo_config(self) -> BAPOConfig:
-        """The search space and target as bapo.core's BAPOConfig."""
-        return BAPOConfig(**{spec.name: getattr(self, spec.name) for spec in fields(BAPOConfig)})
+        """The search space and target as bapo.core's BAPOConfig: `preset`, then the fields set."""
+        given = {spec.name: getattr(self, spec.name) for spec in fields(BAPOConfig)}
+        return BAPOConfig.preset(self.preset, **{name: value for name, value in given.items() if value is not None})
 
     @property
     def searches_bounds(self) -> bool:
@@ -100,10 +89,11 @@ class BAPOPolicyLossConfig(PolicyLossConfig):
         refuses to reassign those, and a step is run state, not configuration)."""
         object.__setattr__(self, "_bapo_step", step)
 
-    def core_params(self, method: str) -> dict[str, Any]:
-        """Keyword parameters of bapo.core.policy_loss(method=...) taken from this config (bapo's
-        bounds come from `step`)."""
-        if method == "bapo":
-            return {"dual_clip": self.dual_clip}
-        names = {"topr": ("negative_ratio_max",), "dcpo": ("eps_low", "eps_high", "ratio_max")}[method]
-        return {name: getattr(self, name) for name in names if getattr(self, name) is not None}
+    def core_params(self, method: str, dual_clip: float | None = None) -> dict[str, Any]:
+        """Keyword parameters of bapo.core.policy_loss(method=...) from this config (bapo's bounds
+        come from `step`): the loss parameters set here, dual_clip defaulting to `dual_clip`
+        (verl's clip_ratio_c) for a method that takes one."""
+        own = {name: getattr(self, name) for name in LOSS_PARAMETERS}
+        return resolve_loss_params(
+            method, {}, {**own, "dual_clip": self.dual_clip if self.dual_clip is not None else dual_clip}
+        )

@@ -22,6 +22,7 @@ from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_lo
 
 from bapo.core import BAPOConfig, BAPOStep, SearchResult, policy_loss, search_bounds, search_metrics, token_ratio
 from bapo.core.diagnostics import LOG_RATIO_CLAMP
+from bapo.core.losses import resolve_loss_params
 from bapo.integrations.verl.compat import check_verl_api
 from bapo.integrations.verl.config import BAPOPolicyLossConfig
 
@@ -32,8 +33,6 @@ METRIC_PREFIX = "actor/bapo/"
 # bapo.core metrics that verl already logs under its own names (actor/pg_loss) or that do not
 # average meaningfully over micro-batches.
 DROPPED_METRICS = ("loss", "tokens")
-# The clipped losses that take verl's dual-clip cap (actor.clip_ratio_c), as vanilla does.
-DUAL_CLIP_LOSSES = ("bapo", "dcpo")
 
 
 def core_aggregation(
@@ -124,14 +123,11 @@ def _core_params(method: str, config: Any) -> dict[str, Any]:
             f"a BAPOPolicyLossConfig), which this caller's {type(config).__name__} lacks (verl's distillation "
             f"loss); set its policy_loss_mode to 'vanilla'"
         )
+    getter = config.get if hasattr(config, "get") else lambda name, default: getattr(config, name, default)
+    clip_ratio_c = getter("clip_ratio_c", 3.0)
     if isinstance(policy_loss_config, BAPOPolicyLossConfig):
-        params = policy_loss_config.core_params(method)
-    else:
-        params = {}
-    if method in DUAL_CLIP_LOSSES and params.get("dual_clip") is None:
-        getter = config.get if hasattr(config, "get") else lambda name, default: getattr(config, name, default)
-        params["dual_clip"] = getter("clip_ratio_c", 3.0)
-    return params
+        return policy_loss_config.core_params(method, clip_ratio_c)
+    return resolve_loss_params(method, {}, {"dual_clip": clip_ratio_c})
 
 
 def _active_step(config: Any) -> BAPOStep | None:
