@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bapo.core import POLICY_LOSSES, BAPOConfig, group_advantages, policy_loss
+from bapo.core import POLICY_LOSSES, BAPOConfig, BAPOStep, group_advantages, policy_loss, token_ratio
 from bapo.demo.task import TaskConfig, make_split, verify
 from bapo.demo.warmstart import WarmStartConfig, warm_start  # the demo's tiny model, warm-started and cached
 
@@ -117,7 +117,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     train_rows, _ = make_split(demo.task)  # the demo's {"prompt", "answer"} rows; held-out rows are not trained on
     # bapo's bounds are searched on each update's own batch; fixed-bound losses take their defaults
-    loss_params = {"bapo": BAPOConfig(target=args.target)} if args.method == "bapo" else {}
+    # BAPO's per-update protocol: bounds searched on the update's batch (one micro-batch here)
+    bapo_step = BAPOStep(BAPOConfig(target=args.target)) if args.method == "bapo" else None
 
     # The staleness FIFO holds k+1 rollout batches, oldest first. Before update 0 it is filled with
     # batches of the initial policy; afterwards each update adds one batch from the current policy
@@ -131,6 +132,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         model.train()
         log_prob, response_logits = response_log_probs(model, batch, args.temperature)
+        loss_params = {}
+        if bapo_step is not None:
+            bapo_step.begin(micro_batches=1)
+            ratio = token_ratio(log_prob.detach(), batch["old_log_prob"])
+            loss_params["bounds"] = bapo_step.bounds_for(ratio, batch["advantages"], batch["response_mask"])
         loss, metrics = policy_loss(
             log_prob,
             batch["old_log_prob"],
@@ -145,6 +151,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=1.0))
         if math.isfinite(loss.item()) and math.isfinite(grad_norm):  # a non-finite update is skipped, not applied
             optimizer.step()
+        if bapo_step is not None:
+            bapo_step.end()
 
         row = {
             "update": update,

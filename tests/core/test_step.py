@@ -184,3 +184,14 @@ def test_missing_state_warns_in_entropy_mode_and_starts_afresh():
         warnings.simplefilter("error")
         fixed.load_state_dict(None)  # fixed rho0: nothing to restore, nothing to warn about
     assert fixed.target == 0.4 and math.isfinite(fixed.target)
+
+
+def test_padding_ratios_are_never_read():
+    """A forward's padding may hold inf or NaN ratios: the search ignores them (validate=False path)."""
+    config = BAPOConfig(target=0.55, lower_step=0.05, scope="micro_batch")
+    (batch,) = micro_batches(1)
+    padded = torch.where(batch["mask"], batch["ratio"], float("nan"))
+    padded[0, -1] = float("inf") if not batch["mask"][0, -1] else padded[0, -1]
+    step = BAPOStep(config)
+    step.begin()
+    assert step.bounds_for(padded, batch["advantages"], batch["mask"]) == search_bounds(*tensors(batch), config)

@@ -304,7 +304,9 @@ def _signed_magnitudes(
     side and |s| the a of BAPOConfig's contribution definitions."""
     device = device or ratio.device
     compute = torch.float64 if ratio.dtype == torch.float64 else torch.float32
-    ratio = ratio.detach().to(device, compute)
+    counted = mask.to(device, torch.bool)
+    # a masked position's ratio (padding: inf, NaN) is never read, not even by the bucket index
+    ratio = torch.where(counted, ratio.detach().to(device, compute), 1.0)
     signed = per_token(advantages.detach().to(device, compute), ratio)
     if weights is not None:  # w >= 0 keeps each token's side
         signed = signed * weights.detach().to(device, compute)
@@ -315,7 +317,7 @@ def _signed_magnitudes(
                 "each token by pi_behaviour(y_t)); pass the behaviour (old) log-probs [B, T]"
             )
         signed = signed * behaviour_log_prob.detach().to(device, compute).exp()
-    return ratio, torch.where(mask.to(device, torch.bool), signed, 0.0)
+    return ratio, torch.where(counted, signed, 0.0)
 
 
 def token_contributions(

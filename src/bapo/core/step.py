@@ -179,57 +179,33 @@ class BAPOStep:
         behaviour_log_prob: Tensor | None = None,
         sync: bool | None = None,
         validate: bool = False,
+        alone: bool = False,
     ) -> SearchResult:
         """The bounds of one micro-batch's loss (tensors as in `observe`, ratio from the forward
         the loss runs; detached here).
 
         Scope "step": the update's bounds from `solve`, or, for an update of one micro-batch
         without a pre-pass, the search on this micro-batch. Scope "micro_batch": the search on
-        this micro-batch (sync: one all-reduce of its bucket sums, see `solve`). validate=False
-        by default: a non-finite forward must reach the caller's skip, not raise here.
+        this micro-batch (sync: one all-reduce of its bucket sums, see `solve`). alone=True: the
+        search on this batch by itself whatever the scope, not recorded in the update's metrics
+        (e.g. an evaluation batch). validate=False by default: a non-finite forward must reach
+        the caller's skip, not raise here.
         """
-        if self._solved is not None:
+        if self._solved is not None and not alone:
             return self._solved
-        if self.scope == "step" and self.needs_pre_pass():
+        if self.scope == "step" and self.needs_pre_pass() and not alone:
             raise RuntimeError(
                 "BAPOStep.bounds_for: scope 'step' needs the update's bounds first: call observe on every "
                 "micro-batch and solve, or begin(micro_batches=1) for an update of one micro-batch"
             )
-        found = self.search(
-            ratio,
-            advantages,
-            mask,
-            weights=weights,
-            behaviour_log_prob=behaviour_log_prob,
-            sync=sync,
-            validate=validate,
-        )
-        self.searches.append((found, mask.to(torch.bool).sum()))
-        return found
-
-    def search(
-        self,
-        ratio: Tensor,
-        advantages: Tensor,
-        mask: Tensor,
-        *,
-        weights: Tensor | None = None,
-        behaviour_log_prob: Tensor | None = None,
-        sync: bool | None = None,
-        validate: bool = True,
-    ) -> SearchResult:
-        """Bounds of this batch alone under the update's search config, not recorded in the
-        update's metrics (e.g. an evaluation batch). Tensors as in `observe`; sync as in `solve`."""
         stats = BoundStats(self.search_config, device=self.device)
         stats.add(
-            ratio.detach(),
-            advantages,
-            mask,
-            weights=weights,
-            behaviour_log_prob=behaviour_log_prob,
-            validate=validate,
+            ratio.detach(), advantages, mask, weights=weights, behaviour_log_prob=behaviour_log_prob, validate=validate
         )
-        return stats.solve(process_group=self.process_group, sync=sync)
+        found = stats.solve(process_group=self.process_group, sync=sync)
+        if not alone:
+            self.searches.append((found, mask.to(torch.bool).sum()))
+        return found
 
     def record_entropy(self, entropy: Tensor, mask: Tensor) -> None:
         """Add one micro-batch's policy entropy ([B, T], masked by mask [B, T]) to the update's;

@@ -177,13 +177,13 @@ class BAPOGRPOTrainer(GRPOTrainer):
         micro-batch from the forward just run (scope "micro_batch"; evaluation, which has no
         accumulation, always: the batch is the whole step, not recorded in the training step)."""
         ratio = token_ratio(log_prob.detach(), old_log_prob)
-        tensors = dict(weights=weights, behaviour_log_prob=old_log_prob, validate=False)
-        if mode == "eval":
-            found = self.bapo_step.search(ratio, advantages, mask, **tensors)
+        alone = mode == "eval"
+        found = self.bapo_step.bounds_for(
+            ratio, advantages, mask, weights=weights, behaviour_log_prob=old_log_prob, alone=alone
+        )
+        if alone:
             self._log_search(self.bapo_step.metrics([(found, mask.to(torch.bool).sum())]), mode)
-            return found
-        found = self.bapo_step.bounds_for(ratio, advantages, mask, **tensors)
-        if self.bapo_step.scope == "micro_batch":
+        elif self.bapo_step.scope == "micro_batch":
             self._log_search(self.bapo_step.metrics(self.bapo_step.searches[-1:]), mode)
         return found
 
