@@ -31,7 +31,7 @@ def synthetic_runs(reached_key: str = "bapo/search/reached") -> list[CellRun]:
     for index, cell in enumerate(_cells()):
         generator = torch.Generator().manual_seed(1000 + index)
 
-        def draw(*shape: int) -> torch.Tensor:
+        def draw(*shape: int, generator: torch.Generator = generator) -> torch.Tensor:
             return torch.rand(*shape, generator=generator, dtype=torch.float64)
 
         updates = ROLLOUT_STEPS * (cell.staleness + 1)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import itertools
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bapo.lab.claims import judge_claims
+from bapo.lab.claims import lab_claims
 from bapo.lab.policy import (
     GuessTask,
     exact_stats,
@@ -178,7 +179,7 @@ def test_bad_cells_fail_with_the_field():
 
 def _claims(config: LabConfig, cells: list[Cell]):
     runs = [run_cell(c, config) for c in cells]
-    return {c.id: c for c in judge_claims(runs, config.rollout_steps, (0, 2), (), ())}
+    return {c.id: c for c in lab_claims(runs, config.rollout_steps)}
 
 
 def test_claims_come_from_the_runs():
@@ -223,3 +224,11 @@ def test_bapo_lab_rejects_one_seed():
 
     result = CliRunner().invoke(app, ["lab", "--seeds", "1"])
     assert result.exit_code != 0 and "seeds" in result.output
+
+
+def test_lab_claims_equal_those_of_the_engine_before_it_was_data():
+    from tests.analysis.test_claims_engine import assert_same_claims
+    from tests.lab.synthetic import ROLLOUT_STEPS, synthetic_runs
+
+    golden = Path(__file__).parent / "fixtures" / "claims_before_engine.json"
+    assert_same_claims(lab_claims(synthetic_runs(), ROLLOUT_STEPS), golden)

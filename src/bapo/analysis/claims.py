@@ -284,7 +284,6 @@ def leaderboard_markdown(standings: Sequence[Standing]) -> str:
             if row.versus is not None
             else "(baseline)"
         )
-        lines.append(
-            f"| {row.setting} | {row.method} | {row.mean:.4g} [{row.low:.4g}, {row.high:.4g}] | {row.seeds} | {versus} |"
-        )
+        interval = f"{row.mean:.4g} [{row.low:.4g}, {row.high:.4g}]"
+        lines.append(f"| {row.setting} | {row.method} | {interval} | {row.seeds} | {versus} |")
     return "\n".join(lines)

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from bapo.analysis.claims import Claim, claims_json
-from bapo.lab.claims import judge_claims
+from bapo.lab.claims import lab_claims
 from bapo.lab.run import METHODS, Cell, CellRun, LabConfig, run_cell
 
 
@@ -121,7 +121,7 @@ def run_lab(
     start = time.perf_counter()
     runs = run_cells(plan, jobs)
     train_s = time.perf_counter() - start
-    claims = judge_claims(runs, plan.config.rollout_steps, plan.staleness, plan.delays, plan.claim2_staleness)
+    claims = lab_claims(runs, plan.config.rollout_steps)
     for run in runs:
         write_metrics(run, out / "cells" / run.cell.name.replace(" ", "_") / "metrics.jsonl")
     (out / "claims.json").write_text(claims_json(claims) + "\n")
