@@ -19,6 +19,25 @@ from pathlib import Path
 
 from bapo.train.metrics import read_metrics
 
+# Metric names of older runs -> today's (the trainer's schema, bapo.core.search_metrics): the one
+# place they are mapped, so that every reader of finished runs (plots, report, claims) sees one name.
+LEGACY_METRICS = {
+    "bapo/reached": "bapo/search/reached",
+    "bapo/steps": "bapo/search/steps",
+    "bapo/pos_neg": "bapo/search/pos_neg",
+}
+
+
+def upgrade_names(row: dict) -> dict:
+    """`row` with its LEGACY_METRICS keys renamed (a key whose new name is also there is dropped)."""
+    if not LEGACY_METRICS.keys() & row.keys():
+        return row
+    return {
+        LEGACY_METRICS.get(key, key): value
+        for key, value in row.items()
+        if not (key in LEGACY_METRICS and LEGACY_METRICS[key] in row)
+    }
+
 
 def setting_name(staleness_e: int = 0, async_delay: int = 0, partial_rollout: bool = False) -> str:
     """The panel a run belongs to: "E=2" (the paper's staleness E: E+1 optimizer updates per
@@ -114,7 +133,7 @@ def _identity(run_dir: Path) -> tuple[str, str, int]:
 def load_run(run_dir: Path) -> Run:
     run_dir = Path(run_dir)
     method, setting, seed = _identity(run_dir)
-    return Run(run_dir, method, setting, seed, read_metrics(run_dir))
+    return Run(run_dir, method, setting, seed, [upgrade_names(row) for row in read_metrics(run_dir)])
 
 
 def find_runs(paths: list[Path]) -> list[Run]:
