@@ -3,6 +3,7 @@ from the runs, and the `bapo lab` command. Tiny settings: the whole file runs in
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -232,3 +233,27 @@ def test_lab_claims_equal_those_of_the_engine_before_it_was_data():
 
     golden = Path(__file__).parent / "fixtures" / "claims_before_engine.json"
     assert_same_claims(lab_claims(synthetic_runs(), ROLLOUT_STEPS), golden)
+
+
+def test_lab_report_uses_the_analysis_stack(tmp_path):
+    """The lab's folder reads back as one run per cell and seed (bapo compare / bapo plot work on
+    it); report.md has the claims, a leaderboard of every method run and the plots."""
+    from bapo.analysis.runs import find_runs
+    from bapo.lab.lab import LabPlan, run_lab
+
+    plan = LabPlan(LabConfig(**{**TINY.__dict__, "seeds": 2}), methods=("grpo", "bapo"), staleness=(0, 2), delays=())
+    plan = dataclasses.replace(plan, claim2_staleness=())
+    claims, out = run_lab(tmp_path, plan=plan, jobs=1)
+    runs = find_runs([out / "cells"])
+    assert sorted((r.method, r.setting, r.seed) for r in runs) == sorted(
+        (m, f"E={e}", s) for m in ("grpo", "bapo") for e in (0, 2) for s in (0, 1)
+    )
+    assert all(len(r.rows) == 3 * (3 if r.setting == "E=2" else 1) for r in runs)
+    bapo = next(r for r in runs if r.method == "bapo")
+    assert "bapo/search/reached" in bapo.rows[0] and "bapo/reached" not in bapo.rows[0]
+    report = (out / "report.md").read_text()
+    assert claims and claims[0].id in report
+    assert "| E=2 | bapo |" in report and "(baseline)" in report  # the leaderboard
+    for name in ("entropy", "positive_share", "reward"):
+        assert (out / "plots" / f"{name}.png").read_bytes()[:4] == b"\x89PNG", name
+        assert f"plots/{name}.png" in report
