@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bapo.analysis.claims import Arm, ClaimSpec, evaluate, leaderboard, leaderboard_markdown
+from bapo.analysis.claims import Arm, ClaimSpec, evaluate_claims, leaderboard, leaderboard_markdown
 from bapo.analysis.run_claims import run_claims
 from tests.analysis.synthetic import synthetic_runs
 
@@ -39,7 +39,7 @@ def _values(table: dict[tuple[str, str], dict[str, list[float]]]):
     return values
 
 
-def test_evaluate_pairs_by_seed_signs_and_skips_absent_arms():
+def test_evaluate_claims_pairs_by_seed_signs_and_skips_absent_arms():
     values = _values(
         {
             ("bapo", "E=2"): {"entropy": [0.9, 0.8, 0.85]},
@@ -47,22 +47,22 @@ def test_evaluate_pairs_by_seed_signs_and_skips_absent_arms():
         }
     )
     spec = ClaimSpec("x", "bapo keeps entropy", "E=2", "entropy", Arm("bapo", "E=2"), Arm("grpo", "E=2"))
-    (held,) = evaluate([spec], values)
+    (held,) = evaluate_claims([spec], values)
     assert held.verdict == "held" and held.effect == pytest.approx(0.3) and held.seeds == 3
-    (opposite,) = evaluate([ClaimSpec(**{**asdict(spec), "sign": -1})], values)
+    (opposite,) = evaluate_claims([ClaimSpec(**{**asdict(spec), "sign": -1})], values)
     assert opposite.verdict == "not held" and opposite.effect == pytest.approx(-0.3)
     absent = ClaimSpec("y", "", "E=4", "entropy", Arm("bapo", "E=4"), Arm("grpo", "E=4"))
     unknown_metric = ClaimSpec("z", "", "E=2", "reward", Arm("bapo", "E=2"), Arm("grpo", "E=2"))
-    assert evaluate([absent, unknown_metric], values) == []
+    assert evaluate_claims([absent, unknown_metric], values) == []
     against_constant = ClaimSpec("c", "", "E=2", "entropy", Arm("grpo", "E=2"), sign=-1, reference=0.7)
-    (below,) = evaluate([against_constant], values)
+    (below,) = evaluate_claims([against_constant], values)
     assert below.verdict == "held" and below.effect == pytest.approx(0.15)
     # resolution: a difference below it is rounding, and min_seeds drops a claim without an interval
     tiny = _values({("a", "s"): {"m": [1.0 + 1e-9, 2.0 + 1e-9]}, ("b", "s"): {"m": [1.0, 2.0]}})
-    (rounded,) = evaluate([ClaimSpec("r", "", "s", "m", Arm("a", "s"), Arm("b", "s"))], tiny, resolution=1e-6)
+    (rounded,) = evaluate_claims([ClaimSpec("r", "", "s", "m", Arm("a", "s"), Arm("b", "s"))], tiny, resolution=1e-6)
     assert rounded.effect == 0.0 and rounded.verdict == "mixed"
     one = _values({("a", "s"): {"m": [1.0, math.nan]}, ("b", "s"): {"m": [0.0, 0.0]}})
-    assert evaluate([ClaimSpec("r", "", "s", "m", Arm("a", "s"), Arm("b", "s"))], one, min_seeds=2) == []
+    assert evaluate_claims([ClaimSpec("r", "", "s", "m", Arm("a", "s"), Arm("b", "s"))], one, min_seeds=2) == []
 
 
 def test_leaderboard_ranks_every_method_with_its_interval_and_verdict():

@@ -7,7 +7,7 @@ paper claims). The verdict comes from the 95% interval of the mean effect over s
   mixed     the interval contains 0 (the effect is within seed noise)
 
 Claims are data (`ClaimSpec`: id, text, the metric, the two arms compared, the expected sign);
-`evaluate` judges them over seed-indexed values (`SeedValues`: per arm and metric, {seed: value}),
+`evaluate_claims` judges them over seed-indexed values (`SeedValues`: per arm and metric, {seed: value}),
 which the loaders make from metrics.jsonl runs (bapo.analysis.run_claims.run_values) or from the
 lab's cells (bapo.lab.claims.cell_values). `leaderboard` ranks every method of every setting on one
 metric against a baseline method, so a new method is one more name in the list it is given.
@@ -187,7 +187,7 @@ def _rounded(value: float, resolution: float | None) -> float:
     return round(value / resolution) * resolution
 
 
-def evaluate(
+def evaluate_claims(
     specs: Sequence[ClaimSpec],
     values: SeedValues,
     *,
@@ -266,7 +266,7 @@ def leaderboard(
                     Arm(baseline, setting),
                     sign,
                 )
-                versus = next(iter(evaluate([spec], values, resolution=resolution)), None)
+                versus = next(iter(evaluate_claims([spec], values, resolution=resolution)), None)
             seeds = sum(math.isfinite(v) for v in per_seed.values())
             rows.append(Standing(setting, method, metric, mean, low, high, seeds, versus))
         rows.sort(key=lambda row: -sign * row.mean if math.isfinite(row.mean) else math.inf)

@@ -20,7 +20,7 @@ import re
 import statistics
 from collections.abc import Callable
 
-from bapo.analysis.claims import Arm, Claim, ClaimSpec, SeedValues, evaluate, format_mean
+from bapo.analysis.claims import Arm, Claim, ClaimSpec, SeedValues, evaluate_claims, format_mean
 from bapo.analysis.runs import Run, group_runs
 
 WHERE = "tiny LLM, countdown task"
@@ -201,4 +201,4 @@ def run_claims(runs: list[Run], target: float) -> list[Claim]:
     base = groups.get("E=0", {}).get("grpo")
     k = base[0].final.get("k", "k") if base else "k"
     specs = run_claim_specs({setting: list(methods) for setting, methods in groups.items()}, target, k)
-    return evaluate(specs, run_values(runs, run_measures(target)), fmt=format_mean)
+    return evaluate_claims(specs, run_values(runs, run_measures(target)), fmt=format_mean)

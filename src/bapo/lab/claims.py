@@ -31,7 +31,7 @@ from dataclasses import replace
 import torch
 from torch import Tensor
 
-from bapo.analysis.claims import Arm, Claim, ClaimSpec, SeedValues, evaluate
+from bapo.analysis.claims import Arm, Claim, ClaimSpec, SeedValues, evaluate_claims
 from bapo.analysis.runs import setting_name
 from bapo.core import BAPOConfig
 from bapo.lab.run import Cell, CellRun
@@ -367,4 +367,4 @@ def lab_claims(runs: list[CellRun], rollout_steps: int) -> list[Claim]:
     """Every claim whose cells are present and that at least 2 seeds measure (see lab_claim_specs)."""
     specs = lab_claim_specs([run.cell for run in runs], rollout_steps)
     values = cell_values(runs, lab_measures(runs, rollout_steps))
-    return evaluate(specs, values, resolution=EFFECT_RESOLUTION, min_seeds=2)
+    return evaluate_claims(specs, values, resolution=EFFECT_RESOLUTION, min_seeds=2)
