@@ -257,3 +257,18 @@ def test_lab_report_uses_the_analysis_stack(tmp_path):
     for name in ("entropy", "positive_share", "reward"):
         assert (out / "plots" / f"{name}.png").read_bytes()[:4] == b"\x89PNG", name
         assert f"plots/{name}.png" in report
+
+
+def test_a_method_added_to_METHODS_joins_the_default_plan(monkeypatch):
+    """The default plan runs every method but claim 2's bound variants (the same cells as before
+    the list was derived); one more METHODS line adds its cells at every E."""
+    from bapo.lab import run
+    from bapo.lab.lab import LabPlan
+
+    expected = ("grpo", "clip-higher", "dual-clip", "bapo") + (
+        ("bapo-entropy",) if "bapo-entropy" in run.METHODS else ()
+    )
+    assert LabPlan().methods == expected
+    monkeypatch.setitem(run.METHODS, "m2po", ("grpo", {}))
+    plan = LabPlan()
+    assert plan.methods[-1] == "m2po" and {Cell("m2po", e) for e in plan.staleness} <= set(plan.cells())

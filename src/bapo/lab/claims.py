@@ -46,7 +46,8 @@ MATCHED_REWARD = 0.4
 EFFECT_RESOLUTION = 1e-6
 # The variants compared with GRPO in claim 4: (method, id suffix, name in the text)
 BAPO_VARIANTS = (("bapo", "", "BAPO"), ("bapo-entropy", "-adaptive", "BAPO (adaptive target)"))
-C_HIGH, C_LOW = "grpo-c_high=2.0", "grpo-c_low=0.6"
+C_HIGH, C_LOW = "grpo-c_high=2.0", "grpo-c_low=0.6"  # claim 2's bound variants of GRPO
+CLAIM2_METHODS = (C_HIGH, C_LOW)
 
 Measure = Callable[[CellRun], Tensor]  # one cell's per-seed values [S]; KeyError: a series it lacks
 
@@ -328,7 +329,7 @@ def lab_claim_specs(cells: list[Cell], rollout_steps: int) -> list[ClaimSpec]:
     delays = sorted({cell.delay for cell in cells if cell.delay})
     present = {cell.name for cell in cells}
     top = max((e for e in staleness if e > 0 and Cell("grpo", e).name in present), default=None)
-    claim2 = sorted({cell.staleness for cell in cells if cell.method in (C_HIGH, C_LOW)})
+    claim2 = sorted({cell.staleness for cell in cells if cell.method in CLAIM2_METHODS})
     base = cell_arm(Cell("grpo"))
     first_share = ClaimSpec(
         "3-negative-dominate",
