@@ -102,15 +102,21 @@ class ClipStats:
 
     @classmethod
     def of(
-        cls, sums: dict[str, Tensor | float], maxima: dict[str, Tensor], device: torch.device | str | None = None
+        cls,
+        sums: dict[str, Tensor | float],
+        maxima: dict[str, Tensor | float],
+        device: torch.device | str | None = None,
     ) -> ClipStats:
-        """Pack named scalars: every MAX_FIELDS name is required, a SUM_FIELDS name left out is 0."""
+        """Pack named scalars (tensors, or floats made on `device` without a host copy): every
+        MAX_FIELDS name is required, a SUM_FIELDS name left out is 0."""
         unknown = (sums.keys() - set(SUM_FIELDS)) | (maxima.keys() - set(MAX_FIELDS))
         if unknown:
             raise KeyError(f"ClipStats.of: unknown fields {sorted(unknown)}")
 
         def scalar(value: Tensor | float) -> Tensor:
-            return torch.as_tensor(value).to(device, torch.float64).reshape(())
+            if isinstance(value, Tensor):
+                return value.to(device, torch.float64).reshape(())
+            return torch.full((), float(value), dtype=torch.float64, device=device)
 
         return cls(
             torch.stack([scalar(sums.get(name, 0.0)) for name in SUM_FIELDS]),
@@ -229,17 +235,15 @@ def _quadrant_sums(
     return sums
 
 
-def _bound_sums(bound: float | Tensor, counted: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor, Tensor]:
+def _bound_sums(
+    bound: float | Tensor, counted: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor | float, Tensor | float]:
     """(token sum, max, -min) of a bound (float, or per-token [B, T]) over the counted tokens [B, T]."""
     if isinstance(bound, Tensor):  # per-token bounds (DCPO)
         bound = bound.detach().to(dtype).expand_as(counted)
         return (torch.where(counted, bound, 0.0).sum(), *_masked_extremes(bound, counted))
     # An infinite bound (TOPR's upper) stays exact through the extremes; its sum is unused.
-    return (
-        counted.sum() * (bound if abs(bound) < torch.inf else 0.0),
-        torch.tensor(float(bound), dtype=torch.float64),
-        torch.tensor(-float(bound), dtype=torch.float64),
-    )
+    return counted.sum() * (bound if abs(bound) < torch.inf else 0.0), float(bound), -float(bound)
 
 
 @torch.no_grad()
@@ -320,7 +324,7 @@ def clip_statistics(
     }
     if entropy is not None:
         sums["entropy"] = entropy.sum()
-    maxima = dict(zip(("ratio_max", "ratio_min_negated"), _masked_extremes(ratio, counted)))
+    maxima: dict[str, Tensor | float] = dict(zip(("ratio_max", "ratio_min_negated"), _masked_extremes(ratio, counted)))
     for name, bound in (("lower", lower), ("upper", upper)):
         sums[name], maxima[f"{name}_max"], maxima[f"{name}_min_negated"] = _bound_sums(bound, counted, dtype)
     return ClipStats.of(sums, maxima, device=log_prob.device)
