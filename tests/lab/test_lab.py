@@ -254,9 +254,10 @@ def test_lab_report_uses_the_analysis_stack(tmp_path):
     report = (out / "report.md").read_text()
     assert claims and claims[0].id in report
     assert "| E=2 | bapo |" in report and "(baseline)" in report  # the leaderboard
-    for name in ("entropy", "positive_share", "reward"):
-        assert (out / "plots" / f"{name}.png").read_bytes()[:4] == b"\x89PNG", name
-        assert f"plots/{name}.png" in report
+    for figure in ("entropy", "positive_share", "reward"):
+        for name in (figure, f"{figure}_grpo_over_E"):  # per setting; GRPO's E=0 vs E=2 at equal samples
+            assert (out / "plots" / f"{name}.png").read_bytes()[:4] == b"\x89PNG", name
+            assert f"plots/{name}.png" in report
 
 
 def test_a_method_added_to_METHODS_joins_the_default_plan(monkeypatch):

@@ -1,10 +1,12 @@
 """report.md and plots of a lab run, drawn by the analysis stack from the cells' metrics.jsonl
 (bapo.analysis.runs.find_runs gives one run per cell and seed): the claims table first, the
 leaderboards of every method, one figure per quantity with one panel per setting (mean over
-seeds, shaded 95% t interval, x = optimizer updates), then the per-cell table."""
+seeds, shaded 95% t interval, x = optimizer updates) and one of GRPO over E (x = rollout
+batches), then the per-cell table."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from bapo.analysis.claims import Claim, claims_markdown, leaderboard, leaderboard_markdown, mean_interval
@@ -45,12 +47,27 @@ def _leaderboards(runs: list[CellRun], cells: list[Run], rollout_steps: int) -> 
     return text
 
 
+def _plots(cells: list[Run], out: Path) -> list[Path]:
+    """FIGURES per setting (x = optimizer updates), then GRPO's sweep over E at equal samples (one
+    line per E, x = rollout batches, the last update of each)."""
+    images = plot_runs(cells, out, TARGET, smooth=1, figures=FIGURES, x="update", dpi=90)
+    sweep = [
+        replace(run, method=run.setting, setting="GRPO over E")
+        for run in cells
+        if run.method == "grpo" and "delay" not in run.setting
+    ]
+    if len({run.method for run in sweep}) > 1:
+        over_e = {f"{name}_grpo_over_E": (title, keys) for name, (title, keys) in FIGURES.items()}
+        images += plot_runs(sweep, out, TARGET, smooth=1, figures=over_e, dpi=90)
+    return images
+
+
 def write_report(out: Path, runs: list[CellRun], claims: list[Claim], plan, info: dict, plots: bool = True) -> Path:
     """report.md: regime, claims table, leaderboards, plots, per-cell table (reads OUT/cells)."""
     cfg = plan.config
     task = cfg.task
     cells = find_runs([out / "cells"])
-    images = plot_runs(cells, out / "plots", TARGET, smooth=1, figures=FIGURES, x="update", dpi=90) if plots else []
+    images = _plots(cells, out / "plots") if plots else []
     start = runs[0].start
     reward0, entropy0 = (mean_interval(start[k].tolist())[0] for k in ("reward", "entropy"))
     regime = (
