@@ -163,7 +163,7 @@ def _loss_groups(
     rest = {name: value for name, value in params.items() if name != "bapo"}
     return [(members, {**rest, "bounds": bounds}) for bounds, members in groups.items()], {
         "positive_share": share,
-        "bapo/reached": reached,
+        "bapo/search/reached": reached,
     }
 
 
@@ -250,7 +250,7 @@ def _update(
             ],
             dtype=torch.float64,
         )
-    for key in ("positive_share", "bapo/reached", "entropy_change_estimate"):
+    for key in ("positive_share", "bapo/search/reached", "entropy_change_estimate"):
         if key in out:
             out[key] = out[key].masked_fill(no_signal, float("nan"))
     return out
