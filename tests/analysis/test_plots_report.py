@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 from bapo.analysis.plots import FIGURES
 from bapo.analysis.report import markdown_table, summary
 from bapo.analysis.run_claims import run_claims
-from bapo.analysis.runs import Run, find_runs, group_runs, setting_name
+from bapo.analysis.runs import Run, find_runs, group_runs, setting_name, upgrade_names
 from bapo.cli.main import app
 
 # a few updates of real demo runs (metrics.jsonl as written, before "step" was renamed "update":
@@ -29,6 +29,18 @@ def test_old_runs_written_with_step_read_as_update():
         assert all("update" in row and "step" not in row for row in run.rows)
         updates, _ = run.series("entropy")
         assert updates == list(range(1, len(run.rows) + 1))
+
+
+def test_old_metric_names_read_as_the_trainers():
+    """The recorded rows carry the loss's bapo/reached and bapo/steps; the reader gives the
+    trainer's bapo/search/* names instead, and a row that has both keeps the new value."""
+    assert '"bapo/reached": 1.0' in next(RECORDED.glob("bapo-*/metrics.jsonl")).read_text()
+    bapo = [run for run in find_runs([RECORDED]) if run.method == "bapo"]
+    for run in bapo:
+        assert all("bapo/reached" not in row and "bapo/steps" not in row for row in run.rows)
+        assert run.values("bapo/search/reached") and run.values("bapo/search/steps")
+    assert upgrade_names({"bapo/reached": 0.0, "bapo/search/reached": 1.0}) == {"bapo/search/reached": 1.0}
+    assert upgrade_names({"bapo/no_signal": 1.0}) == {"bapo/no_signal": 1.0}  # the diagnostics' own name
 
 
 def test_bapo_plot_writes_every_figure(tmp_path):

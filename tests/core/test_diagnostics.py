@@ -220,3 +220,24 @@ def test_the_diagnostics_share_is_the_searchs_positive_share():
         metrics = clip_diagnostics(log_prob, old_log_prob, advantages, mask, lower, upper, importance_weights=weights)
         expected = positive_share(ratio, advantages, mask, lower, upper, weights=weights)
         assert metrics["positive_share"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_clip_stats_pack_named_sums_in_field_order():
+    """ClipStats.of packs named sums (a left-out sum is 0) and maxima; named() reads them back by
+    name; a name that is no field fails with it; adding two packs adds sums and takes maxima."""
+    from bapo.core.diagnostics import MAX_FIELDS, SUM_FIELDS, ClipStats
+
+    maxima = {name: torch.tensor(float(index)) for index, name in enumerate(MAX_FIELDS)}
+    stats = ClipStats.of({"tokens": torch.tensor(5), "parts": 1.0}, maxima)
+    named = stats.named()
+    assert named["tokens"] == 5.0 and named["parts"] == 1.0 and named["positive"] == 0.0
+    assert [named[name] for name in MAX_FIELDS] == [float(i) for i in range(len(MAX_FIELDS))]
+    assert stats.sums.dtype == torch.float64 and stats.sums.shape == (len(SUM_FIELDS),)
+    other = ClipStats.of({"tokens": 2.0}, {name: torch.tensor(10.0) for name in MAX_FIELDS})
+    total = (stats + other).named()
+    assert total["tokens"] == 7.0 and all(total[name] == 10.0 for name in MAX_FIELDS)
+    with pytest.raises(KeyError, match="tokenz"):
+        ClipStats.of({"tokenz": 1.0}, maxima)
+    # a micro-batch's statistics name every field they fill
+    batch = clip_statistics(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), 0.8, 1.2).named()
+    assert batch["tokens"] == 2.0 and batch["positive"] == 2.0 and batch["upper_max"] == 1.2

@@ -3,16 +3,18 @@ from the runs, and the `bapo lab` command. Tiny settings: the whole file runs in
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bapo.lab.claims import judge_claims
+from bapo.lab.claims import lab_claims
 from bapo.lab.policy import (
     GuessTask,
     exact_stats,
@@ -178,7 +180,7 @@ def test_bad_cells_fail_with_the_field():
 
 def _claims(config: LabConfig, cells: list[Cell]):
     runs = [run_cell(c, config) for c in cells]
-    return {c.id: c for c in judge_claims(runs, config.rollout_steps, (0, 2), (), ())}
+    return {c.id: c for c in lab_claims(runs, config.rollout_steps)}
 
 
 def test_claims_come_from_the_runs():
@@ -223,3 +225,51 @@ def test_bapo_lab_rejects_one_seed():
 
     result = CliRunner().invoke(app, ["lab", "--seeds", "1"])
     assert result.exit_code != 0 and "seeds" in result.output
+
+
+def test_lab_claims_equal_those_of_the_engine_before_it_was_data():
+    from tests.analysis.test_claims_engine import assert_same_claims
+    from tests.lab.synthetic import ROLLOUT_STEPS, synthetic_runs
+
+    golden = Path(__file__).parent / "fixtures" / "claims_before_engine.json"
+    assert_same_claims(lab_claims(synthetic_runs(), ROLLOUT_STEPS), golden)
+
+
+def test_lab_report_uses_the_analysis_stack(tmp_path):
+    """The lab's folder reads back as one run per cell and seed (bapo compare / bapo plot work on
+    it); report.md has the claims, a leaderboard of every method run and the plots."""
+    from bapo.analysis.runs import find_runs
+    from bapo.lab.lab import LabPlan, run_lab
+
+    plan = LabPlan(LabConfig(**{**TINY.__dict__, "seeds": 2}), methods=("grpo", "bapo"), staleness=(0, 2), delays=())
+    plan = dataclasses.replace(plan, claim2_staleness=())
+    claims, out = run_lab(tmp_path, plan=plan, jobs=1)
+    runs = find_runs([out / "cells"])
+    assert sorted((r.method, r.setting, r.seed) for r in runs) == sorted(
+        (m, f"E={e}", s) for m in ("grpo", "bapo") for e in (0, 2) for s in (0, 1)
+    )
+    assert all(len(r.rows) == 3 * (3 if r.setting == "E=2" else 1) for r in runs)
+    bapo = next(r for r in runs if r.method == "bapo")
+    assert "bapo/search/reached" in bapo.rows[0] and "bapo/reached" not in bapo.rows[0]
+    report = (out / "report.md").read_text()
+    assert claims and claims[0].id in report
+    assert "| E=2 | bapo |" in report and "(baseline)" in report  # the leaderboard
+    for figure in ("entropy", "positive_share", "reward"):
+        for name in (figure, f"{figure}_grpo_over_E"):  # per setting; GRPO's E=0 vs E=2 at equal samples
+            assert (out / "plots" / f"{name}.png").read_bytes()[:4] == b"\x89PNG", name
+            assert f"plots/{name}.png" in report
+
+
+def test_a_method_added_to_METHODS_joins_the_default_plan(monkeypatch):
+    """The default plan runs every method but claim 2's bound variants (the same cells as before
+    the list was derived); one more METHODS line adds its cells at every E."""
+    from bapo.lab import run
+    from bapo.lab.lab import LabPlan
+
+    expected = ("grpo", "clip-higher", "dual-clip", "bapo") + (
+        ("bapo-entropy",) if "bapo-entropy" in run.METHODS else ()
+    )
+    assert LabPlan().methods == expected
+    monkeypatch.setitem(run.METHODS, "m2po", ("grpo", {}))
+    plan = LabPlan()
+    assert plan.methods[-1] == "m2po" and {Cell("m2po", e) for e in plan.staleness} <= set(plan.cells())

@@ -1,6 +1,6 @@
 """PNG plots from metrics.jsonl: one figure per quantity, one panel per setting (staleness E,
 async delay, partial rollout), one line per method (mean over seeds, shaded 95% interval when
-there are several)."""
+there are several). The demo's runs and the lab's cells (its own figures) are drawn alike."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ FIGURES = {
         [("clip_frac/upper", "-"), ("clip_frac/lower", "--")],
     ),
 }
+Figures = dict[str, tuple[str, list[tuple[str, str]]]]
 COLORS = {
     "grpo": "tab:blue",
     "clip-higher": "tab:orange",
@@ -29,7 +30,11 @@ COLORS = {
     "topr": "tab:purple",
     "dcpo": "tab:brown",
     "dual-clip": "tab:gray",
+    "bapo-entropy": "tab:olive",
+    "grpo-c_high=2.0": "tab:red",
+    "grpo-c_low=0.6": "tab:pink",
 }
+X_LABELS = {"rollout_step": "rollout step", "update": "optimizer update"}
 
 
 def save_figure(fig, out_dir: Path, name: str, dpi: int) -> Path:
@@ -55,23 +60,30 @@ def _smooth(values: list[float], window: int) -> list[float]:
     return out
 
 
-def _seed_band(runs: list[Run], key: str, window: int):
-    """(rollout steps, mean, low, high): mean over seeds and its 95% interval at the rollout steps
-    every seed logged; None when no data."""
-    # {rollout step: value of its last update}, per seed
-    per_seed = [dict(zip(*run.series(key, x="rollout_step"))) for run in runs]
-    rollout_steps = sorted(set.intersection(*(set(seed_values) for seed_values in per_seed)))
-    if not rollout_steps:
+def _seed_band(runs: list[Run], key: str, window: int, x: str = "rollout_step"):
+    """(x values, mean, low, high): mean over seeds and its 95% interval at the x values (rollout
+    steps or updates) every seed logged; None when no data."""
+    # {x: value of its last update}, per seed
+    per_seed = [dict(zip(*run.series(key, x=x))) for run in runs]
+    points = sorted(set.intersection(*(set(seed_values) for seed_values in per_seed)))
+    if not points:
         return None
-    curves = [_smooth([seed_values[step] for step in rollout_steps], window) for seed_values in per_seed]
-    bands = [mean_interval([curve[index] for curve in curves]) for index in range(len(rollout_steps))]
-    return rollout_steps, *([band[part] for band in bands] for part in range(3))
+    curves = [_smooth([seed_values[step] for step in points], window) for seed_values in per_seed]
+    bands = [mean_interval([curve[index] for curve in curves]) for index in range(len(points))]
+    return points, *([band[part] for band in bands] for part in range(3))
 
 
 def plot_runs(
-    runs: list[Run], out_dir: Path, target_share: float | None = None, smooth: int | None = None
+    runs: list[Run],
+    out_dir: Path,
+    target_share: float | None = None,
+    smooth: int | None = None,
+    figures: Figures = FIGURES,
+    x: str = "rollout_step",
+    dpi: int = 110,
 ) -> list[Path]:
-    """Write one PNG per entry of FIGURES that has data into `out_dir`; returns their paths."""
+    """Write one PNG per entry of `figures` that has data into `out_dir`; returns their paths.
+    x: "rollout_step" (the last update of each) or "update" (every optimizer update)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -80,10 +92,10 @@ def plot_runs(
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     groups = group_runs(runs)
-    longest = max(len({row.get("rollout_step") for row in run.rows}) for run in runs)
+    longest = max(len({row.get(x) for row in run.rows}) for run in runs)
     window = smooth or max(1, longest // 12)
     written = []
-    for name, (title, keys) in FIGURES.items():
+    for name, (title, keys) in figures.items():
         if not any(key in row for run in runs for key, _ in keys for row in run.rows):
             continue  # nothing logs this quantity (e.g. no held-out checks)
         # logged but never finite (positive share without any learning signal): an empty panel says so
@@ -94,14 +106,14 @@ def plot_runs(
                 color = COLORS.get(method)
                 width = max(0.8, 2.6 - 0.6 * rank)  # identical curves stay visible
                 for key, style in keys:
-                    band = _seed_band(method_runs, key, 1 if key.startswith("heldout") else window)
+                    band = _seed_band(method_runs, key, 1 if key.startswith("heldout") else window, x)
                     if band is None:
                         continue
-                    rollout_steps, mean, low, high = band
+                    points, mean, low, high = band
                     label = method if style == "-" or len(keys) == 1 else None
-                    (line,) = ax.plot(rollout_steps, mean, style, color=color, label=label, lw=width)
+                    (line,) = ax.plot(points, mean, style, color=color, label=label, lw=width)
                     if len(method_runs) > 1:
-                        ax.fill_between(rollout_steps, low, high, color=line.get_color(), alpha=0.15, lw=0)
+                        ax.fill_between(points, low, high, color=line.get_color(), alpha=0.15, lw=0)
             if no_values:
                 ax.text(
                     0.5,
@@ -116,7 +128,7 @@ def plot_runs(
             if name == "positive_share" and target_share is not None:
                 ax.axhline(target_share, color="k", ls=":", lw=1, label="bapo target")
             ax.set_title(setting)
-            ax.set_xlabel("rollout step")
+            ax.set_xlabel(X_LABELS.get(x, x))
             ax.grid(alpha=0.3)
         axes[0][0].set_ylabel(name.replace("_", " "))
         legend = {}  # one legend for the figure: every method of every panel, once
@@ -127,11 +139,11 @@ def plot_runs(
         fig.suptitle(
             title
             + (
-                f"  (moving average over {window} rollout steps)"
+                f"  (moving average over {window} {X_LABELS.get(x, x)}s)"
                 if window > 1 and not name.startswith("heldout")
                 else ""
             ),
             fontsize=10,
         )
-        written.append(save_figure(fig, out_dir, name, dpi=110))
+        written.append(save_figure(fig, out_dir, name, dpi=dpi))
     return written

@@ -50,8 +50,9 @@ def eval_k(runs: list[Run]) -> int | None:
     return ks.pop() if len(ks) == 1 else None
 
 
-def summary(runs: list[Run]) -> list[dict]:
-    """One row per (setting, method): {"setting", "method", "seeds", column: (mean, low, high)}."""
+def summary(runs: list[Run], columns: dict[str, Callable[[Run], float]] = RUN_COLUMNS) -> list[dict]:
+    """One row per (setting, method): {"setting", "method", "seeds", column: (mean, low, high)}
+    for every column of `columns` (the held-out scores first when the runs have them)."""
     k = eval_k(runs)
     out = []
     for setting, by_method in group_runs(runs).items():
@@ -60,7 +61,7 @@ def summary(runs: list[Run]) -> list[dict]:
             if k is not None:
                 for name in (f"avg@{k}", f"pass@{k}"):
                     row[name] = mean_interval([r.final.get(name, math.nan) for r in group])
-            for col, value in RUN_COLUMNS.items():
+            for col, value in columns.items():
                 row[col] = mean_interval([value(r) for r in group])
             out.append(row)
     return out

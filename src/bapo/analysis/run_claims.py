@@ -1,15 +1,15 @@
 """The paper's claims judged from training runs' metrics.jsonl (any runs with these settings:
 `bapo demo`'s, or your own `bapo train` runs read back with bapo.analysis.runs.find_runs).
 
-Each claim is an effect per seed (positive = the way the paper claims), paired by seed where two
-runs are compared, judged by bapo.analysis.claims (95% Student-t interval over seeds). The ids
-follow `bapo lab`'s (1-..., 2-..., 3-..., 4-...) so the two tables read side by side; "0-..." is
-the precondition that on-policy RL improves on the start policy at all.
-Definitions (all from metrics.jsonl rows):
+Each claim is a `ClaimSpec` (bapo.analysis.claims): an effect per seed (positive = the way the
+paper claims), paired by seed where two runs are compared, judged over seeds (95% Student-t
+interval). The ids follow `bapo lab`'s (1-..., 2-..., 3-..., 4-...) so the two tables read side by
+side; "0-..." is the precondition that on-policy RL improves on the start policy at all.
+Measures (RUN_MEASURES, all from metrics.jsonl rows):
   entropy          mean of the last 20% of rows (per-token entropy of the sampled batch)
   entropy fall     entropy of the first 10% of rows minus that tail mean
   grad max/median  max over updates of grad_norm / the run's median grad_norm (spikes)
-  positive share   mean over all updates
+  positive share   mean over all updates (first share: over the first 10% of rows)
   held-out         heldout/avg@k of the last row that has it (the final policy)
 """
 
@@ -18,9 +18,12 @@ from __future__ import annotations
 import math
 import re
 import statistics
+from collections.abc import Callable
 
-from bapo.analysis.claims import Claim
+from bapo.analysis.claims import Arm, Claim, ClaimSpec, SeedValues, evaluate_claims, format_mean
 from bapo.analysis.runs import Run, group_runs
+
+WHERE = "tiny LLM, countdown task"
 
 
 def grad_spike(run: Run) -> float:
@@ -43,16 +46,30 @@ def start_accuracy(run: Run) -> float:
     return start.get(f"avg@{start['k']}", math.nan) if start else math.nan
 
 
-def _fmt(values: list[float]) -> str:
-    finite = [v for v in values if math.isfinite(v)]
-    return f"{statistics.fmean(finite):.3f}" if finite else "nan"
+def run_measures(target: float) -> dict[str, Callable[[Run], float]]:
+    """Measure name -> one run's value; `target` is bapo's positive-share target."""
+    return {
+        "entropy": lambda run: run.tail_mean("entropy"),
+        "entropy fall": entropy_fall,
+        "grad max/median": grad_spike,
+        "held-out": final_accuracy,
+        "held-out at the start": start_accuracy,
+        "held-out gain": lambda run: final_accuracy(run) - start_accuracy(run),
+        "positive share": lambda run: run.mean("positive_share"),
+        "first positive share": lambda run: run.head_mean("positive_share"),
+        "share distance": lambda run: abs(run.mean("positive_share") - target),
+    }
 
 
-def _paired(a: list[Run], b: list[Run], fn) -> tuple[list[float], list[float], list[float]]:
-    """(fn(a), fn(b), fn(a) - fn(b)) over the seeds both lists have."""
-    by_seed = {r.seed: r for r in b}
-    pairs = [(fn(r), fn(by_seed[r.seed])) for r in a if r.seed in by_seed]
-    return [p[0] for p in pairs], [p[1] for p in pairs], [p[0] - p[1] for p in pairs]
+def run_values(runs: list[Run], measures: dict[str, Callable[[Run], float]]) -> SeedValues:
+    """The loader for metrics.jsonl runs: per arm (method, setting) and measure, {seed: value}."""
+    groups = group_runs(runs)
+
+    def values(arm: Arm, metric: str) -> dict[int, float] | None:
+        members = groups.get(arm.setting, {}).get(arm.method)
+        return {run.seed: measures[metric](run) for run in members} if members else None
+
+    return values
 
 
 def _e(setting: str) -> int | None:
@@ -61,128 +78,127 @@ def _e(setting: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def run_claims(runs: list[Run], target: float) -> list[Claim]:
-    """Every claim whose runs are present; `target` is bapo's positive-share target."""
-    groups = group_runs(runs)
-    claims: list[Claim] = []
-    e_settings = sorted((e, s) for s in groups if (e := _e(s)) is not None)
-    base = groups.get("E=0", {}).get("grpo")
-    where = "tiny LLM, countdown task"
-
-    # 0. precondition: on-policy RL improves held-out accuracy over the start policy
-    if base:
-        final, start = [final_accuracy(r) for r in base], [start_accuracy(r) for r in base]
-        diff = [f - s for f, s in zip(final, start)]
-        k = base[0].final.get("k", "k")
-        claims.append(
-            Claim.from_effects(
+def run_claim_specs(settings: dict[str, list[str]], target: float, k: int | str = "k") -> list[ClaimSpec]:
+    """Every claim of the runs' settings ({setting: methods present}), claims 0-4 in order;
+    k: the held-out samples per prompt (avg@k in claim 0's text)."""
+    base = Arm("grpo", "E=0")
+    has_base = "grpo" in settings.get("E=0", ())
+    specs: list[ClaimSpec] = []
+    if has_base:  # 0. precondition: on-policy RL improves held-out accuracy over the start policy
+        specs.append(
+            ClaimSpec(
                 "0-rl-improves",
                 f"on-policy GRPO raises held-out avg@{k} over the start policy",
-                f"{where}, E=0",
-                diff,
-                f"avg@{k} start {_fmt(start)} -> {_fmt(final)}",
+                f"{WHERE}, E=0",
+                "held-out gain",
+                base,
+                detail=f"avg@{k} start {{start}} -> {{final}}",
+                shows=(("start", base, "held-out at the start"), ("final", base, "held-out")),
             )
         )
-
-    # 1. growing E: GRPO's entropy falls faster; gradient norm less steady
-    for e, setting in e_settings:
-        stale = groups[setting].get("grpo")
-        if not e or not base or not stale:
-            continue
-        a, b, d = _paired(stale, base, entropy_fall)
-        claims.append(
-            Claim.from_effects(
+    for e, setting in sorted((e, s) for s in settings if (e := _e(s)) is not None):
+        if not e or not has_base:
+            continue  # 1. growing E: GRPO's entropy falls faster; held-out lower; gradient norm less steady
+        stale, where = Arm("grpo", setting), f"{WHERE}, equal samples, E=0 vs E={e}"
+        specs += [
+            ClaimSpec(
                 f"1-entropy-E{e}-samples",
                 "GRPO entropy falls faster as staleness E grows",
-                f"{where}, equal samples, E=0 vs E={e}",
-                d,
-                f"entropy fall E={e} {_fmt(a)} vs E=0 {_fmt(b)}",
-            )
-        )
-        a, b, d = _paired(base, stale, final_accuracy)
-        claims.append(
-            Claim.from_effects(
+                where,
+                "entropy fall",
+                stale,
+                base,
+                detail=f"entropy fall E={e} {{treatment}} vs E=0 {{baseline}}",
+            ),
+            ClaimSpec(
                 f"1-heldout-E{e}-samples",
                 "GRPO held-out accuracy is lower as staleness E grows",
-                f"{where}, equal samples, E=0 vs E={e}",
-                d,
-                f"avg@k E=0 {_fmt(a)} vs E={e} {_fmt(b)}",
-            )
-        )
-        a, b, d = _paired(stale, base, grad_spike)
-        claims.append(
-            Claim.from_effects(
+                where,
+                "held-out",
+                stale,
+                base,
+                sign=-1,
+                detail=f"avg@k E=0 {{baseline}} vs E={e} {{treatment}}",
+            ),
+            ClaimSpec(
                 f"1-gradnorm-unstable-E{e}-samples",
                 "GRPO grad norm less steady as E grows (max / median)",
-                f"{where}, equal samples, E=0 vs E={e}",
-                d,
-                f"max/median E={e} {_fmt(a)} vs E=0 {_fmt(b)}",
+                where,
+                "grad max/median",
+                stale,
+                base,
+                detail=f"max/median E={e} {{treatment}} vs E=0 {{baseline}}",
+            ),
+        ]
+    for setting, methods in settings.items():
+        if "grpo" not in methods or _e(setting) == 0:
+            continue
+        grpo, bapo, where = Arm("grpo", setting), Arm("bapo", setting), f"{WHERE}, {setting}"
+        # 2. raising c_high (clip-higher: 1.28 vs grpo's 1.2) slows the entropy fall
+        specs.append(
+            ClaimSpec(
+                f"2-c_high-{setting}",
+                "raising c_high slows the entropy fall (clip-higher vs grpo)",
+                where,
+                "entropy",
+                Arm("clip-higher", setting),
+                grpo,
+                detail="entropy clip-higher {treatment} vs grpo {baseline}",
             )
         )
-
-    for setting, by_method in groups.items():
-        e = _e(setting)
-        grpo = by_method.get("grpo")
-        if not grpo or e == 0:
-            continue
-        # 2. raising c_high (clip-higher: 1.28 vs grpo's 1.2) slows the entropy fall
-        if "clip-higher" in by_method:
-            a, b, d = _paired(by_method["clip-higher"], grpo, lambda r: r.tail_mean("entropy"))
-            claims.append(
-                Claim.from_effects(
-                    f"2-c_high-{setting}",
-                    "raising c_high slows the entropy fall (clip-higher vs grpo)",
-                    f"{where}, {setting}",
-                    d,
-                    f"entropy clip-higher {_fmt(a)} vs grpo {_fmt(b)}",
-                )
-            )
         # 4. BAPO: share nearer its target, more entropy, better held-out accuracy than GRPO
-        if "bapo" in by_method:
-            bapo = by_method["bapo"]
-            a, b, d = _paired(grpo, bapo, lambda r: abs(r.mean("positive_share") - target))
-            claims.append(
-                Claim.from_effects(
-                    f"4-share-{setting}",
-                    f"BAPO holds the positive share nearer its target {target} than GRPO",
-                    f"{where}, {setting}",
-                    d,
-                    f"share BAPO {_fmt([r.mean('positive_share') for r in bapo])} vs GRPO "
-                    f"{_fmt([r.mean('positive_share') for r in grpo])}",
-                )
-            )
-            a, b, d = _paired(bapo, grpo, lambda r: r.tail_mean("entropy"))
-            claims.append(
-                Claim.from_effects(
-                    f"4-entropy-{setting}",
-                    "BAPO keeps more entropy than GRPO",
-                    f"{where}, {setting}",
-                    d,
-                    f"entropy BAPO {_fmt(a)} vs GRPO {_fmt(b)}",
-                )
-            )
-            a, b, d = _paired(bapo, grpo, final_accuracy)
-            claims.append(
-                Claim.from_effects(
-                    f"4-heldout-{setting}",
-                    "BAPO beats GRPO on held-out accuracy",
-                    f"{where}, {setting}",
-                    d,
-                    f"avg@k BAPO {_fmt(a)} vs GRPO {_fmt(b)}",
-                )
-            )
-
-    # 3. negative tokens dominate the loss early (positive share < 0.5 on the first updates)
-    if base:
-        share = [r.head_mean("positive_share") for r in base]
-        claims.append(
-            Claim.from_effects(
+        specs += [
+            ClaimSpec(
+                f"4-share-{setting}",
+                f"BAPO holds the positive share nearer its target {target} than GRPO",
+                where,
+                "share distance",
+                bapo,
+                grpo,
+                sign=-1,
+                detail="share BAPO {bapo} vs GRPO {grpo}",
+                shows=(("bapo", bapo, "positive share"), ("grpo", grpo, "positive share")),
+            ),
+            ClaimSpec(
+                f"4-entropy-{setting}",
+                "BAPO keeps more entropy than GRPO",
+                where,
+                "entropy",
+                bapo,
+                grpo,
+                detail="entropy BAPO {treatment} vs GRPO {baseline}",
+            ),
+            ClaimSpec(
+                f"4-heldout-{setting}",
+                "BAPO beats GRPO on held-out accuracy",
+                where,
+                "held-out",
+                bapo,
+                grpo,
+                detail="avg@k BAPO {treatment} vs GRPO {baseline}",
+            ),
+        ]
+    if has_base:  # 3. negative tokens dominate the loss early (positive share < 0.5 on the first updates)
+        specs.append(
+            ClaimSpec(
                 "3-negative-dominate",
                 "negative tokens dominate the loss early (positive share < 0.5)",
-                f"{where}, first 10% of updates, on-policy GRPO",
-                [0.5 - s for s in share],
-                f"share {_fmt(share)}",
+                f"{WHERE}, first 10% of updates, on-policy GRPO",
+                "first positive share",
+                base,
+                sign=-1,
+                reference=0.5,
+                detail="share {treatment}",
             )
         )
     order = {c: i for i, c in enumerate("01234")}
-    return sorted(claims, key=lambda c: order.get(c.id[0], 9))
+    return sorted(specs, key=lambda spec: order.get(spec.id[0], 9))
+
+
+def run_claims(runs: list[Run], target: float) -> list[Claim]:
+    """Every claim whose runs are present; `target` is bapo's positive-share target."""
+    groups = group_runs(runs)
+    base = groups.get("E=0", {}).get("grpo")
+    k = base[0].final.get("k", "k") if base else "k"
+    specs = run_claim_specs({setting: list(methods) for setting, methods in groups.items()}, target, k)
+    return evaluate_claims(specs, run_values(runs, run_measures(target)), fmt=format_mean)

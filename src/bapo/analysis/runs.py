@@ -5,7 +5,8 @@ with "update" and "rollout_step"; files written before "step" was renamed "updat
 same way by `bapo.train.read_metrics`);
 held-out scores are rows' `heldout/avg@k`, `heldout/pass@k` (the demo's hook writes them; the
 last row that has them is the final policy's). The demo adds `demo_run.json`
-({"method", "setting", "seed"}).
+({"method", "setting", "seed"}); a `bapo lab` cell holds every seed's rows in one file, each naming
+its cell, method, E, async_delay and seed (`load_runs` splits it by seed).
 Runs made by plain `bapo train` have no demo_run.json: their identity is read from the
 trainer's config.yaml when present, else from the directory name.
 """
@@ -18,6 +19,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from bapo.train.metrics import read_metrics
+
+# Metric names of older runs -> today's (the trainer's schema, bapo.core.search_metrics): the one
+# place they are mapped, so that every reader of finished runs (plots, report, claims) sees one name.
+LEGACY_METRICS = {
+    "bapo/reached": "bapo/search/reached",
+    "bapo/steps": "bapo/search/steps",
+    "bapo/pos_neg": "bapo/search/pos_neg",
+}
+
+
+def upgrade_names(row: dict) -> dict:
+    """`row` with its LEGACY_METRICS keys renamed (a key whose new name is also there is dropped)."""
+    if not LEGACY_METRICS.keys() & row.keys():
+        return row
+    return {
+        LEGACY_METRICS.get(key, key): value
+        for key, value in row.items()
+        if not (key in LEGACY_METRICS and LEGACY_METRICS[key] in row)
+    }
 
 
 def setting_name(staleness_e: int = 0, async_delay: int = 0, partial_rollout: bool = False) -> str:
@@ -111,18 +131,30 @@ def _identity(run_dir: Path) -> tuple[str, str, int]:
     return run_dir.name, "runs", 0
 
 
-def load_run(run_dir: Path) -> Run:
+def load_runs(run_dir: Path) -> list[Run]:
+    """The runs of one metrics.jsonl: the run of RUN_DIR, or for a `bapo lab` cell (LAB_DIR/cells/
+    <cell>, rows naming their "cell", "method", "E", "async_delay", "seed") one run per seed."""
     run_dir = Path(run_dir)
-    method, setting, seed = _identity(run_dir)
-    return Run(run_dir, method, setting, seed, read_metrics(run_dir))
+    rows = [upgrade_names(row) for row in read_metrics(run_dir)]
+    if not (rows and all(key in rows[0] for key in ("cell", "seed", "E", "async_delay"))):
+        return [Run(run_dir, *_identity(run_dir), rows)]
+    rows_by_seed: dict[int, list[dict]] = {}
+    for row in rows:
+        rows_by_seed.setdefault(int(row["seed"]), []).append(row)
+    return [
+        Run(run_dir, rows[0]["method"], setting_name(rows[0]["E"], rows[0]["async_delay"]), seed, rows)
+        for seed, rows in rows_by_seed.items()
+    ]
 
 
 def find_runs(paths: list[Path]) -> list[Run]:
-    """Every run under `paths`: a path is a run (has metrics.jsonl) or holds runs below it."""
+    """Every run under `paths`: a path is a run (has metrics.jsonl) or holds runs below it; a lab
+    cell (its rows name their cell and seed) gives one run per seed."""
     found = []
     for path in map(Path, paths):
         files = [path / "metrics.jsonl"] if (path / "metrics.jsonl").exists() else sorted(path.rglob("metrics.jsonl"))
-        found += [load_run(file.parent) for file in files]
+        for file in files:
+            found += load_runs(file.parent)
     if not found:
         raise FileNotFoundError(f"no metrics.jsonl under {', '.join(map(str, paths))}")
     return found

@@ -82,10 +82,12 @@ def entropy_from_logits(logits: Tensor) -> Tensor:
 
 @dataclass
 class ClipStats:
-    """Additive token statistics of the clipped surrogate (see SUM_FIELDS / MAX_FIELDS).
+    """Additive token statistics of the clipped surrogate, by name (SUM_FIELDS / MAX_FIELDS).
 
     sums: float64 [len(SUM_FIELDS)], added across micro-batches and ranks;
     maxima: float64 [len(MAX_FIELDS)], combined by max (minima are stored negated).
+    Each is packed in its fields' order so that adding and all-reducing is one tensor operation;
+    `of` packs named values, `named` unpacks them.
     """
 
     sums: Tensor
@@ -97,6 +99,33 @@ class ClipStats:
             torch.zeros(len(SUM_FIELDS), dtype=torch.float64, device=device),
             torch.full((len(MAX_FIELDS),), -torch.inf, dtype=torch.float64, device=device),
         )
+
+    @classmethod
+    def of(
+        cls,
+        sums: dict[str, Tensor | float],
+        maxima: dict[str, Tensor | float],
+        device: torch.device | str | None = None,
+    ) -> ClipStats:
+        """Pack named scalars (tensors, or floats made on `device` without a host copy): every
+        MAX_FIELDS name is required, a SUM_FIELDS name left out is 0."""
+        unknown = (sums.keys() - set(SUM_FIELDS)) | (maxima.keys() - set(MAX_FIELDS))
+        if unknown:
+            raise KeyError(f"ClipStats.of: unknown fields {sorted(unknown)}")
+
+        def scalar(value: Tensor | float) -> Tensor:
+            if isinstance(value, Tensor):
+                return value.to(device, torch.float64).reshape(())
+            return torch.full((), float(value), dtype=torch.float64, device=device)
+
+        return cls(
+            torch.stack([scalar(sums.get(name, 0.0)) for name in SUM_FIELDS]),
+            torch.stack([scalar(maxima[name]) for name in MAX_FIELDS]),
+        )
+
+    def named(self) -> dict[str, float]:
+        """Every sum and maximum by its field name (one host sync)."""
+        return {**dict(zip(SUM_FIELDS, self.sums.tolist())), **dict(zip(MAX_FIELDS, self.maxima.tolist()))}
 
     def __add__(self, other: ClipStats) -> ClipStats:
         other_sums, other_maxima = other.sums.to(self.sums.device), other.maxima.to(self.sums.device)
@@ -126,47 +155,51 @@ class ClipStats:
         lower, upper (exact when one value was used throughout, else the token-weighted mean),
         tokens.
         """
-        values = dict(zip(SUM_FIELDS, self.sums.tolist()))
-        values.update(zip(MAX_FIELDS, self.maxima.tolist()))
-
-        def share(numerator: float, denominator: float, empty: float = 0.0) -> float:
-            return numerator / denominator if denominator > 0 else empty
-
+        values = self.named()
         tokens = values["tokens"]
         clipped = values["clipped_upper"] + values["clipped_lower"] + values["clipped_dual"]
         metrics = {
-            "clip_frac/upper": share(values["clipped_upper"], values["positive"]),
-            "clip_frac/lower": share(values["clipped_lower"], values["negative"]),
-            "clip_frac/dual": share(values["clipped_dual"], values["negative"]),
-            "clip_frac": share(clipped, tokens),
+            "clip_frac/upper": _share(values["clipped_upper"], values["positive"]),
+            "clip_frac/lower": _share(values["clipped_lower"], values["negative"]),
+            "clip_frac/dual": _share(values["clipped_dual"], values["negative"]),
+            "clip_frac": _share(clipped, tokens),
             # sums of core.search.token_contributions (gradient definition, dual-clip included)
-            "positive_share": share(values["positive_contribution"], values["contribution"], float("nan")),
+            "positive_share": _share(values["positive_contribution"], values["contribution"], float("nan")),
             "bapo/no_signal": float(values["positive"] + values["negative"] == 0),
+            **_quadrant_metrics(values),
         }
-        for quadrant in QUADRANTS:
-            count = values[f"{quadrant}/count"]
-            metrics[f"quadrant/{quadrant}/count"] = count
-            metrics[f"quadrant/{quadrant}/loss_share"] = share(
-                values[f"{quadrant}/contribution"], values["contribution"]
-            )
-            metrics[f"quadrant/{quadrant}/clip_frac"] = share(values[f"{quadrant}/clipped"], count)
-        metrics["quadrant/split_per_state"] = share(values["entropy_parts"], values["parts"])
+        metrics["quadrant/split_per_state"] = _share(values["entropy_parts"], values["parts"])
         weight = values["weight"]
-        covariance = share(values["weight_log_prob_signal"], weight) - (
-            share(values["weight_log_prob"], weight) * share(values["weight_signal"], weight)
+        covariance = _share(values["weight_log_prob_signal"], weight) - (
+            _share(values["weight_log_prob"], weight) * _share(values["weight_signal"], weight)
         )
         metrics["entropy_change_estimate"] = -covariance
         if values["entropy_parts"] > 0:
-            metrics["entropy"] = share(values["entropy"], tokens)
-        metrics["approx_kl"] = share(values["approx_kl"], tokens)
-        metrics["ratio/mean"] = share(values["ratio"], tokens)
+            metrics["entropy"] = _share(values["entropy"], tokens)
+        metrics["approx_kl"] = _share(values["approx_kl"], tokens)
+        metrics["ratio/mean"] = _share(values["ratio"], tokens)
         metrics["ratio/max"] = values["ratio_max"] if tokens > 0 else 0.0
         metrics["ratio/min"] = -values["ratio_min_negated"] if tokens > 0 else 0.0
         for name in ("lower", "upper"):
             highest, lowest = values[f"{name}_max"], -values[f"{name}_min_negated"]
-            metrics[name] = highest if highest == lowest else share(values[name], tokens)
+            metrics[name] = highest if highest == lowest else _share(values[name], tokens)
         metrics["tokens"] = tokens
         return metrics
+
+
+def _share(numerator: float, denominator: float, empty: float = 0.0) -> float:
+    return numerator / denominator if denominator > 0 else empty
+
+
+def _quadrant_metrics(values: dict[str, float]) -> dict[str, float]:
+    """quadrant/<quadrant>/{count, loss_share, clip_frac} from the named sums."""
+    metrics = {}
+    for quadrant in QUADRANTS:
+        count = values[f"{quadrant}/count"]
+        metrics[f"quadrant/{quadrant}/count"] = count
+        metrics[f"quadrant/{quadrant}/loss_share"] = _share(values[f"{quadrant}/contribution"], values["contribution"])
+        metrics[f"quadrant/{quadrant}/clip_frac"] = _share(values[f"{quadrant}/clipped"], count)
+    return metrics
 
 
 def _masked_extremes(values: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
@@ -174,6 +207,43 @@ def _masked_extremes(values: Tensor, counted: Tensor) -> tuple[Tensor, Tensor]:
     if values.numel() == 0:
         return torch.full((), -torch.inf), torch.full((), -torch.inf)
     return (torch.where(counted, values, -torch.inf).amax(), torch.where(counted, -values, -torch.inf).amax())
+
+
+def _high_probability(log_prob: Tensor, counted: Tensor, entropy: Tensor | None) -> Tensor:
+    """[B, T] True where a token is high-probability: log pi > -H_t per state when the per-token
+    entropy is given, else log pi at or above the batch's mean log pi."""
+    if entropy is not None:
+        return log_prob > -entropy
+    return log_prob >= (log_prob * counted).sum() / counted.sum().clamp_min(1)
+
+
+def _quadrant_sums(
+    positive: Tensor, negative: Tensor, high_prob: Tensor, contribution: Tensor, carries_gradient: Tensor
+) -> dict[str, Tensor]:
+    """<quadrant>/{count, contribution, clipped} of the four quadrants (all masks [B, T])."""
+    members_of = {
+        "high_pos": positive & high_prob,
+        "high_neg": negative & high_prob,
+        "low_pos": positive & ~high_prob,
+        "low_neg": negative & ~high_prob,
+    }
+    sums = {}
+    for quadrant, members in members_of.items():
+        sums[f"{quadrant}/count"] = members.sum()
+        sums[f"{quadrant}/contribution"] = torch.where(members, contribution, 0.0).sum()
+        sums[f"{quadrant}/clipped"] = (members & ~carries_gradient).sum()
+    return sums
+
+
+def _bound_sums(
+    bound: float | Tensor, counted: Tensor, dtype: torch.dtype
+) -> tuple[Tensor, Tensor | float, Tensor | float]:
+    """(token sum, max, -min) of a bound (float, or per-token [B, T]) over the counted tokens [B, T]."""
+    if isinstance(bound, Tensor):  # per-token bounds (DCPO)
+        bound = bound.detach().to(dtype).expand_as(counted)
+        return (torch.where(counted, bound, 0.0).sum(), *_masked_extremes(bound, counted))
+    # An infinite bound (TOPR's upper) stays exact through the extremes; its sum is unused.
+    return counted.sum() * (bound if abs(bound) < torch.inf else 0.0), float(bound), -float(bound)
 
 
 @torch.no_grad()
@@ -225,23 +295,15 @@ def clip_statistics(
         ratio, advantages, counted, lower, upper, weights=importance_weights, dual_clip=dual_clip
     )
     contribution = positive_part + negative_part
-
     if logits is not None and entropy is None:
         entropy = entropy_from_logits(logits)
     if entropy is not None:
         entropy = torch.where(counted, entropy.detach().to(dtype), 0.0)
-        high_prob = log_prob > -entropy
-    else:
-        high_prob = log_prob >= (log_prob * counted).sum() / counted.sum().clamp_min(1)
-    quadrant_masks = {
-        "high_pos": positive & high_prob,
-        "high_neg": negative & high_prob,
-        "low_pos": positive & ~high_prob,
-        "low_neg": negative & ~high_prob,
-    }
 
     signal = advantages * carries_gradient
-    entries: dict[str, Tensor] = {
+    sums: dict[str, Tensor | float] = {
+        "parts": 1.0,
+        "entropy_parts": float(entropy is not None),
         "tokens": counted.sum(),
         "positive": positive.sum(),
         "negative": negative.sum(),
@@ -250,6 +312,9 @@ def clip_statistics(
         "clipped_dual": clipped_dual.sum(),
         "contribution": contribution.sum(),
         "positive_contribution": positive_part.sum(),
+        **_quadrant_sums(
+            positive, negative, _high_probability(log_prob, counted, entropy), contribution, carries_gradient
+        ),
         "weight": weight.sum(),
         "weight_log_prob": (weight * log_prob).sum(),
         "weight_signal": (weight * signal).sum(),
@@ -257,38 +322,12 @@ def clip_statistics(
         "approx_kl": torch.where(counted, k3_kl(log_prob - old_log_prob), 0.0).sum(),
         "ratio": torch.where(counted, ratio, 0.0).sum(),
     }
-    for quadrant, members in quadrant_masks.items():
-        entries[f"{quadrant}/count"] = members.sum()
-        entries[f"{quadrant}/contribution"] = torch.where(members, contribution, 0.0).sum()
-        entries[f"{quadrant}/clipped"] = (members & ~carries_gradient).sum()
     if entropy is not None:
-        entries["entropy"] = entropy.sum()
-    maxima = dict(zip(("ratio_max", "ratio_min_negated"), _masked_extremes(ratio, counted)))
+        sums["entropy"] = entropy.sum()
+    maxima: dict[str, Tensor | float] = dict(zip(("ratio_max", "ratio_min_negated"), _masked_extremes(ratio, counted)))
     for name, bound in (("lower", lower), ("upper", upper)):
-        if isinstance(bound, Tensor):  # per-token bounds (DCPO)
-            bound = bound.detach().to(dtype).expand_as(ratio)
-            entries[name] = torch.where(counted, bound, 0.0).sum()
-            maxima[f"{name}_max"], maxima[f"{name}_min_negated"] = _masked_extremes(bound, counted)
-        else:
-            # An infinite bound (TOPR's upper) stays exact through the extremes; its sum is unused.
-            entries[name] = counted.sum() * (bound if abs(bound) < torch.inf else 0.0)
-            maxima[f"{name}_max"], maxima[f"{name}_min_negated"] = (
-                torch.tensor(float(bound), dtype=torch.float64),
-                torch.tensor(-float(bound), dtype=torch.float64),
-            )
-
-    device = log_prob.device
-    sums = torch.stack(
-        [
-            entries[name].to(device, torch.float64).reshape(())
-            if name in entries
-            else torch.zeros((), dtype=torch.float64, device=device)
-            for name in SUM_FIELDS
-        ]
-    )
-    sums[SUM_FIELDS.index("parts")] = 1.0
-    sums[SUM_FIELDS.index("entropy_parts")] = float(entropy is not None)
-    return ClipStats(sums, torch.stack([maxima[name].to(device, torch.float64).reshape(()) for name in MAX_FIELDS]))
+        sums[name], maxima[f"{name}_max"], maxima[f"{name}_min_negated"] = _bound_sums(bound, counted, dtype)
+    return ClipStats.of(sums, maxima, device=log_prob.device)
 
 
 def clip_diagnostics(*args: Any, **kwargs: Any) -> dict[str, float]:

@@ -1,16 +1,17 @@
-"""The paper's claims judged from the lab's runs: one effect per seed (positive = as the paper
-claims), verdict from its 95% interval over seeds (bapo.analysis.claims).
+"""The paper's claims judged from the lab's runs, as data for the one claims engine
+(bapo.analysis.claims): one effect per seed (positive = as the paper claims), verdict from its 95%
+interval over seeds.
 
 Paired by seed: every cell of a seed starts from the same task instance and the same rollout
 draws, so an effect is a difference between two cells of the same seed. Cells missing from the
 runs (a --quick lab) skip the claims that need them.
 
-Quantities (all per seed):
+Measures (`lab_measures`, all per seed):
   entropy      exact on-policy token entropy (closed form, see bapo.lab.policy.exact_stats)
   reward       exact expected reward (closed form)
   at matched reward: after the first update whose exact reward reaches MATCHED_REWARD (a seed that
     never reaches it is left out, so `seeds` can be below the run's count);
-  at equal samples: after the last update (every cell saw `rollout_steps` rollout batches);
+  at the end (equal samples): after the last update (every cell saw `rollout_steps` rollout batches);
   at equal updates: after update `rollout_steps` (the last update of E = 0; E > 0 cells have then seen
     rollout_steps / (E + 1) batches).
   mean reward: the exact reward after each rollout step, averaged over the run (learning speed).
@@ -24,11 +25,14 @@ Quantities (all per seed):
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import Tensor
 
-from bapo.analysis.claims import Claim, mean_interval
+from bapo.analysis.claims import Arm, Claim, ClaimSpec, SeedValues, evaluate_claims
+from bapo.analysis.runs import setting_name
 from bapo.core import BAPOConfig
 from bapo.lab.run import Cell, CellRun
 
@@ -37,12 +41,20 @@ TARGET = BAPOConfig().target
 # entropy falls as a policy learns, so an end-of-run gap mixes the two. On-policy GRPO goes from
 # 0.15 to about 0.5 in the default run; 0.4 is reached by nearly every seed of every cell.
 MATCHED_REWARD = 0.4
+# Below it a difference is float rounding (float32 advantages), not an effect: two cells that ran
+# identical updates must not get "held" from 1e-9 noise.
 EFFECT_RESOLUTION = 1e-6
+# The variants compared with GRPO in claim 4: (method, id suffix, name in the text)
+BAPO_VARIANTS = (("bapo", "", "BAPO"), ("bapo-entropy", "-adaptive", "BAPO (adaptive target)"))
+C_HIGH, C_LOW = "grpo-c_high=2.0", "grpo-c_low=0.6"  # claim 2's bound variants of GRPO
+CLAIM2_METHODS = (C_HIGH, C_LOW)
+
+Measure = Callable[[CellRun], Tensor]  # one cell's per-seed values [S]; KeyError: a series it lacks
 
 
-def _fmt(values: Tensor) -> str:
-    mean, low, high = mean_interval(values.tolist())
-    return f"{mean:.3f} [{low:.3f}, {high:.3f}]"
+def cell_arm(cell: Cell) -> Arm:
+    """The engine's arm of a cell: its method in bapo.analysis.runs.setting_name's setting."""
+    return Arm(cell.method, setting_name(cell.staleness, cell.delay))
 
 
 def _drawdown(series: Tensor) -> Tensor:
@@ -64,276 +76,296 @@ def _pearson(x: Tensor, y: Tensor) -> Tensor:
     return torch.stack(out)
 
 
-class _Runs:
-    def __init__(self, runs: list[CellRun], rollout_steps: int):
-        self.by_name = {r.cell.name: r for r in runs}
-        self.rollout_steps = rollout_steps
+def _at_reward(run: CellRun, level: float = MATCHED_REWARD) -> Tensor:
+    """Exact entropy [S] after the first update whose exact reward is >= level (NaN: never)."""
+    reward, entropy = run.updates["exact/reward"], run.updates["exact/entropy"]
+    reached = reward >= level
+    first = reached.to(torch.int64).argmax(1, keepdim=True)
+    missing = torch.full_like(entropy[:, 0], math.nan)
+    return torch.where(reached.any(1), entropy.gather(1, first).squeeze(1), missing)
 
-    def get(self, method: str, staleness: int = 0, delay: int = 0) -> CellRun | None:
-        return self.by_name.get(Cell(method, staleness, delay).name)
 
-    def end(self, run: CellRun, key: str) -> Tensor:
-        return run.updates[f"exact/{key}"][:, -1]
+def _sign_agreement(run: CellRun) -> Tensor:
+    estimate, actual = run.updates["entropy_change_estimate"], run.updates["entropy/batch_change"]
+    signal = estimate.isfinite()
+    return (((estimate > 0) == (actual > 0)) & signal).double().sum(1) / signal.double().sum(1)
 
-    def at_update(self, run: CellRun, key: str, update: int) -> Tensor:
-        return run.updates[f"exact/{key}"][:, update - 1]
 
-    def at_reward(self, run: CellRun, level: float = MATCHED_REWARD) -> Tensor:
-        """Exact entropy [S] after the first update whose exact reward is >= level (NaN: never)."""
-        reward, entropy = run.updates["exact/reward"], run.updates["exact/entropy"]
-        reached = reward >= level
-        first = reached.to(torch.int64).argmax(1, keepdim=True)
-        missing = torch.full_like(entropy[:, 0], math.nan)
-        return torch.where(reached.any(1), entropy.gather(1, first).squeeze(1), missing)
+def lab_measures(runs: list[CellRun], rollout_steps: int) -> dict[str, Measure]:
+    """Measure name -> per-seed values of a cell (see the module doc)."""
+    by_name = {run.cell.name: run for run in runs}
 
-    def per_step(self, run: CellRun, key: str) -> Tensor:
+    def per_step(run: CellRun, key: str) -> Tensor:
         """exact/<key> at the start and after each rollout step's last update: [S, rollout_steps + 1]."""
         per_update = run.updates[f"exact/{key}"]
-        every = per_update.shape[1] // self.rollout_steps
+        every = per_update.shape[1] // rollout_steps
         return torch.cat([run.start[key][:, None], per_update[:, every - 1 :: every]], 1)
 
+    def off_set_point(run: CellRun) -> Tensor:
+        """|batch entropy - H*| over the second half of the updates, H* the final set point of the
+        adaptive-target cell of the same setting (for that cell and for fixed-target BAPO alike)."""
+        adaptive = by_name[Cell("bapo-entropy", run.cell.staleness, run.cell.delay).name].updates
+        set_point, half = adaptive["bapo/set_point"][:, -1:], adaptive["entropy/batch"].shape[1] // 2
+        return (run.updates["entropy/batch"][:, half:] - set_point).abs().mean(1)
 
-def judge_claims(
-    runs: list[CellRun],
-    rollout_steps: int,
-    staleness: tuple[int, ...],
-    delays: tuple[int, ...],
-    claim2_staleness: tuple[int, ...],
-) -> list[Claim]:
-    """Every claim whose cells are present and that at least 2 seeds measure, in the order of the
-    paper's claims 1-4, then the check of the entropy-change diagnostic."""
-    cells = _Runs(runs, rollout_steps)
-    claims: list[Claim] = []
+    return {
+        "entropy at the end": lambda run: run.updates["exact/entropy"][:, -1],
+        "reward at the end": lambda run: run.updates["exact/reward"][:, -1],
+        "entropy at matched reward": _at_reward,
+        "entropy at equal updates": lambda run: run.updates["exact/entropy"][:, rollout_steps - 1],
+        "reward drawdown": lambda run: _drawdown(per_step(run, "reward")),
+        "reward drawdown at equal updates": lambda run: _drawdown(run.updates["exact/reward"][:, :rollout_steps]),
+        "grad-norm CV": lambda run: _cv(run.updates["grad_norm"]),
+        "grad-norm CV at equal updates": lambda run: _cv(run.updates["grad_norm"][:, :rollout_steps]),
+        "mean reward": lambda run: per_step(run, "reward")[:, 1:].mean(1),
+        "first positive share": lambda run: run.updates["positive_share"][:, 0],
+        "positive share": lambda run: run.updates["positive_share"].nanmean(1),
+        "share distance": lambda run: (run.updates["positive_share"] - TARGET).abs().nanmean(1),
+        "target reached": lambda run: run.updates["bapo/search/reached"].nanmean(1),
+        "entropy off the set point": off_set_point,
+        "set point at the end": lambda run: run.updates["bapo/set_point"][:, -1],
+        "target at the end": lambda run: run.updates["bapo/target"][:, -1],
+        "estimate correlation": lambda run: _pearson(
+            run.updates["entropy_change_estimate"], run.updates["entropy/batch_change"]
+        ),
+        "estimate sign agreement": _sign_agreement,
+    }
 
-    def add(claim_id: str, text: str, setting: str, effects: Tensor, detail: str) -> None:
-        # Below EFFECT_RESOLUTION first difference is float rounding (float32 advantages), not an effect:
-        # two cells that ran identical updates must not get first "held" from 1e-9 noise.
-        rounded = (effects / EFFECT_RESOLUTION).round() * EFFECT_RESOLUTION
-        if int(rounded.isfinite().sum()) < 2:  # no interval (e.g. a cell never reached MATCHED_REWARD)
-            return
-        claims.append(Claim.from_effects(claim_id, text, setting, rounded.tolist(), detail))
 
-    # 1. growing staleness E: GRPO's entropy falls faster; reward / grad norm less stable
-    base = cells.get("grpo", 0)
+def cell_values(runs: list[CellRun], measures: dict[str, Measure]) -> SeedValues:
+    """The loader for the lab's cells: per arm (cell_arm) and measure, {seed: value}; None for a
+    cell not run or a series the cell did not record."""
+    by_arm = {cell_arm(run.cell): run for run in runs}
+
+    def values(arm: Arm, metric: str) -> dict[int, float] | None:
+        run = by_arm.get(arm)
+        if run is None:
+            return None
+        try:
+            per_seed = measures[metric](run)
+        except KeyError:  # a series this cell does not record (e.g. no positive share)
+            return None
+        return dict(zip(run.seeds, per_seed.tolist()))
+
+    return values
+
+
+def _staleness_claims(staleness: list[int], delays: list[int], top: int | None, rollout_steps: int) -> list[ClaimSpec]:
+    """Claim 1: growing staleness E (or an async delay), GRPO's entropy falls faster, its reward
+    and gradient norm are less stable."""
+    base = cell_arm(Cell("grpo"))
+    specs = []
     for stale_e in staleness:
-        stale = cells.get("grpo", stale_e)
-        if base is None or stale is None or stale_e == 0:
+        if stale_e == 0:
             continue
-        first, second = cells.end(base, "entropy"), cells.end(stale, "entropy")
-        add(
-            f"1-entropy-E{stale_e}-samples",
-            "GRPO entropy falls faster as staleness E grows",
-            f"equal samples, E=0 vs E={stale_e}",
-            first - second,
-            f"H(E=0) {_fmt(first)} vs H(E={stale_e}) {_fmt(second)}",
-        )
-        first, second = cells.at_reward(base), cells.at_reward(stale)
-        add(
-            f"1-entropy-E{stale_e}-at-reward",
-            "GRPO entropy falls faster as staleness E grows",
-            f"matched reward {MATCHED_REWARD}, E=0 vs E={stale_e}",
-            first - second,
-            f"H(E=0) {_fmt(first)} vs H(E={stale_e}) {_fmt(second)}",
-        )
-        first, second = (
-            cells.at_update(base, "entropy", rollout_steps),
-            cells.at_update(stale, "entropy", rollout_steps),
-        )
-        add(
-            f"1-entropy-E{stale_e}-updates",
-            "GRPO entropy falls faster as staleness E grows",
-            f"equal updates ({rollout_steps}), E=0 vs E={stale_e}",
-            first - second,
-            f"H(E=0) {_fmt(first)} vs H(E={stale_e}) {_fmt(second)}",
-        )
-    top = max(
-        (stale_e for stale_e in staleness if cells.get("grpo", stale_e) is not None and stale_e > 0), default=None
-    )
-    if base is not None and top is not None:
-        stale = cells.get("grpo", top)
-        first, second = _drawdown(cells.per_step(base, "reward")), _drawdown(cells.per_step(stale, "reward"))
-        add(
-            f"1-reward-unstable-E{top}-samples",
-            "GRPO reward less stable as E grows (reward drawdown)",
-            f"equal samples, E=0 vs E={top}",
-            second - first,
-            f"drawdown E=0 {_fmt(first)} vs E={top} {_fmt(second)}",
-        )
-        first = _drawdown(base.updates["exact/reward"])
-        second = _drawdown(stale.updates["exact/reward"][:, :rollout_steps])
-        add(
-            f"1-reward-unstable-E{top}-updates",
-            "GRPO reward less stable as E grows (reward drawdown)",
-            f"equal updates ({rollout_steps}), E=0 vs E={top}",
-            second - first,
-            f"drawdown E=0 {_fmt(first)} vs E={top} {_fmt(second)}",
-        )
-        first, second = _cv(base.updates["grad_norm"]), _cv(stale.updates["grad_norm"])
-        add(
-            f"1-gradnorm-unstable-E{top}-samples",
-            "GRPO grad norm less stable as E grows (CV over updates)",
-            f"equal samples, E=0 vs E={top}",
-            second - first,
-            f"CV E=0 {_fmt(first)} vs E={top} {_fmt(second)}",
-        )
-        second = _cv(stale.updates["grad_norm"][:, :rollout_steps])
-        add(
-            f"1-gradnorm-unstable-E{top}-updates",
-            "GRPO grad norm less stable as E grows (CV over updates)",
-            f"equal updates ({rollout_steps}), E=0 vs E={top}",
-            second - first,
-            f"CV E=0 {_fmt(first)} vs E={top} {_fmt(second)}",
-        )
-    for delay in delays:  # the second axis: async delay (each batch trained once, `delay` rollout steps late)
-        late = cells.get("grpo", 0, delay)
-        if base is None or late is None:
-            continue
-        first, second = cells.end(base, "entropy"), cells.end(late, "entropy")
-        add(
+        stale = cell_arm(Cell("grpo", stale_e))
+        for suffix, metric, where in (
+            ("samples", "entropy at the end", "equal samples"),
+            ("at-reward", "entropy at matched reward", f"matched reward {MATCHED_REWARD}"),
+            ("updates", "entropy at equal updates", f"equal updates ({rollout_steps})"),
+        ):
+            specs.append(
+                ClaimSpec(
+                    f"1-entropy-E{stale_e}-{suffix}",
+                    "GRPO entropy falls faster as staleness E grows",
+                    f"{where}, E=0 vs E={stale_e}",
+                    metric,
+                    stale,
+                    base,
+                    sign=-1,
+                    detail=f"H(E=0) {{baseline}} vs H(E={stale_e}) {{treatment}}",
+                )
+            )
+    if top is not None:
+        stale = cell_arm(Cell("grpo", top))
+        for kind, metric, text, label in (
+            ("reward", "reward drawdown", "GRPO reward less stable as E grows (reward drawdown)", "drawdown"),
+            ("gradnorm", "grad-norm CV", "GRPO grad norm less stable as E grows (CV over updates)", "CV"),
+        ):
+            for suffix, where in (("samples", "equal samples"), ("updates", f"equal updates ({rollout_steps})")):
+                specs.append(
+                    ClaimSpec(
+                        f"1-{kind}-unstable-E{top}-{suffix}",
+                        text,
+                        f"{where}, E=0 vs E={top}",
+                        metric + (" at equal updates" if suffix == "updates" else ""),
+                        stale,
+                        base,
+                        detail=f"{label} E=0 {{baseline}} vs E={top} {{treatment}}",
+                    )
+                )
+    specs += [
+        ClaimSpec(
             f"1-entropy-delay{delay}",
             "GRPO entropy falls faster with an async delay",
             f"delay 0 vs {delay} (equal samples = equal updates)",
-            first - second,
-            f"H(0) {_fmt(first)} vs H(delay {delay}) {_fmt(second)}",
+            "entropy at the end",
+            cell_arm(Cell("grpo", 0, delay)),
+            base,
+            sign=-1,
+            detail=f"H(0) {{baseline}} vs H(delay {delay}) {{treatment}}",
         )
+        for delay in delays
+    ]
+    return specs
 
-    # 2. raising c_high slows the entropy fall; lowering c_low speeds it
+
+def _clip_bound_claims(claim2_staleness: list[int]) -> list[ClaimSpec]:
+    """Claim 2: raising c_high slows the entropy fall; lowering c_low speeds it."""
+    # (bound, variant cell, sign, text, the change, detail): the detail names c_high 2.0 / c_low 0.8 first
+    variants = (
+        (
+            "c_high",
+            C_HIGH,
+            1,
+            "raising c_high slows the entropy fall",
+            "c_high 1.2 -> 2.0",
+            "(c_low 0.8)",
+            "H(c_high 2.0) {treatment} vs H(1.2) {baseline}",
+        ),
+        (
+            "c_low",
+            C_LOW,
+            -1,
+            "lowering c_low speeds the entropy fall",
+            "c_low 0.8 -> 0.6",
+            "(c_high 1.2)",
+            "H(c_low 0.8) {baseline} vs H(0.6) {treatment}",
+        ),
+    )
+    specs = []
     for stale_e in claim2_staleness:
-        grpo, high, low = (
-            cells.get("grpo", stale_e),
-            cells.get("grpo-c_high=2.0", stale_e),
-            cells.get("grpo-c_low=0.6", stale_e),
-        )
-        if grpo is None:
-            continue
-        grpo_entropy = cells.end(grpo, "entropy")
-        if high is not None:
-            high_entropy = cells.end(high, "entropy")
-            add(
-                f"2-c_high-E{stale_e}",
-                "raising c_high slows the entropy fall",
-                f"E={stale_e}, c_high 1.2 -> 2.0 (c_low 0.8)",
-                high_entropy - grpo_entropy,
-                f"H(c_high 2.0) {_fmt(high_entropy)} vs H(1.2) {_fmt(grpo_entropy)}",
-            )
-            high_entropy, grpo_at_reward = cells.at_reward(high), cells.at_reward(grpo)
-            add(
-                f"2-c_high-E{stale_e}-at-reward",
-                "raising c_high slows the entropy fall",
-                f"E={stale_e}, c_high 1.2 -> 2.0, matched reward {MATCHED_REWARD}",
-                high_entropy - grpo_at_reward,
-                f"H(c_high 2.0) {_fmt(high_entropy)} vs H(1.2) {_fmt(grpo_at_reward)}",
-            )
-        if low is not None:
-            low_entropy = cells.end(low, "entropy")
-            add(
-                f"2-c_low-E{stale_e}",
-                "lowering c_low speeds the entropy fall",
-                f"E={stale_e}, c_low 0.8 -> 0.6 (c_high 1.2)",
-                grpo_entropy - low_entropy,
-                f"H(c_low 0.8) {_fmt(grpo_entropy)} vs H(0.6) {_fmt(low_entropy)}",
-            )
-            low_entropy, grpo_at_reward = cells.at_reward(low), cells.at_reward(grpo)
-            add(
-                f"2-c_low-E{stale_e}-at-reward",
-                "lowering c_low speeds the entropy fall",
-                f"E={stale_e}, c_low 0.8 -> 0.6, matched reward {MATCHED_REWARD}",
-                grpo_at_reward - low_entropy,
-                f"H(c_low 0.8) {_fmt(grpo_at_reward)} vs H(0.6) {_fmt(low_entropy)}",
-            )
+        grpo = cell_arm(Cell("grpo", stale_e))
+        for bound, variant, sign, text, change, fixed, detail in variants:
+            for suffix, metric, where in (
+                ("", "entropy at the end", f"E={stale_e}, {change} {fixed}"),
+                ("-at-reward", "entropy at matched reward", f"E={stale_e}, {change}, matched reward {MATCHED_REWARD}"),
+            ):
+                specs.append(
+                    ClaimSpec(
+                        f"2-{bound}-E{stale_e}{suffix}",
+                        text,
+                        where,
+                        metric,
+                        cell_arm(Cell(variant, stale_e)),
+                        grpo,
+                        sign=sign,
+                        detail=detail,
+                    )
+                )
+    return specs
 
-    # 3. negative tokens dominate the loss early: positive share below 0.5 on the first batch
-    if base is not None and "positive_share" in base.updates:
-        first = base.updates["positive_share"][:, 0]
-        add(
-            "3-negative-dominate",
-            "negative tokens dominate the loss early (positive share < 0.5)",
-            "first rollout batch, on-policy GRPO",
-            0.5 - first,
-            f"share {_fmt(first)}; over the whole run {_fmt(base.updates['positive_share'].nanmean(1))}",
-        )
 
-    # 4. BAPO holds the share at its target and keeps entropy, beating GRPO at every staleness;
-    #    the adaptive target (bapo-entropy, where present) on the same rows, plus its tracking
-    settings = [(stale_e, 0) for stale_e in staleness] + [(0, delay) for delay in delays]
-    for variant, tag in (("bapo", ""), ("bapo-entropy", "-adaptive")):
+def _bapo_claims(settings: list[tuple[int, int]]) -> list[ClaimSpec]:
+    """Claim 4: BAPO holds the share at its target and keeps entropy, beating GRPO at every
+    staleness; the adaptive target (bapo-entropy, where present) on the same rows, plus its tracking."""
+    specs = []
+    for variant, tag, name in BAPO_VARIANTS:
         for stale_e, delay in settings:
-            grpo, bapo = cells.get("grpo", stale_e, delay), cells.get(variant, stale_e, delay)
-            if grpo is None or bapo is None:
-                continue
+            grpo, bapo = cell_arm(Cell("grpo", stale_e, delay)), cell_arm(Cell(variant, stale_e, delay))
             where = f"E={stale_e}" + (f" delay={delay}" if delay else "")
             key = where.replace(" ", "-") + tag
-            name = "BAPO" + (" (adaptive target)" if tag else "")
-            if "positive_share" in grpo.updates and "positive_share" in bapo.updates and not tag:
-                share_grpo, share_bapo = grpo.updates["positive_share"], bapo.updates["positive_share"]
-                closer = (share_grpo - TARGET).abs().nanmean(1) - (share_bapo - TARGET).abs().nanmean(1)
-                reached = bapo.updates["bapo/reached"].nanmean(1)
-                add(
-                    f"4-share-{key}",
-                    f"{name} holds the positive share nearer its target {TARGET} than GRPO",
-                    where,
-                    closer,
-                    f"share BAPO {_fmt(share_bapo.nanmean(1))} vs GRPO {_fmt(share_grpo.nanmean(1))}; "
-                    f"target reached in {_fmt(reached)} of updates with signal",
+            if not tag:
+                specs.append(
+                    ClaimSpec(
+                        f"4-share-{key}",
+                        f"{name} holds the positive share nearer its target {TARGET} than GRPO",
+                        where,
+                        "share distance",
+                        bapo,
+                        grpo,
+                        sign=-1,
+                        detail="share BAPO {bapo} vs GRPO {grpo}; target reached in {reached} of updates with signal",
+                        shows=(
+                            ("bapo", bapo, "positive share"),
+                            ("grpo", grpo, "positive share"),
+                            ("reached", bapo, "target reached"),
+                        ),
+                    )
                 )
-            first, second = cells.end(bapo, "entropy"), cells.end(grpo, "entropy")
-            add(
-                f"4-entropy-{key}",
-                f"{name} keeps more entropy than GRPO",
-                where + ", equal samples",
-                first - second,
-                f"{name} {_fmt(first)} vs GRPO {_fmt(second)}",
-            )
+            versus = f"{name} {{treatment}} vs GRPO {{baseline}}"
+            entropy = f"{name} keeps more entropy than GRPO"
+            at_end = ClaimSpec(f"4-entropy-{key}", entropy, f"{where}, equal samples", "entropy at the end", bapo, grpo)
+            specs.append(replace(at_end, detail=versus))
             if stale_e or delay or tag:  # at E=0 without delay, fixed-target BAPO and GRPO are the same run
-                first, second = cells.at_reward(bapo), cells.at_reward(grpo)
-                add(
-                    f"4-entropy-at-reward-{key}",
-                    f"{name} keeps more entropy than GRPO",
-                    f"{where}, matched reward {MATCHED_REWARD}",
-                    first - second,
-                    f"{name} {_fmt(first)} vs GRPO {_fmt(second)}",
-                )
+                at_reward = replace(at_end, id=f"4-entropy-at-reward-{key}", metric="entropy at matched reward")
+                specs.append(replace(at_reward, setting=f"{where}, matched reward {MATCHED_REWARD}", detail=versus))
             # Mean over the run, not the end: off-policy cells reach the reward ceiling (~0.999)
             # before the end, where an end value can no longer tell two methods apart.
-            first, second = cells.per_step(bapo, "reward")[:, 1:].mean(1), cells.per_step(grpo, "reward")[:, 1:].mean(1)
-            add(
-                f"4-reward-{key}",
-                f"{name} learns faster than GRPO (mean reward over the run)",
-                where + ", equal samples",
-                first - second,
-                f"{name} {_fmt(first)} vs GRPO {_fmt(second)}; at the end "
-                f"{_fmt(cells.end(bapo, 'reward'))} vs GRPO {_fmt(cells.end(grpo, 'reward'))}",
-            )
-            fixed = cells.get("bapo", stale_e, delay)
-            if tag and fixed is not None and "bapo/set_point" in bapo.updates:
-                # Tracking: |batch entropy - set point| over the second half of the updates, the
-                # adaptive run against fixed-target BAPO measured from the same set point.
-                set_point = bapo.updates["bapo/set_point"][:, -1:]
-                half = bapo.updates["entropy/batch"].shape[1] // 2
-                off_adaptive = (bapo.updates["entropy/batch"][:, half:] - set_point).abs().mean(1)
-                off_fixed = (fixed.updates["entropy/batch"][:, half:] - set_point).abs().mean(1)
-                add(
-                    f"4-tracks-{key}",
-                    "with the adaptive target, entropy tracks its set point (closer than fixed-target BAPO)",
-                    where + ", second half of the updates",
-                    off_fixed - off_adaptive,
-                    f"|H - H*| adaptive {_fmt(off_adaptive)} vs fixed {_fmt(off_fixed)}; H* {_fmt(set_point[:, 0])}; "
-                    f"rho0 at the end {_fmt(bapo.updates['bapo/target'][:, -1])}",
+            specs.append(
+                ClaimSpec(
+                    f"4-reward-{key}",
+                    f"{name} learns faster than GRPO (mean reward over the run)",
+                    where + ", equal samples",
+                    "mean reward",
+                    bapo,
+                    grpo,
+                    detail=versus + "; at the end {bapo_end} vs GRPO {grpo_end}",
+                    shows=(("bapo_end", bapo, "reward at the end"), ("grpo_end", grpo, "reward at the end")),
                 )
+            )
+            if tag:  # tracking: the adaptive run against fixed-target BAPO from the same set point
+                specs.append(
+                    ClaimSpec(
+                        f"4-tracks-{key}",
+                        "with the adaptive target, entropy tracks its set point (closer than fixed-target BAPO)",
+                        where + ", second half of the updates",
+                        "entropy off the set point",
+                        bapo,
+                        cell_arm(Cell("bapo", stale_e, delay)),
+                        sign=-1,
+                        detail="|H - H*| adaptive {treatment} vs fixed {baseline}; H* {set_point}; "
+                        "rho0 at the end {target}",
+                        shows=(("set_point", bapo, "set point at the end"), ("target", bapo, "target at the end")),
+                    )
+                )
+    return specs
 
-    # The diagnostic: policy_loss's entropy_change_estimate vs the exact change of that update
-    for run in runs:
-        if "entropy_change_estimate" not in run.updates:
-            continue
-        estimate, actual = run.updates["entropy_change_estimate"], run.updates["entropy/batch_change"]
-        correlation = _pearson(estimate, actual)
-        signal = estimate.isfinite()
-        agree = (((estimate > 0) == (actual > 0)) & signal).double().sum(1) / signal.double().sum(1)
-        add(
-            f"D-estimate-{run.cell.name.replace(' ', '-')}",
+
+def lab_claim_specs(cells: list[Cell], rollout_steps: int) -> list[ClaimSpec]:
+    """Every claim of these cells, in the order of the paper's claims 1-4, then the check of the
+    entropy-change diagnostic (one per cell; evaluated where the cell records the estimate)."""
+    staleness = sorted({cell.staleness for cell in cells if not cell.delay})
+    delays = sorted({cell.delay for cell in cells if cell.delay})
+    present = {cell.name for cell in cells}
+    top = max((e for e in staleness if e > 0 and Cell("grpo", e).name in present), default=None)
+    claim2 = sorted({cell.staleness for cell in cells if cell.method in CLAIM2_METHODS})
+    base = cell_arm(Cell("grpo"))
+    first_share = ClaimSpec(
+        "3-negative-dominate",
+        "negative tokens dominate the loss early (positive share < 0.5)",
+        "first rollout batch, on-policy GRPO",
+        "first positive share",
+        base,
+        sign=-1,
+        reference=0.5,
+        detail="share {treatment}; over the whole run {whole}",
+        shows=(("whole", base, "positive share"),),
+    )
+    diagnostics = [
+        ClaimSpec(
+            f"D-estimate-{cell.name.replace(' ', '-')}",
             "entropy_change_estimate tracks the actual entropy change of its update (correlation > 0)",
-            run.cell.name,
-            correlation,
-            f"correlation {_fmt(correlation)}; sign agreement {_fmt(agree)}",
+            cell.name,
+            "estimate correlation",
+            cell_arm(cell),
+            detail="correlation {treatment}; sign agreement {agreement}",
+            shows=(("agreement", cell_arm(cell), "estimate sign agreement"),),
         )
-    return claims
+        for cell in cells
+    ]
+    settings = [(e, 0) for e in staleness] + [(0, delay) for delay in delays]
+    return [
+        *_staleness_claims(staleness, delays, top, rollout_steps),
+        *_clip_bound_claims(claim2),
+        first_share,
+        *_bapo_claims(settings),
+        *diagnostics,
+    ]
+
+
+def lab_claims(runs: list[CellRun], rollout_steps: int) -> list[Claim]:
+    """Every claim whose cells are present and that at least 2 seeds measure (see lab_claim_specs)."""
+    specs = lab_claim_specs([run.cell for run in runs], rollout_steps)
+    values = cell_values(runs, lab_measures(runs, rollout_steps))
+    return evaluate_claims(specs, values, resolution=EFFECT_RESOLUTION, min_seeds=2)

@@ -16,27 +16,31 @@ from pathlib import Path
 import torch
 
 from bapo.analysis.claims import Claim, claims_json
-from bapo.lab.claims import judge_claims
+from bapo.lab.claims import CLAIM2_METHODS, lab_claims
 from bapo.lab.run import METHODS, Cell, CellRun, LabConfig, run_cell
+
+
+def compared_methods() -> tuple[str, ...]:
+    """Every method of METHODS but claim 2's bound variants, in METHODS order: a method added
+    there runs at every E of the default plan and joins the report's leaderboards."""
+    return tuple(method for method in METHODS if method not in CLAIM2_METHODS)
 
 
 @dataclass(frozen=True)
 class LabPlan:
     """Which cells run. staleness: the paper's E values (E + 1 updates per rollout batch) for
-    every method in `methods`; delays: async delays k for grpo and the bapo variants; claim2_staleness: E values
-    of the c_high / c_low variants."""
+    every method in `methods` (default: compared_methods()); delays: async delays k for grpo and
+    the bapo variants; claim2_staleness: E values of the c_high / c_low variants."""
 
     config: LabConfig = field(default_factory=LabConfig)
-    methods: tuple[str, ...] = ("grpo", "clip-higher", "dual-clip", "bapo") + (
-        ("bapo-entropy",) if "bapo-entropy" in METHODS else ()
-    )
+    methods: tuple[str, ...] = field(default_factory=compared_methods)
     staleness: tuple[int, ...] = (0, 2, 4, 8)
     delays: tuple[int, ...] = (2, 8)
     claim2_staleness: tuple[int, ...] = (4,)
 
     def cells(self) -> list[Cell]:
         cells = [Cell(m, e) for e in self.staleness for m in self.methods]
-        cells += [Cell(m, e) for e in self.claim2_staleness for m in ("grpo-c_high=2.0", "grpo-c_low=0.6")]
+        cells += [Cell(m, e) for e in self.claim2_staleness for m in CLAIM2_METHODS]
         cells += [Cell(m, 0, k) for k in self.delays for m in ("grpo", "bapo", "bapo-entropy") if m in self.methods]
         return cells
 
@@ -121,7 +125,7 @@ def run_lab(
     start = time.perf_counter()
     runs = run_cells(plan, jobs)
     train_s = time.perf_counter() - start
-    claims = judge_claims(runs, plan.config.rollout_steps, plan.staleness, plan.delays, plan.claim2_staleness)
+    claims = lab_claims(runs, plan.config.rollout_steps)
     for run in runs:
         write_metrics(run, out / "cells" / run.cell.name.replace(" ", "_") / "metrics.jsonl")
     (out / "claims.json").write_text(claims_json(claims) + "\n")

@@ -1,127 +1,73 @@
-"""report.md and plots of a lab run: the claims table first, then one figure per quantity with one
-panel per setting (mean over seeds, shaded 95% t interval), then a per-cell table."""
+"""report.md and plots of a lab run, drawn by the analysis stack from the cells' metrics.jsonl
+(bapo.analysis.runs.find_runs gives one run per cell and seed): the claims table first, the
+leaderboards of every method, one figure per quantity with one panel per setting (mean over
+seeds, shaded 95% t interval, x = optimizer updates) and one of GRPO over E (x = rollout
+batches), then the per-cell table."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
-from bapo.analysis.claims import Claim, claims_markdown, mean_interval
-from bapo.analysis.plots import save_figure
-from bapo.lab.run import CellRun
+from bapo.analysis.claims import Claim, claims_markdown, leaderboard, leaderboard_markdown, mean_interval
+from bapo.analysis.plots import Figures, plot_runs
+from bapo.analysis.report import markdown_table, summary
+from bapo.analysis.runs import Run, find_runs, group_runs
+from bapo.lab.claims import EFFECT_RESOLUTION, TARGET, cell_values, lab_measures
+from bapo.lab.run import METHODS, CellRun
 
-# file name -> (title, series key); exact/* are closed-form values after each update
-FIGURES = {
-    "entropy": ("exact on-policy entropy (nats / token)", "exact/entropy"),
-    "positive_share": ("positive share of the loss (gradient definition)", "positive_share"),
-    "reward": ("exact expected reward", "exact/reward"),
+# file name -> (title, [(series key, line style)]); exact/* are closed-form values after each update
+FIGURES: Figures = {
+    "entropy": ("exact on-policy entropy (nats / token)", [("exact/entropy", "-")]),
+    "positive_share": ("positive share of the loss (gradient definition)", [("positive_share", "-")]),
+    "reward": ("exact expected reward", [("exact/reward", "-")]),
 }
-COLORS = {
-    "grpo": "tab:blue",
-    "clip-higher": "tab:orange",
-    "dual-clip": "tab:gray",
-    "bapo": "tab:green",
-    "grpo-c_high=2.0": "tab:red",
-    "grpo-c_low=0.6": "tab:purple",
+# column -> one seed's value in the per-cell table
+CELL_COLUMNS = {
+    "entropy end": lambda run: run.values("exact/entropy")[-1],
+    "reward end": lambda run: run.values("exact/reward")[-1],
+    "positive share (mean)": lambda run: run.mean("positive_share"),
+    "grad norm (mean)": lambda run: run.mean("grad_norm"),
 }
+# (lab measure, what it ranks) of the leaderboards: every method of every setting against GRPO
+LEADERBOARDS = (
+    ("mean reward", "exact reward averaged over the run's rollout steps (learning speed)"),
+    ("entropy at the end", "exact entropy after the last update (equal samples)"),
+)
 
 
-def _band(values: list[list[float]]) -> tuple[list[float], list[float], list[float]]:
-    """Mean and 95% interval over seeds at every x: values [S][n]."""
-    stats = [mean_interval(column) for column in zip(*values)]
-    return [s[0] for s in stats], [s[1] for s in stats], [s[2] for s in stats]
+def _leaderboards(runs: list[CellRun], cells: list[Run], rollout_steps: int) -> list[str]:
+    """The LEADERBOARDS sections: every method (METHODS order) in every setting, best first."""
+    values = cell_values(runs, lab_measures(runs, rollout_steps))
+    settings = list(group_runs(cells))
+    text = []
+    for metric, what in LEADERBOARDS:
+        standings = leaderboard(list(METHODS), settings, metric, values, baseline="grpo", resolution=EFFECT_RESOLUTION)
+        text += [f"### {metric}: {what}", "", leaderboard_markdown(standings), ""]
+    return text
 
 
-def _panels(runs: list[CellRun]) -> list[tuple[str, list[CellRun], str]]:
-    """(title, runs, x axis) of each panel: one per staleness E (all methods there), the GRPO E
-    sweep over samples, one per async delay."""
-    panels: list[tuple[str, list[CellRun], str]] = []
-    for e in sorted({r.cell.staleness for r in runs}):
-        members = [r for r in runs if r.cell.staleness == e and not r.cell.delay]
-        panels.append((f"staleness E={e} ({e + 1} updates / batch)", members, "update"))
-    sweep = [r for r in runs if r.cell.method == "grpo" and not r.cell.delay]
-    if len(sweep) > 1:
-        panels.append(("GRPO over E (x = rollout batches)", sweep, "samples"))
-    delayed = sorted({r.cell.delay for r in runs if r.cell.delay})
-    if delayed:
-        members = [
-            r
-            for r in runs
-            if r.cell.staleness == 0
-            and r.cell.method in ("grpo", "bapo")
-            and (r.cell.delay in delayed or r.cell.delay == 0)
-        ]
-        panels.append(("async delay k (each batch trained once)", members, "update"))
-    return panels
-
-
-def plot_lab(runs: list[CellRun], out_dir: Path, target_share: float | None = None) -> list[Path]:
-    """One PNG per quantity in FIGURES, one panel per setting; returns the files written."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    out_dir.mkdir(parents=True, exist_ok=True)
-    panels = _panels(runs)
-    written = []
-    for name, (title, key) in FIGURES.items():
-        columns = min(3, len(panels))
-        rows = -(-len(panels) // columns)
-        fig, axes = plt.subplots(rows, columns, figsize=(4.6 * columns, 3.4 * rows), squeeze=False)
-        for ax in axes.flat[len(panels) :]:
-            ax.set_visible(False)
-        for ax, (panel_title, members, x_axis) in zip(axes.flat, panels):
-            for index, run in enumerate(members):
-                if key not in run.updates:
-                    continue
-                values = run.updates[key].tolist()
-                mean, low, high = _band(values)
-                per_batch = run.cell.staleness + 1
-                xs = [(update + 1) / per_batch if x_axis == "samples" else update + 1 for update in range(len(mean))]
-                label = (
-                    run.cell.name
-                    if x_axis == "samples" or run.cell.delay or panel_title.startswith("async")
-                    else run.cell.method
-                )
-                color = COLORS.get(run.cell.method) if x_axis == "update" and not run.cell.delay else f"C{index}"
-                style = "--" if run.cell.delay else "-"
-                ax.plot(xs, mean, style, color=color, label=label, lw=1.3)
-                ax.fill_between(xs, low, high, color=color, alpha=0.2, lw=0)
-            if key == "positive_share" and target_share is not None:
-                ax.axhline(target_share, color="k", lw=0.6, ls=":")
-            ax.set_title(panel_title, fontsize=9)
-            ax.set_xlabel("rollout batches" if x_axis == "samples" else "optimizer updates", fontsize=8)
-            ax.legend(fontsize=6)
-        fig.suptitle(title + " - mean and 95% interval over seeds", fontsize=10)
-        written.append(save_figure(fig, out_dir, name, dpi=90))
-    return written
-
-
-def _cell_table(runs: list[CellRun]) -> str:
-    lines = [
-        "| cell | updates | entropy end | reward end | positive share (mean) | grad norm (mean) |",
-        "|---|---|---|---|---|---|",
+def _plots(cells: list[Run], out: Path) -> list[Path]:
+    """FIGURES per setting (x = optimizer updates), then GRPO's sweep over E at equal samples (one
+    line per E, x = rollout batches, the last update of each)."""
+    images = plot_runs(cells, out, TARGET, smooth=1, figures=FIGURES, x="update", dpi=90)
+    sweep = [
+        replace(run, method=run.setting, setting="GRPO over E")
+        for run in cells
+        if run.method == "grpo" and "delay" not in run.setting
     ]
-
-    def fmt(values) -> str:
-        mean, low, high = mean_interval(values)
-        return f"{mean:.3f} [{low:.3f}, {high:.3f}]"
-
-    for run in runs:
-        u = run.updates
-        share = fmt(u["positive_share"].nanmean(1).tolist()) if "positive_share" in u else "-"
-        lines.append(
-            f"| {run.cell.name} | {u['grad_norm'].shape[1]} | {fmt(u['exact/entropy'][:, -1].tolist())} | "
-            f"{fmt(u['exact/reward'][:, -1].tolist())} | {share} | {fmt(u['grad_norm'].mean(1).tolist())} |"
-        )
-    return "\n".join(lines)
+    if len({run.method for run in sweep}) > 1:
+        over_e = {f"{name}_grpo_over_E": (title, keys) for name, (title, keys) in FIGURES.items()}
+        images += plot_runs(sweep, out, TARGET, smooth=1, figures=over_e, dpi=90)
+    return images
 
 
 def write_report(out: Path, runs: list[CellRun], claims: list[Claim], plan, info: dict, plots: bool = True) -> Path:
-    """report.md: regime, claims table, the diagnostic check, plots, per-cell table."""
+    """report.md: regime, claims table, leaderboards, plots, per-cell table (reads OUT/cells)."""
     cfg = plan.config
     task = cfg.task
-    images = plot_lab(runs, out / "plots", target_share=0.4) if plots else []
+    cells = find_runs([out / "cells"])
+    images = _plots(cells, out / "plots") if plots else []
     start = runs[0].start
     reward0, entropy0 = (mean_interval(start[k].tolist())[0] for k in ("reward", "entropy"))
     regime = (
@@ -158,10 +104,13 @@ def write_report(out: Path, runs: list[CellRun], claims: list[Claim], plan, info
         "",
         verdicts,
         "",
+        "## Leaderboards (mean [95% interval] over seeds; vs GRPO: paired by seed, > 0 = higher)",
+        "",
+        *_leaderboards(runs, cells, cfg.rollout_steps),
     ]
     if images:
         text += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in images] + [""]
-    text += ["## Cells (end of run, mean [95% interval] over seeds)", "", _cell_table(runs), ""]
+    text += ["## Cells (mean [95% interval] over seeds)", "", markdown_table(summary(cells, CELL_COLUMNS)), ""]
     path = out / "report.md"
     path.write_text("\n".join(text))
     return path

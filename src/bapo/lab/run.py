@@ -11,8 +11,8 @@ The two off-policy axes are the trainer's own (bapo.train), not a copy:
 Per update: one `bapo.core.policy_loss` call over the rows of all seeds, aggregated as a token sum
 and divided per seed by that seed's token count, which is exactly each seed's own token-mean
 gradient (seeds share no parameter). BAPO searches its bounds per seed (one `BAPOStep` each) and
-the loss runs once per distinct pair of bounds. Plain SGD on the logits: the Entropy-Clip Rule is derived
-for a gradient step on softmax logits.
+the loss runs once per distinct pair of bounds. Plain SGD on the logits: the Entropy-Clip Rule is
+derived for a gradient step on softmax logits.
 """
 
 from __future__ import annotations
@@ -164,7 +164,7 @@ def _loss_groups(
     rest = {name: value for name, value in params.items() if name != "bapo"}
     return [(members, {**rest, "bounds": bounds}) for bounds, members in groups.items()], {
         "positive_share": share,
-        "bapo/reached": reached,
+        "bapo/search/reached": reached,
     }
 
 
@@ -251,7 +251,7 @@ def _update(
             ],
             dtype=torch.float64,
         )
-    for key in ("positive_share", "bapo/reached", "entropy_change_estimate"):
+    for key in ("positive_share", "bapo/search/reached", "entropy_change_estimate"):
         if key in out:
             out[key] = out[key].masked_fill(no_signal, float("nan"))
     return out
