@@ -2,9 +2,11 @@
 save_checkpoint (fsync of every file and directory + sha256 manifest), and verify_checkpoint, on the
 demo model with an AdamW state. Interleaved in one run, so machine load hits both alike:
 
-    PYTHONPATH=src OMP_NUM_THREADS=1 python bench/checkpoint_save.py
+    PYTHONPATH=src OMP_NUM_THREADS=1 python bench/checkpoint_save.py [--repeats 8] [--json]
 """
 
+import argparse
+import json
 import os
 import shutil
 import statistics
@@ -18,7 +20,7 @@ from bapo.train.checkpoint import save_checkpoint, verify_checkpoint
 from bapo.train.tiny import ModelConfig, build_model, build_tokenizer
 
 
-def main(repeats: int = 8) -> None:
+def main(repeats: int = 8, as_json: bool = False) -> None:
     torch.set_num_threads(1)
     tokenizer = build_tokenizer()
     model = build_model(ModelConfig(), tokenizer)
@@ -47,12 +49,25 @@ def main(repeats: int = 8) -> None:
         verify_checkpoint(path)
         times["verify"].append(time.perf_counter() - start)
     size = sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+    shutil.rmtree(root)
+    medians_ms = {name: statistics.median(t) * 1e3 for name, t in times.items()}
+    if as_json:
+        overhead = medians_ms["manifest+fsync save"] / medians_ms["plain save"]
+        print(
+            json.dumps(
+                {"checkpoint_mb": size / 1e6, "repeats": repeats, "median_ms": medians_ms, "save_overhead": overhead}
+            )
+        )
+        return
     print(
         f"checkpoint {size / 1e6:.1f} MB, medians of {repeats}: "
-        + ", ".join(f"{name} {statistics.median(t) * 1e3:.0f} ms" for name, t in times.items())
+        + ", ".join(f"{name} {ms:.0f} ms" for name, ms in medians_ms.items())
     )
-    shutil.rmtree(root)
 
 
 if __name__ == "__main__":
-    main()
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=8)
+    parser.add_argument("--json", action="store_true", help="print one JSON object and nothing else")
+    args = parser.parse_args()
+    main(args.repeats, args.json)

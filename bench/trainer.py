@@ -256,7 +256,8 @@ def main() -> None:
     for repeat in range(options.repeats):  # alternate the order so that load drifts hit every system
         order = list(systems) if repeat % 2 == 0 else list(reversed(systems))
         for name in order:
-            runs[name].append(systems[name](workdir / f"repeat{repeat}"))
+            # each system its own run directory: the trainer refuses to overwrite an existing run
+            runs[name].append(systems[name](workdir / f"repeat{repeat}" / name))
     results = {name: best(measured) for name, measured in runs.items()}
 
     def per_token_update(name: str) -> float:
