@@ -588,7 +588,8 @@ def train(
 def _signals_finish_the_step(trainer: Trainer) -> Iterator[None]:
     """While training: a first SIGINT/SIGTERM asks the loop to finish the current rollout step's
     updates, checkpoint and raise TrainingInterrupted; a second raises TrainingAborted at once.
-    The previous handlers come back afterwards (nothing is installed at import)."""
+    The previous handlers come back afterwards (nothing is installed at import); a signal that was
+    ignored when training started is left ignored."""
     if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
         yield
         return
@@ -605,7 +606,13 @@ def _signals_finish_the_step(trainer: Trainer) -> Iterator[None]:
             return
         raise TrainingAborted(signum)
 
-    previous = {sig: signal.signal(sig, handle) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # A signal the process was started with ignored (SIGINT under `cmd &`, nohup) stays ignored, as
+    # POSIX shells and Python's own KeyboardInterrupt handler do: the user did not ask for it.
+    previous = {
+        sig: signal.signal(sig, handle)
+        for sig in (signal.SIGINT, signal.SIGTERM)
+        if signal.getsignal(sig) is not signal.SIG_IGN
+    }
     try:
         yield
     finally:
