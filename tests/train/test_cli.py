@@ -6,7 +6,7 @@ from typer.testing import CliRunner
 
 from bapo.cli.main import app
 from bapo.train import read_metrics
-from tests.helpers import arithmetic_examples
+from tests.helpers import arithmetic_examples, make_config
 
 
 def write_setup(tiny_model, tmp_path):
@@ -141,11 +141,66 @@ def train_on_data(model: str, tmp_path, text: str) -> tuple[str, str]:
             "{data} line 2: no key 'prompt' (data.prompt_key); the row has ['answer', 'question']",
         ),
         ('["1+1=", "2"]\n', "{data} line 1: a row must be a JSON object, got list"),
+        ('{"prompt": [1, 2], "answer": 3}\n', "{data} line 1: 'prompt' must be a non-empty string (the prompt text)"),
+        ('{"prompt": "1+1=", "answer": "2"}\n{"prompt": " ", "answer": "2"}\n', "{data} line 2: 'prompt' must be"),
+        ('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2="}\n', "{data} line 2: no key 'answer' (data.answer_key)"),
+        ('{"prompt": "1+1=", "answer": [2]}\n', "{data} line 1: 'answer' must be a string or a number"),
+        ('{"prompt": "1+1=", "answer": null}\n', "{data} line 1: 'answer' must be a string or a number"),
     ],
 )
 def test_bad_data_file_names_file_and_1_based_line(tiny_model, tmp_path, text, expected):
     data, line = train_on_data(tiny_model, tmp_path, text)
     assert expected.format(data=f"data.path={data}") in line
+
+
+def test_data_file_that_is_not_utf8_names_the_line(tiny_model, tmp_path):
+    data = tmp_path / "latin1.jsonl"
+    data.write_bytes('{"prompt": "1+1=", "answer": "2"}\n{"prompt": "caf\u00e9", "answer": "2"}\n'.encode("latin-1"))
+    result = CliRunner().invoke(app, ["train", f"model.path={tiny_model}", f"data.path={data}"])
+    assert f"data.path={data} line 2: not UTF-8 (byte 0xe9" in one_line_error(result)
+
+
+def test_data_file_with_a_byte_order_mark_loads(tmp_path):
+    from bapo.train.config import DataSection
+    from bapo.train.data import load_examples
+
+    data = tmp_path / "bom.jsonl"
+    data.write_bytes('{"prompt": "1+1=", "answer": "2"}\n'.encode("utf-8-sig"))
+    assert load_examples(DataSection(path=str(data)), needs_answer=True) == [{"prompt": "1+1=", "answer": "2"}]
+
+
+def test_bad_rows_passed_to_train_are_one_line(tiny_model, tmp_path):
+    from bapo.train import ConfigError, train
+
+    cfg = make_config(tiny_model, tmp_path / "run")
+    with pytest.raises(ConfigError, match=r"examples row 2: 'prompt' must be a non-empty string"):
+        train(cfg, examples=[{"prompt": "1+1=", "answer": "2"}, {"prompt": 7, "answer": "2"}])
+    assert not (tmp_path / "run").exists()  # nothing started
+
+
+@pytest.mark.parametrize(
+    "override, expected",
+    [
+        ("model.device=nonsense", "model.device: not a torch device"),
+        ("reward.format_pattern=(", "reward.format_pattern: not a regular expression"),
+        ('rollout.stop=[""]', "rollout.stop: an empty string would end every response at once"),
+        ("reward.correct_threshold=nan", "reward.correct_threshold: Input should be a finite number"),
+        ("optim.lr=inf", "optim.lr: Input should be a finite number"),
+        ("loss.bapo.preset=[]", "loss.bapo.preset: Input should be 'default', 'paper' or 'recipe'"),
+    ],
+)
+def test_bad_config_values_are_one_line(tmp_path, override, expected):
+    result = CliRunner().invoke(app, ["train", "model.path=m", f"data.path={good_data(tmp_path)}", override])
+    assert expected in one_line_error(result)
+
+
+def test_a_cuda_device_on_a_machine_without_one_is_one_line(tmp_path):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = CliRunner().invoke(app, ["train", "model.path=m", f"data.path={good_data(tmp_path)}", "model.device=cuda"])
+    assert "model.device: this machine has no CUDA" in one_line_error(result)
 
 
 def test_bad_config_value_names_file_and_line(tmp_path):

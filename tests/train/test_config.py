@@ -64,7 +64,7 @@ def test_bad_setup_fails_before_model_loading(tmp_path):
     with pytest.raises(ConfigError, match="file not found"):
         Trainer(cfg)
     cfg = make_config(str(tmp_path / "no-such-model"), tmp_path / "run", **{"data.answer_key": "solution"})
-    with pytest.raises(ConfigError, match="data.answer_key='solution'"):
+    with pytest.raises(ConfigError, match=r"examples row 1: no key 'solution' \(data.answer_key\)"):
         Trainer(cfg, examples=arithmetic_examples())
     cfg = make_config(str(tmp_path / "no-such-model"), tmp_path / "run")
     with pytest.raises(ConfigError, match="model.path=.*no such folder"):
@@ -83,7 +83,7 @@ def test_vllm_backend_is_refused_with_the_routes_that_have_it():
         ("run.tensorboard=on", ("run", "tensorboard"), "on"),
         ("data.system_prompt=Answer: 42", ("data", "system_prompt"), "Answer: 42"),  # YAML: a mapping
         ("data.system_prompt=null", ("data", "system_prompt"), None),
-        ("model.device=0", ("model", "device"), "0"),
+        ("data.prompt_key=0", ("data", "prompt_key"), "0"),
         ("reward.verifier=yes", ("reward", "verifier"), "yes"),
         ("run.progress=off", ("run", "progress"), False),  # a bool field still takes off/on
         ("optim.lr=3.0e-6", ("optim", "lr"), 3e-6),

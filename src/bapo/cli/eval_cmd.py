@@ -78,7 +78,8 @@ def evaluate_command(
             path=str(data), **({"prompt_key": cfg.data.prompt_key, "answer_key": cfg.data.answer_key} if cfg else {})
         )
         rows = [
-            dict(r, prompt=r[section.prompt_key], answer=r.get(section.answer_key)) for r in load_examples(section)
+            dict(r, prompt=r[section.prompt_key], answer=r.get(section.answer_key))
+            for r in load_examples(section, needs_answer=True)
         ][:limit]
         rollout = cfg.rollout if cfg else None
         settings = dict(

@@ -28,7 +28,8 @@ class ConfigError(ValueError):
 
 
 class Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    # allow_inf_nan=False: a NaN threshold or an infinite rate would run silently and mean nothing
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
 class ModelSection(Section):
@@ -37,6 +38,26 @@ class ModelSection(Section):
     device: str = Field("auto", description="auto = cuda when available, else cpu; or cpu, cuda:0, ...")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward (less memory)")
     trust_remote_code: bool = Field(False, description="allow the model folder's own Python code")
+
+    @field_validator("device")
+    @classmethod
+    def _device_exists(cls, value: str) -> str:
+        if value == "auto":
+            return value
+        import torch
+
+        try:
+            device = torch.device(value)
+        except RuntimeError:
+            raise ValueError("not a torch device; use auto, cpu, cuda, cuda:0, ...") from None
+        if device.type == "cuda" and (
+            not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()
+        ):
+            found = f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA"
+            raise ValueError(f"this machine has {found} (torch {torch.__version__}); use auto or cpu")
+        if device.type == "mps" and not torch.backends.mps.is_available():
+            raise ValueError("this torch has no MPS support; use auto or cpu")
+        return value
 
 
 class DataSection(Section):
@@ -78,6 +99,13 @@ class RolloutSection(Section):
     )
     logprob_batch_size: int = Field(64, gt=0, description="rows per no-grad forward when recomputing log-probs")
 
+    @field_validator("stop")
+    @classmethod
+    def _no_empty_stop(cls, value: list[str]) -> list[str]:
+        if any(text == "" for text in value):
+            raise ValueError("an empty string would end every response at once; remove it")
+        return value
+
     @field_validator("backend", mode="before")
     @classmethod
     def _no_vllm(cls, value):
@@ -92,6 +120,15 @@ class RewardSection(Section):
     timeout_s: float = Field(5.0, gt=0, description="per-response verifier time limit")
     correct_threshold: float = Field(1.0, description="accuracy = share of responses with reward >= this")
 
+    @field_validator("format_pattern")
+    @classmethod
+    def _compiles(cls, value: str) -> str:
+        try:
+            re.compile(value)
+        except re.error as err:
+            raise ValueError(f"not a regular expression ({err}); escape special characters like ( with \\") from None
+        return value
+
 
 class _BAPOPresetSection(Section):
     """loss.bapo's preset: a named BAPOConfig (bapo.core.PRESETS) under the keys given explicitly."""
@@ -105,7 +142,7 @@ class _BAPOPresetSection(Section):
     @model_validator(mode="before")
     @classmethod
     def _fill_from_preset(cls, data: Any) -> Any:
-        if isinstance(data, dict) and data.get("preset") in PRESETS:
+        if isinstance(data, dict) and isinstance(data.get("preset"), str) and data["preset"] in PRESETS:
             return {**PRESETS[data["preset"]], **data}
         return data
 

@@ -11,16 +11,26 @@ from pathlib import Path
 from bapo.train.config import ConfigError, DataSection
 
 
-def load_examples(cfg: DataSection) -> list[dict]:
-    """The rows of data.path. JSONL is read line by line so that a bad line is reported with its
-    1-based number; .json (a list of rows) and .parquet go through `datasets`. Every row must be
-    an object holding data.prompt_key. Errors are ConfigError, one line, with the fix."""
+def load_examples(cfg: DataSection, needs_answer: bool = False) -> list[dict]:
+    """The rows of data.path, checked by check_rows (needs_answer: every row carries a reference
+    answer). JSONL is read line by line so that a bad line is reported with its 1-based number;
+    .json (a list of rows) and .parquet go through `datasets`. Errors are ConfigError, one line,
+    with the fix."""
     path = Path(cfg.path)
     where = f"data.path={cfg.path}"
     if path.suffix.lower() == ".jsonl":
         rows, numbers = [], []
-        with path.open(encoding="utf-8") as f:
-            for number, line in enumerate(f, 1):
+        with path.open("rb") as f:
+            for number, raw in enumerate(f, 1):
+                try:
+                    line = raw.decode(
+                        "utf-8-sig" if number == 1 else "utf-8"
+                    )  # a leading BOM (Windows editors) is fine
+                except UnicodeDecodeError as err:
+                    raise ConfigError(
+                        f"{where} line {number}: not UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1}); "
+                        "save the file as UTF-8"
+                    ) from None
                 if not line.strip():
                     continue
                 try:
@@ -50,16 +60,42 @@ def load_examples(cfg: DataSection) -> list[dict]:
             f"{where}: the file holds no rows; add one object per line, e.g. "
             '{"prompt": "What is 2+3?", "answer": "5"}'
         )
-    unit = "line" if path.suffix.lower() == ".jsonl" else "row"
-    for row, number in zip(rows, numbers):
+    check_rows(rows, cfg, needs_answer, where, numbers, "line" if path.suffix.lower() == ".jsonl" else "row")
+    return rows
+
+
+def check_rows(
+    rows: list, cfg: DataSection, needs_answer: bool, where: str, numbers: list[int] | None = None, unit: str = "row"
+) -> None:
+    """Every row an object whose prompt is a non-empty string and, when the verifier compares with
+    a reference (needs_answer), whose answer is a string or a number. One ConfigError line naming
+    the row and the fix; nothing is loaded before this passes."""
+    for index, row in enumerate(rows):
+        at = f"{where} {unit} {numbers[index] if numbers else index + 1}"
         if not isinstance(row, dict):
-            raise ConfigError(f"{where} {unit} {number}: a row must be a JSON object, got {type(row).__name__}")
+            raise ConfigError(f"{at}: a row must be a JSON object, got {type(row).__name__}")
         if cfg.prompt_key not in row:
             raise ConfigError(
-                f"{where} {unit} {number}: no key {cfg.prompt_key!r} (data.prompt_key); the row has "
-                f"{sorted(row)}: add it, or set data.prompt_key to the key that holds the prompt"
+                f"{at}: no key {cfg.prompt_key!r} (data.prompt_key); the row has {sorted(row)}: add it, or "
+                "set data.prompt_key to the key that holds the prompt"
             )
-    return rows
+        prompt = row[cfg.prompt_key]
+        if not isinstance(prompt, str) or not prompt.strip():
+            got = f"{type(prompt).__name__} {prompt!r}"[:80]
+            raise ConfigError(f"{at}: {cfg.prompt_key!r} must be a non-empty string (the prompt text), got {got}")
+        if not needs_answer:
+            continue
+        if cfg.answer_key not in row:
+            raise ConfigError(
+                f"{at}: no key {cfg.answer_key!r} (data.answer_key), which reward.verifier compares with; the row "
+                f"has {sorted(row)}: add it, or set data.answer_key"
+            )
+        answer = row[cfg.answer_key]
+        if isinstance(answer, bool) or not isinstance(answer, (str, int, float)):
+            got = f"{type(answer).__name__} {answer!r}"[:80]
+            raise ConfigError(
+                f"{at}: {cfg.answer_key!r} must be a string or a number (the reference answer), got {got}"
+            )
 
 
 def format_prompt(text: str, tokenizer, chat_template: bool, system_prompt: str | None) -> str:

@@ -35,7 +35,7 @@ from bapo.train.checkpoint import (
     verify_checkpoint,
 )
 from bapo.train.config import ConfigError, TrainConfig, check_model_path
-from bapo.train.data import PromptSampler, load_examples, special_token_warnings, tokenize_prompts
+from bapo.train.data import PromptSampler, check_rows, load_examples, special_token_warnings, tokenize_prompts
 from bapo.train.metrics import MetricsLog, NoSignalWarning, ProgressFn, make_progress
 from bapo.train.rewards import resolve_verifier
 from bapo.train.rollout import Batch, Rollout, batched_log_probs
@@ -124,18 +124,16 @@ def _rollout_step_rows(
 
 
 def _check_data(cfg: TrainConfig, examples: list[dict] | None, custom_verifier: bool) -> list[dict]:
+    needs_answer = not custom_verifier and cfg.reward.verifier in ("exact", "math")
     if examples is None:
         if cfg.data.path is None:
             raise ConfigError("data.path: set a JSONL/Parquet file (or pass examples= to train())")
         if not Path(cfg.data.path).exists():
             raise ConfigError(f"data.path={cfg.data.path!r}: file not found")
-        examples = load_examples(cfg.data)
+        return load_examples(cfg.data, needs_answer)
     if not examples:
         raise ConfigError("data: no examples (empty file or list)")
-    needs_answer = not custom_verifier and cfg.reward.verifier in ("exact", "math")
-    for key, name in ((cfg.data.prompt_key, "prompt_key"), (cfg.data.answer_key, "answer_key")):
-        if key not in examples[0] and (name == "prompt_key" or needs_answer):
-            raise ConfigError(f"data.{name}={key!r}: rows have no such key; they have {sorted(examples[0])}")
+    check_rows(examples, cfg.data, needs_answer, "examples")
     return examples
 
 
