@@ -42,8 +42,21 @@ PLAN = DemoPlan(
 
 
 @pytest.mark.slow
-def test_demo_produces_every_file(tmp_path):
-    out = run_demo(PLAN, tmp_path / "demo", jobs=1, show_progress=False)
+def test_demo_produces_every_file_and_ends_with_its_headline(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import bapo.demo.demo
+    from bapo.cli.main import app
+
+    monkeypatch.setattr(bapo.demo.demo, "plan_for", lambda *args, **kwargs: PLAN)  # `bapo demo` on the tiny plan
+    result = CliRunner().invoke(app, ["demo", "--out", str(tmp_path / "demo"), "--jobs", "1", "--no-progress"])
+    assert result.exit_code == 0, result.output
+    out = tmp_path / "demo"
+    printed = result.output.strip().splitlines()
+    assert printed[-1].startswith(f"report: {out / 'report.md'}")
+    assert any(line.startswith("Tiny LLM: ") and "held" in line for line in printed)
+    heldout_line = [line for line in printed if line.startswith("BAPO beats GRPO on held-out accuracy: ")]
+    assert len(heldout_line) == 1 and any(f"E=1 {v} " in heldout_line[0] for v in ("held", "not held", "mixed"))
     assert (out / "data" / "train.jsonl").exists() and (out / "data" / "heldout.jsonl").exists()
     names = [
         "grpo-E0-seed0",  # at E=0 grpo stands for bapo too: one run
@@ -64,7 +77,14 @@ def test_demo_produces_every_file(tmp_path):
     for fig in FIGURES:
         assert (out / "plots" / f"{fig}.png").stat().st_size > 0, fig
     report = (out / "report.md").read_text()
-    assert report.index("## Claims") < report.index("## Plots") < report.index("## Per-run table")
+    assert (
+        report.index("## Summary")
+        < report.index("## Claims")
+        < report.index("## Plots")
+        < report.index("## Per-run table")
+    )
+    summary = report[report.index("## Summary") : report.index("## Setting")]
+    assert "- Tiny LLM: " in summary and "- on-policy GRPO raises held-out avg@2" in summary
     assert "| start policy | sft |" in report and report.count("| E=1 |") == 2
     assert all(f"plots/{fig}.png" in report for fig in FIGURES)
     claims = read_json(out / "claims.json")

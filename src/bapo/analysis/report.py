@@ -1,8 +1,9 @@
 """report.md and the comparison table, written only from the runs' metrics.jsonl.
 
-Order of report.md: the claims table (computed from the runs, bapo.analysis.run_claims; the
-lab's first when given), the plots (one panel per setting, shaded 95% intervals over seeds),
-then the per-run table (mean [95% interval] over seeds per setting and method).
+Order of report.md: a few-line summary (`headline`), the setting, the claims table (computed
+from the runs, bapo.analysis.run_claims; the lab's first when given), the plots (one panel per
+setting, shaded 95% intervals over seeds), then the per-run table (mean [95% interval] over seeds
+per setting and method).
 """
 
 from __future__ import annotations
@@ -94,6 +95,35 @@ def markdown_table(rows: list[dict], start: dict | None = None) -> str:
     return "\n".join(lines)
 
 
+# The claims a user of the demo asks about first: does RL work here at all, and does BAPO beat GRPO
+HEADLINE_CLAIMS = ("0-rl-improves", "4-heldout", "4-entropy", "4-share")
+
+
+def _verdict_counts(claims: list[Claim]) -> str:
+    counts = {v: sum(c.verdict == v for c in claims) for v in ("held", "not held", "mixed")}
+    return f"{counts['held']} held, {counts['not held']} not held, {counts['mixed']} mixed of {len(claims)} claims"
+
+
+def headline(claims: list[Claim], lab_claims: list[Claim] = ()) -> list[str]:
+    """A few lines of what the runs show: the verdict counts, then one line per headline claim
+    (HEADLINE_CLAIMS) with each setting's verdict, effect and 95% interval. Printed at the end of
+    `bapo demo` and leading report.md."""
+    lines = [f"Mechanism lab (exact softmax): {_verdict_counts(list(lab_claims))}."] if lab_claims else []
+    lines.append(f"Tiny LLM: {_verdict_counts(claims)}.")
+    for family in HEADLINE_CLAIMS:
+        members = [c for c in claims if c.id == family or c.id.startswith(family + "-")]
+        if not members:
+            continue
+        cells = []
+        for c in members:
+            where = f"{c.id.removeprefix(family + '-')} " if c.id != family else ""
+            numbers = f" ({c.detail})" if c.id == family and c.detail else ""
+            interval = f"[{c.low:+.3f}, {c.high:+.3f}]" if math.isfinite(c.low) else f"(no interval: {c.seeds} seed)"
+            cells.append(f"{where}**{c.verdict}** {c.effect:+.3f} {interval}{numbers}")
+        lines.append(f"{members[0].text}: " + "; ".join(cells))
+    return lines
+
+
 def write_report(
     path: Path,
     runs: list[Run],
@@ -108,6 +138,14 @@ def write_report(
     verdicts = {v: sum(c.verdict == v for c in claims) for v in ("held", "not held", "mixed")}
     parts = [
         "# bapo demo report",
+        "",
+        "## Summary",
+        "",
+        *[f"- {line}" for line in headline(claims, list(lab_claims))],
+        "",
+        "Effect > 0 is the direction the paper claims; verdicts from 95% intervals over seeds (details below).",
+        "",
+        "## Setting",
         "",
         *header,
         "",

@@ -39,7 +39,12 @@ def demo(
     if as_json:
         typer.echo((demo_dir / "claims.json").read_text().rstrip())
     else:
-        typer.echo(f"report: {demo_dir / 'report.md'}")
+        import json
+
+        typer.echo("")
+        for line in json.loads((demo_dir / "demo.json").read_text())["headline"]:
+            typer.echo(line.replace("**", ""))
+        typer.echo(f"report: {demo_dir / 'report.md'}  plots: {demo_dir / 'plots'}  runs: {demo_dir}")
 
 
 def plot(

@@ -336,6 +336,7 @@ def run_demo(
         header = _report_header(plan, info, timings, cpu, jobs, threads, lab_dir, demo_dir)
         write_report(demo_dir / "report.md", runs, claims, plots, plan.bapo_target, header, lab_claims=lab_claims)
         from bapo.analysis.claims import claims_json
+        from bapo.analysis.report import headline
 
         (demo_dir / "claims.json").write_text(claims_json(list(lab_claims) + claims) + "\n")
         (demo_dir / "demo.json").write_text(
@@ -349,6 +350,7 @@ def run_demo(
                     "jobs": jobs,
                     "threads": threads,
                     "lab": str(lab_dir) if lab_dir else None,
+                    "headline": headline(claims, list(lab_claims)),
                 },
                 indent=2,
                 default=str,
