@@ -104,7 +104,25 @@ def test_statistics_of_micro_batches_add_up_to_the_whole_batch(seed, bounds):
     added = parts.finalize()
     assert added.keys() == whole.keys()
     for key, value in whole.items():
-        assert added[key] == pytest.approx(value, rel=1e-9, abs=1e-12), key
+        assert added[key] == pytest.approx(value, rel=1e-9, abs=1e-12, nan_ok=True), key
+
+
+def test_premise_shares_compare_the_clipped_and_the_kept_tokens_of_each_sign():
+    """premise/*: among positive tokens, the share of low-probability ones (log pi < -H of their
+    state) in those the upper clip removed vs those it kept; the mirror for negative tokens."""
+    log_prob = torch.tensor([[-2.0, -3.0, -2.0, -0.5, -0.7, -2.0]])
+    old_log_prob = torch.tensor([[-2.5, -3.5, -2.0, -0.5, -0.2, -2.0]])  # ratios 1.65, 1.65, 1, 1, 0.61, 1
+    advantages = torch.tensor([[1.0, 1.0, 1.0, 1.0, -1.0, -1.0]])
+    entropy = torch.ones(1, 6)  # low-probability: log pi < -1
+    metrics = clip_diagnostics(log_prob, old_log_prob, advantages, torch.ones(1, 6), 0.8, 1.2, entropy=entropy)
+    assert metrics["clip_frac/upper"] == 0.5 and metrics["clip_frac/lower"] == 0.5
+    assert metrics["premise/pos_clipped_low_share"] == 1.0  # both clipped positives are low-probability
+    assert metrics["premise/pos_kept_low_share"] == 0.5  # one of the two kept ones
+    assert metrics["premise/neg_clipped_low_share"] == 0.0  # the clipped negative is high-probability
+    assert metrics["premise/neg_kept_low_share"] == 1.0
+    nothing_clipped = clip_diagnostics(log_prob, log_prob, advantages, torch.ones(1, 6), 0.8, 1.2, entropy=entropy)
+    assert math.isnan(nothing_clipped["premise/pos_clipped_low_share"])
+    assert nothing_clipped["premise/pos_kept_low_share"] == 0.75
 
 
 def test_quadrants_split_per_state_when_entropy_is_given_and_name_the_split():

@@ -189,7 +189,15 @@ def test_every_loss_is_finite_on_extreme_inputs(method, mode, gap, advantage_kin
     loss.backward()
     assert torch.isfinite(loss) and torch.isfinite(log_prob.grad).all()
     # positive_share is NaN exactly when no token carries signal (counted in bapo/no_signal)
-    assert all(math.isfinite(v) for k, v in metrics.items() if k not in ("upper", "positive_share"))
+    premise = {k: v for k, v in metrics.items() if k.startswith("premise/")}
+    assert all(math.isfinite(v) for k, v in metrics.items() if k not in ("upper", "positive_share", *premise))
+    # a premise share is a share in [0, 1], or NaN when its group is empty (always, with no token of that sign)
+    assert all(math.isnan(v) or 0.0 <= v <= 1.0 for v in premise.values())
+    token_advantages = advantages if advantages.dim() == 2 else advantages[:, None].expand_as(mask)
+    for sign, tokens in (("pos", token_advantages > 0), ("neg", token_advantages < 0)):
+        if not (tokens & mask.bool()).any():
+            assert math.isnan(premise[f"premise/{sign}_clipped_low_share"])
+            assert math.isnan(premise[f"premise/{sign}_kept_low_share"])
     assert math.isfinite(metrics["positive_share"]) or metrics["bapo/no_signal"] == 1.0 or metrics["clip_frac"] > 0
 
 

@@ -284,7 +284,9 @@ def test_topr_leaves_out_its_unbounded_upper():
         make_tokens(),
         False,
     )
-    assert "actor/bapo/upper" not in metrics and all(math.isfinite(v) for v in metrics.values())
+    assert "actor/bapo/upper" not in metrics and all(
+        math.isfinite(v) for k, v in metrics.items() if "/premise/" not in k
+    )  # premise: NaN when a group is empty
 
 
 def test_plain_policy_loss_config_searches_per_micro_batch():

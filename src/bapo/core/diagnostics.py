@@ -151,9 +151,11 @@ class ClipStats:
         sum w*|r*A|*X_t, NaN when no token carries signal), bapo/no_signal (1 when no masked token
         has a non-zero advantage), quadrant/{high,low}_{pos,neg}/{count,loss_share,clip_frac},
         quadrant/split_per_state (share of parts split per state by log pi > -H_t; 0 = batch-mean
-        split), entropy_change_estimate, entropy (when given), approx_kl, ratio/{mean,max,min},
-        lower, upper (exact when one value was used throughout, else the token-weighted mean),
-        tokens.
+        split), premise/{pos,neg}_{clipped,kept}_low_share (the rule's premise: share of
+        low-probability tokens among the clipped vs the kept tokens of each sign, NaN when a
+        group is empty; a clipped negative token is below lower or above dual_clip),
+        entropy_change_estimate, entropy (when given), approx_kl, ratio/{mean,max,min}, lower, upper
+        (exact when one value was used throughout, else the token-weighted mean), tokens.
         """
         values = self.named()
         tokens = values["tokens"]
@@ -169,6 +171,7 @@ class ClipStats:
             **_quadrant_metrics(values),
         }
         metrics["quadrant/split_per_state"] = _share(values["entropy_parts"], values["parts"])
+        metrics.update(_premise_metrics(values))
         weight = values["weight"]
         covariance = _share(values["weight_log_prob_signal"], weight) - (
             _share(values["weight_log_prob"], weight) * _share(values["weight_signal"], weight)
@@ -199,6 +202,22 @@ def _quadrant_metrics(values: dict[str, float]) -> dict[str, float]:
         metrics[f"quadrant/{quadrant}/count"] = count
         metrics[f"quadrant/{quadrant}/loss_share"] = _share(values[f"{quadrant}/contribution"], values["contribution"])
         metrics[f"quadrant/{quadrant}/clip_frac"] = _share(values[f"{quadrant}/clipped"], count)
+    return metrics
+
+
+def _premise_metrics(values: dict[str, float]) -> dict[str, float]:
+    """The Entropy-Clip Rule's premise, measured: premise/{pos,neg}_{clipped,kept}_low_share is
+    the share of low-probability tokens (the quadrants' split: log pi < -H_t per state when
+    entropy is given) among the positive (negative) tokens the clip removed versus those it kept.
+    The rule's argument needs pos_clipped_low_share > pos_kept_low_share (the upper clip removes
+    entropy-raising updates) and the mirror for negative tokens; NaN where a group is empty."""
+    metrics = {}
+    for sign, side in (("pos", "positive"), ("neg", "negative")):
+        low_clipped, high_clipped = values[f"low_{sign}/clipped"], values[f"high_{sign}/clipped"]
+        low_kept = values[f"low_{sign}/count"] - low_clipped
+        kept = values[side] - low_clipped - high_clipped
+        metrics[f"premise/{sign}_clipped_low_share"] = _share(low_clipped, low_clipped + high_clipped, float("nan"))
+        metrics[f"premise/{sign}_kept_low_share"] = _share(low_kept, kept, float("nan"))
     return metrics
 
 
