@@ -13,6 +13,7 @@ from bapo.core.losses import (
     policy_loss,
     register_policy_loss,
 )
+from bapo.core.peers import NO_BOUNDS  # registers the peer losses (gspo, cispo, sapo, ...)
 from bapo.core.search import (
     BAPOConfig,
     BoundStats,
@@ -34,6 +35,7 @@ __all__ = [
     "EntropyTargetController",
     "LOSS_AGG_MODES",
     "MissingStepStateWarning",
+    "NO_BOUNDS",
     "PAPER_AGG_MODES",
     "POLICY_LOSSES",
     "PromptRewardHistory",

@@ -51,13 +51,25 @@ class TokenBatch:
 @dataclass
 class TokenLoss:
     """What a registered loss returns: loss [B, T], the ratio bounds in effect and the dual-clip
-    cap (None = off), so the diagnostics count exactly the tokens the loss clipped."""
+    cap (None = off), so the diagnostics count exactly the tokens the loss clipped.
+
+    ratio: [B, T] the ratio the bounds were compared with when it is not the token ratio (GSPO's
+    sequence ratio, repeated on each token of its sequence); None = batch.ratio. dropped: [B, T]
+    bool, tokens removed from the gradient by the loss's own rule rather than by a bound
+    (Clip-Cov, M2PO); the diagnostics count them in clip_frac/dropped."""
 
     loss: Tensor
     lower: float | Tensor
     upper: float | Tensor
     metrics: dict[str, float] = field(default_factory=dict)
     dual_clip: float | None = None
+    ratio: Tensor | None = None
+    dropped: Tensor | None = None
+
+
+def score(log_prob: Tensor) -> Tensor:
+    """exp(log pi - sg(log pi)): value 1, gradient that of log pi (a REINFORCE term's carrier)."""
+    return torch.exp(log_prob - log_prob.detach())
 
 
 # A registered loss: fn(batch: TokenBatch, **its keyword-only parameters) -> TokenLoss.
@@ -181,9 +193,8 @@ def topr_loss(batch: TokenBatch, *, level: str = "sequence", negative_ratio_max:
         )
         negative_weight = sequence_log_ratio.clamp(max=math.log(negative_ratio_max)).exp().expand_as(batch.ratio)
     weight = torch.where(batch.advantages >= 0, torch.ones_like(batch.ratio), negative_weight)
-    score = torch.exp(batch.log_prob - batch.log_prob.detach())
     # Nothing is clipped to zero gradient: diagnostics see the widest bounds.
-    return TokenLoss(-batch.advantages * weight * score, 0.0, float("inf"))
+    return TokenLoss(-batch.advantages * weight * score(batch.log_prob), 0.0, float("inf"))
 
 
 @register_policy_loss("dcpo", agg_mode="seq-mean-token-sum")
@@ -249,11 +260,19 @@ def aggregate_loss(
     return masked_loss.sum() / (normalizer if normalizer is not None else max(batch_size * length, 1))
 
 
+def nearest_name(word: str, options: Any, cutoff: float = 0.6) -> str | None:
+    """The option closest to a misspelt `word` (difflib), a transposition of its letters first
+    ('gpro' -> 'grpo', not 'gspo'); None when nothing is close."""
+    close = difflib.get_close_matches(word, list(options), n=3, cutoff=cutoff)
+    close.sort(key=lambda option: sorted(option) != sorted(word))  # stable: difflib's order otherwise
+    return close[0] if close else None
+
+
 def loss_parameters(method: str) -> list[str]:
     """The keyword parameters the registered loss `method` takes (e.g. whether it has dual_clip)."""
     if method not in POLICY_LOSSES:
-        near = difflib.get_close_matches(method, POLICY_LOSSES, n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
+        near = nearest_name(method, POLICY_LOSSES)
+        hint = f"; did you mean {near!r}?" if near else ""
         raise ValueError(f"method: unknown policy loss {method!r}{hint} Registered: {sorted(POLICY_LOSSES)}")
     return [name for name, p in inspect.signature(POLICY_LOSSES[method]).parameters.items() if p.kind is p.KEYWORD_ONLY]
 
@@ -367,6 +386,8 @@ def policy_loss(
         importance_weights=weights,
         entropy=entropy,
         logits=logits,
+        clip_ratio=result.ratio,
+        dropped=result.dropped,
     )
     if stats is not None:
         stats.add_(batch_stats)
