@@ -231,3 +231,85 @@ def test_dropped_tokens_count_once_and_carry_no_share():
     assert grad[0, 1] == 0 and grad[0, 2] == 0 and grad[0, 0] != 0
     assert metrics["clip_frac/dropped"] == 0.5 and metrics["clip_frac"] == 0.5 and metrics["clip_frac/upper"] == 0.0
     assert metrics["m2po/m2"] == pytest.approx(8.0025 / 4) and metrics["m2po/m2_kept"] == pytest.approx(0.0025 / 2)
+
+
+# --- (b) against TRL's GRPOTrainer._compute_loss ------------------------------------------------
+
+
+class _Accelerator:
+    num_processes = 1
+    sync_gradients = True
+
+    def gather(self, x):
+        return x
+
+    gather_for_metrics = gather
+
+    def reduce(self, x, reduction="sum"):
+        return x
+
+
+def trl_loss(
+    tensors, loss_type: str, level: str = "token", epsilon: float = 0.2, epsilon_high: float | None = None, **args
+):
+    """(loss, gradient) of TRL's own GRPOTrainer._compute_loss on the same tensors: the trainer's
+    state is a stub and its forward returns our log-probs, so what runs is TRL's loss code."""
+    import types
+    from collections import defaultdict
+
+    grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+    log_prob, old, advantages, mask = tensors
+    leaf = log_prob.clone().requires_grad_()
+    stub = types.SimpleNamespace(
+        loss_type=loss_type,
+        importance_sampling_level=level,
+        epsilon_low=epsilon,
+        epsilon_high=epsilon if epsilon_high is None else epsilon_high,
+        beta=0.0,
+        top_entropy_quantile=1.0,
+        off_policy_mask_threshold=None,
+        use_vllm=False,
+        aux_loss_enabled=False,
+        _entropy_bonus_enabled=False,
+        current_gradient_accumulation_steps=1,
+        model=types.SimpleNamespace(training=True),
+        accelerator=_Accelerator(),
+        _metrics=defaultdict(lambda: defaultdict(list)),
+        args=types.SimpleNamespace(delta=None, use_bias_correction_kl=False, steps_per_generation=1, **args),
+        _get_per_token_logps_and_entropies=lambda *a, **k: (leaf, torch.zeros_like(leaf), None),
+    )
+    length = mask.shape[1]
+    inputs = {
+        "prompt_ids": torch.zeros(len(mask), 1, dtype=torch.long),
+        "prompt_mask": torch.ones(len(mask), 1, dtype=torch.long),
+        "completion_ids": torch.zeros(len(mask), length, dtype=torch.long),
+        "completion_mask": mask,
+        "advantages": advantages,
+        "old_per_token_logps": old,
+        "num_items_in_batch": mask.sum(),
+    }
+    loss = grpo.GRPOTrainer._compute_loss(stub, None, inputs)
+    loss.backward()
+    return float(loss.detach()), leaf.grad
+
+
+TRL_CASES = [
+    # (bapo method, its params, TRL loss_type, TRL settings)
+    ("cispo", {}, "cispo", {"epsilon_high": 5.0}),
+    ("cispo", {"upper": 1.3}, "cispo", {"epsilon_high": 1.3}),
+    ("sapo", {}, "sapo", {"sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05}),
+    ("sapo", {"tau_pos": 2.0, "tau_neg": 3.0}, "sapo", {"sapo_temperature_pos": 2.0, "sapo_temperature_neg": 3.0}),
+    # TRL's GSPO: loss_type="grpo" (seq-mean-token-mean) with importance_sampling_level="sequence"
+    ("gspo", {}, "grpo", {"level": "sequence", "epsilon": 3e-4, "epsilon_high": 4e-4}),
+    ("gspo", {"lower": 0.9, "upper": 1.05}, "grpo", {"level": "sequence", "epsilon": 0.1, "epsilon_high": 0.05}),
+]
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("method, params, loss_type, settings", TRL_CASES)
+def test_equals_trls_own_loss(seed, method, params, loss_type, settings):
+    tensors = random_batch(seed, 0.5)
+    loss, grad, _ = core(method, *tensors, **params)
+    expected, expected_grad = trl_loss(tensors, loss_type, **settings)
+    assert loss == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-9)
