@@ -170,3 +170,20 @@ def m2po_official_bounds(log_prob, old, adv, mask, budget=0.04, lower_max=0.7, u
             tau = math.sqrt(max(values[k - 1] - 1e-12, 0.0)) if k > 0 else 0.0
             return min(math.exp(-tau), lower_max), max(math.exp(tau), upper_min)
     raise AssertionError("unreachable: k = n - 1 always reaches the budget")
+
+
+def decoupled_ppo(log_prob, old, adv, mask, proximal, lower=0.8, upper=1.2, weight_cap=None):
+    """Decoupled PPO: w = pi_prox / mu (constant), r' = pi / pi_prox; loss_t = w * -min(r' A,
+    clip(r') A), token-mean over all masked tokens; w > weight_cap drops the token."""
+    count = sum(sum(row) for row in mask) or 1
+    loss, grad = 0.0, [[0.0] * len(row) for row in log_prob]
+    for i, row in enumerate(log_prob):
+        for t in _tokens(mask[i]):
+            w = math.exp(proximal[i][t] - old[i][t])
+            if weight_cap is not None and w > weight_cap:
+                continue
+            r, a = math.exp(row[t] - proximal[i][t]), adv[i]
+            loss += -w * min(r * a, min(max(r, lower), upper) * a) / count
+            clipped = (a > 0 and r > upper) or (a < 0 and r < lower)
+            grad[i][t] = 0.0 if clipped else -w * r * a / count
+    return loss, grad

@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from bapo.core import (
     POLICY_LOSSES,
+    PROXIMAL_METHODS,
     BAPOConfig,
     BAPOStep,
     BoundStats,
@@ -142,7 +143,10 @@ def test_importance_weights_multiply_the_token_loss():
 
 def required_params(method: str, log_prob, old_log_prob, advantages, mask) -> dict:
     """What a generic call of `method` must pass besides the tensors: BAPO's bounds, searched on
-    this batch alone by BAPOStep (the loss does no search of its own); {} for the other losses."""
+    this batch alone by BAPOStep (the loss does no search of its own); a proximal policy halfway
+    between behaviour and current for decoupled PPO; {} for the other losses."""
+    if method in PROXIMAL_METHODS:
+        return {"proximal_log_prob": (log_prob.detach().float() + old_log_prob.float()) / 2}
     if method != "bapo":
         return {}
     counted = mask.to(torch.bool)
@@ -280,6 +284,8 @@ def test_fp16_inputs_give_finite_losses_and_gradients(method, dual_clip, mode, l
     generator = torch.Generator().manual_seed(seed)
     old = (-25.0 * torch.rand(3, 6, generator=generator)).half()
     log_prob = (old.float() + log_gap + spread * torch.randn(3, 6, generator=generator)).clamp(max=0.0).half()
+    if method in PROXIMAL_METHODS:
+        params["proximal_log_prob"] = ((old.float() + log_prob.float()) / 2).half()
     advantages = (advantage_scale * torch.randn(3, generator=generator)).half()
     mask = (torch.rand(3, 6, generator=generator) > 0.3).float()
     gradients = []

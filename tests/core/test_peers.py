@@ -313,3 +313,39 @@ def test_equals_trls_own_loss(seed, method, params, loss_type, settings):
     expected, expected_grad = trl_loss(tensors, loss_type, **settings)
     assert loss == pytest.approx(expected, rel=1e-6, abs=1e-9)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-9)
+
+
+# --- decoupled PPO ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("params", [{}, {"weight_cap": 1.3}, {"lower": 0.7, "upper": 1.5}])
+def test_decoupled_ppo_matches_its_formula(seed, params):
+    tensors = random_batch(seed, 0.5)
+    log_prob, old = tensors[0], tensors[1]
+    proximal = old + 0.6 * (log_prob - old)  # between the behaviour and the current policy
+    loss, grad, metrics = core("decoupled-ppo", *tensors, proximal_log_prob=proximal, **params)
+    expected, expected_grad = ref.decoupled_ppo(*as_lists(*tensors), proximal.tolist(), **params)
+    assert loss == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    torch.testing.assert_close(grad, torch.tensor(expected_grad, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+    capped = float(((proximal - old).exp() > 1.3)[tensors[3].bool()].double().mean())
+    assert metrics["clip_frac/dropped"] == (pytest.approx(capped) if params.get("weight_cap") else 0.0)
+
+
+def test_decoupled_ppo_with_the_proximal_at_the_behaviour_is_grpo():
+    tensors = random_batch(0, 0.5)
+    decoupled, grad, _ = core("decoupled-ppo", *tensors, proximal_log_prob=tensors[1])
+    grpo, grpo_grad, _ = core("grpo", *tensors)
+    assert decoupled == pytest.approx(grpo) and torch.allclose(grad, grpo_grad)
+
+
+def test_proximal_log_probs_are_required_by_decoupled_ppo_and_refused_elsewhere():
+    tensors = random_batch(0)
+    with pytest.raises(ValueError, match="^proximal_log_prob: method 'decoupled-ppo' needs"):
+        policy_loss(*tensors, "decoupled-ppo")
+    with pytest.raises(ValueError, match="^proximal_log_prob: method 'grpo' does not read it"):
+        policy_loss(*tensors, "grpo", proximal_log_prob=tensors[1])
+    bad = tensors[1].clone()
+    bad[0, 0] = math.nan
+    with pytest.raises(ValueError, match="^proximal_log_prob: "):
+        policy_loss(*tensors, "decoupled-ppo", proximal_log_prob=bad)

@@ -46,6 +46,8 @@ class TokenBatch:
     advantages: Tensor
     mask: Tensor
     importance_weights: Tensor | None = None  # [B, T] multipliers policy_loss applies to the token loss
+    # [B, T] log-probs of the proximal policy (decoupled PPO), detached; None unless the caller has them
+    proximal_log_prob: Tensor | None = None
 
 
 @dataclass
@@ -79,17 +81,26 @@ PolicyLossFn = Callable[..., TokenLoss]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 # The aggregation each method's paper uses; policy_loss(loss_agg_mode=None) picks it.
 PAPER_AGG_MODES: dict[str, str] = {}
+# The methods that read TokenBatch.proximal_log_prob (policy_loss(proximal_log_prob=...) required).
+PROXIMAL_METHODS: set[str] = set()
 
 
-def register_policy_loss(name: str, agg_mode: str = "token-mean") -> Callable[[PolicyLossFn], PolicyLossFn]:
+def register_policy_loss(
+    name: str, agg_mode: str = "token-mean", needs_proximal: bool = False
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: make a loss available to `policy_loss(method=name)` (and the integrations);
-    agg_mode: its paper's aggregation (one of LOSS_AGG_MODES)."""
+    agg_mode: its paper's aggregation (one of LOSS_AGG_MODES); needs_proximal: it reads the
+    proximal policy's log-probs (decoupled PPO), which the caller then must pass."""
     if agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"agg_mode: {agg_mode!r} is not one of {LOSS_AGG_MODES}")
 
     def register(fn: PolicyLossFn) -> PolicyLossFn:
         POLICY_LOSSES[name] = fn
         PAPER_AGG_MODES[name] = agg_mode
+        if needs_proximal:
+            PROXIMAL_METHODS.add(name)
+        else:
+            PROXIMAL_METHODS.discard(name)
         return fn
 
     return register
@@ -325,6 +336,7 @@ def policy_loss(
     loss_agg_mode: str | None = None,
     normalizer: float | Tensor | None = None,
     importance_weights: Tensor | None = None,
+    proximal_log_prob: Tensor | None = None,
     entropy: Tensor | None = None,
     logits: Tensor | None = None,
     stats: ClipStats | None = None,
@@ -336,6 +348,8 @@ def policy_loss(
     log_prob: [B, T] current log-probs of the sampled tokens (carries grad); old_log_prob: [B, T]
     behaviour log-probs; advantages: [B, T] or [B]; mask: [B, T] 0/1; importance_weights: [B, T]
     optional detached per-token weights (rollout/training mismatch) multiplying the loss;
+    proximal_log_prob: [B, T] log-probs of the proximal policy, for the methods in
+    PROXIMAL_METHODS (decoupled PPO; required there, refused elsewhere);
     entropy [B, T] / logits [B, T, V]: optional, for the entropy diagnostic and the per-state
     quadrant split. loss_agg_mode: None = the method's paper's (PAPER_AGG_MODES). normalizer:
     the denominator of the whole update (> 0), see aggregate_loss. params: the method's own
@@ -346,11 +360,19 @@ def policy_loss(
     for float64 inputs; metrics).
     """
     fn = _check_params(method, params)
+    if (proximal_log_prob is None) == (method in PROXIMAL_METHODS):
+        raise ValueError(
+            f"proximal_log_prob: method {method!r} needs the proximal policy's log-probs [B, T]"
+            if proximal_log_prob is None
+            else f"proximal_log_prob: method {method!r} does not read it; only {sorted(PROXIMAL_METHODS)} do"
+        )
     loss_agg_mode = PAPER_AGG_MODES[method] if loss_agg_mode is None else loss_agg_mode
     if validate:
         named = {"log_prob": log_prob, "old_log_prob": old_log_prob, "advantages": advantages}
         if importance_weights is not None:
             named["importance_weights"] = importance_weights
+        if proximal_log_prob is not None:
+            named["proximal_log_prob"] = proximal_log_prob
         checks: tuple = ()
         if isinstance(normalizer, Tensor):
             checks = (
@@ -369,7 +391,10 @@ def policy_loss(
     weights = None
     if importance_weights is not None:
         weights = torch.where(counted, importance_weights.detach().to(dtype), 0.0)
-    batch = TokenBatch(log_prob, old_log_prob, token_ratio(log_prob, old_log_prob), advantages, mask, weights)
+    proximal = None
+    if proximal_log_prob is not None:
+        proximal = torch.where(counted, proximal_log_prob.detach().to(dtype), 0.0)
+    batch = TokenBatch(log_prob, old_log_prob, token_ratio(log_prob, old_log_prob), advantages, mask, weights, proximal)
     result = fn(batch, **params)
     token_loss = result.loss
     if weights is not None:

@@ -283,3 +283,46 @@ def m2po_official_loss(
         upper = torch.exp(tau).clamp(min=upper_min)
     lower, upper = lower.to(ratio.dtype), upper.to(ratio.dtype)
     return TokenLoss(clipped_surrogate(ratio, advantages, lower, upper), lower, upper)
+
+
+@register_policy_loss("decoupled-ppo", needs_proximal=True)
+def decoupled_ppo_loss(
+    batch: TokenBatch,
+    *,
+    lower: float = 0.8,
+    upper: float = 1.2,
+    weight_cap: float | None = None,
+    dual_clip: float | None = None,
+) -> TokenLoss:
+    """Decoupled PPO (Hilton et al. 2022, arXiv 2110.00641; AReaL arXiv 2505.24298, its
+    ppo_actor_loss_fn with use_decoupled_loss): the trust region is taken around a proximal
+    policy pi_prox (the weights before this batch's updates), not the stale behaviour policy mu,
+        loss_t = sg(pi_prox / mu) * -min(r' A, clip(r', lower, upper) A),  r' = pi / pi_prox,
+    and with weight_cap a token whose behaviour weight pi_prox / mu exceeds it is dropped (its
+    loss 0, still counted in the token mean), as AReaL's behav_imp_weight_cap (default None
+    there; its examples use 5). Needs policy_loss(proximal_log_prob=...); `bapo train` computes
+    them with a no-grad forward of the current weights before each rollout batch's first
+    update. dual_clip: AReaL's c_clip (off). Diagnostics: r' against the bounds, capped tokens
+    dropped; metrics decoupled/behaviour_weight_mean (over masked tokens, before the cap)."""
+    check_ratio_bounds(lower, upper)
+    if weight_cap is not None and not weight_cap > 1.0:
+        raise ValueError(f"weight_cap: {weight_cap} must be > 1 (or None)")
+    if batch.proximal_log_prob is None:
+        raise ValueError("proximal_log_prob: method 'decoupled-ppo' needs the proximal policy's log-probs")
+    counted = batch.mask.to(torch.bool)
+    proximal = batch.proximal_log_prob
+    ratio = torch.exp((batch.log_prob - proximal).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    behaviour_weight = torch.exp((proximal - batch.old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    dropped = counted & (behaviour_weight > weight_cap) if weight_cap is not None else torch.zeros_like(counted)
+    surrogate = clipped_surrogate(ratio, batch.advantages, lower, upper, dual_clip)
+    loss = torch.where(dropped, 0.0, surrogate * behaviour_weight)
+    mean_weight = float(torch.where(counted, behaviour_weight, 0.0).sum()) / max(float(counted.sum()), 1.0)
+    return TokenLoss(
+        loss,
+        lower,
+        upper,
+        metrics={"decoupled/behaviour_weight_mean": mean_weight},
+        dual_clip=dual_clip,
+        ratio=ratio.detach(),
+        dropped=dropped,
+    )
