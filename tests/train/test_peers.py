@@ -22,6 +22,7 @@ PEERS = {
     "kl-cov": ("kl_coef", 0.5),
     "m2po": ("budget", 0.02),
     "m2po-official": ("budget", 0.02),
+    "decoupled-ppo": ("weight_cap", 5.0),
 }
 
 
@@ -30,8 +31,10 @@ def test_every_peer_validates_with_its_parameters(tmp_path, method):
     name, value = PEERS[method]
     cfg = make_config("unused", tmp_path, **{"loss.method": method, f"loss.params.{name}": value})
     assert cfg.loss.resolved_agg_mode == PAPER_AGG_MODES[method]
-    # none of them takes loss.dual_clip (verl applies clip_ratio_c to none of them either)
-    assert loss_params(cfg) == {name: value} and "dual_clip" not in configurable_parameters(method)
+    # loss.dual_clip reaches decoupled PPO (AReaL's c_clip); verl applies clip_ratio_c to none of the others
+    expected = {name: value, "dual_clip": 3.0} if method == "decoupled-ppo" else {name: value}
+    assert loss_params(cfg) == expected
+    assert ("dual_clip" in configurable_parameters(method)) == (method == "decoupled-ppo")
     with pytest.raises((ConfigError, ValueError), match="loss.params.bounds: not a parameter"):
         make_config("unused", tmp_path, **{"loss.method": method, "loss.params.bounds": 1.0})
 
@@ -51,3 +54,24 @@ def test_a_tiny_stale_run_trains_with_a_peer(tiny_model, tmp_path, method):
         assert all("m2po/m2" in r and "clip_frac/dropped" in r for r in rows)
     if method == "gspo":
         assert all((r["lower"], r["upper"]) == (1 - 3e-4, 1 + 4e-4) for r in rows)
+
+
+def test_decoupled_ppo_trains_with_the_proximal_policy_of_each_batch(tiny_model, tmp_path):
+    """bapo train fills the proximal log-probs once per rollout batch (the weights before its
+    first update): with two mini-batches the second update's r' = pi / pi_prox moves off 1,
+    and the stale behaviour weight pi_prox / mu is reported."""
+    overrides = {
+        "loss.method": "decoupled-ppo",
+        "offpolicy.staleness": 1,
+        "offpolicy.mini_batches": 2,
+        "run.rollout_steps": 3,
+        "optim.lr": 5e-2,
+    }
+    rows = read_metrics(
+        train(
+            make_config(tiny_model, tmp_path / "run", **overrides), examples=arithmetic_examples(), verifier=digit_share
+        )
+    )
+    assert len(rows) == 6 and all(r["skipped"] == 0 and math.isfinite(r["loss"]) for r in rows)
+    weights = [r["decoupled/behaviour_weight_mean"] for r in rows]
+    assert all(math.isfinite(w) for w in weights) and max(abs(w - 1) for w in weights[2:]) > 1e-4

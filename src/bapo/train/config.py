@@ -125,7 +125,8 @@ class LossSection(Section):
     method: str = Field(
         "grpo",
         description="a registered bapo.core loss: grpo | clip-higher | dual-clip | topr | dcpo | bapo, or a peer: "
-        "gspo | cispo | cispo-verl | sapo | gmpo | clip-cov | kl-cov | m2po | m2po-official (docs/CORE.md)",
+        "gspo | cispo | cispo-verl | sapo | gmpo | clip-cov | kl-cov | m2po | m2po-official | decoupled-ppo "
+        "(docs/CORE.md)",
     )
     agg_mode: str | None = Field(
         None,
