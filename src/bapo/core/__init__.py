@@ -14,7 +14,7 @@ from bapo.core.losses import (
     policy_loss,
     register_policy_loss,
 )
-from bapo.core.peers import NO_BOUNDS  # registers the peer losses (gspo, cispo, sapo, ...)
+from bapo.core.peers import BATCH_LEVEL_METHODS, NO_BOUNDS  # registers the peer losses (gspo, cispo, ...)
 from bapo.core.search import (
     BAPOConfig,
     BoundStats,
@@ -29,6 +29,7 @@ from bapo.core.step import BAPOStep, MissingStepStateWarning
 from bapo.core.target import EntropyTargetController, token_mean_over_ranks
 
 __all__ = [
+    "BATCH_LEVEL_METHODS",
     "BAPOConfig",
     "BAPOStep",
     "BoundStats",

@@ -20,6 +20,10 @@ from bapo.core.diagnostics import LOG_RATIO_CLAMP
 from bapo.core.losses import PolicyLossFn, TokenBatch, TokenLoss, clipped_surrogate, register_policy_loss
 from bapo.core.validation import check_ratio_bounds
 
+#: The losses whose per-token loss depends on statistics of the whole batch they are given (token
+#: selections, a bound solved from it): a caller holding several independent runs in one batch
+#: (the lab's seeds) calls them once per run, and micro-batches select apart (as in verl).
+BATCH_LEVEL_METHODS = frozenset({"clip-cov", "kl-cov", "m2po", "m2po-official"})
 #: What a loss that cuts no token's gradient reports as its bounds.
 NO_BOUNDS = (0.0, math.inf)
 #: verl's gspo clamps the log sequence ratio at 10 (gradient zero beyond).
