@@ -291,6 +291,7 @@ def test_fp16_inputs_give_finite_losses_and_gradients(method, dual_clip, mode, l
     gradients = []
     for dtype in (torch.float16, torch.float64):
         leaf = log_prob.detach().to(dtype).clone().requires_grad_()
+        torch.manual_seed(seed)  # clip-cov draws with torch's global generator: the same draw in both runs
         loss, metrics = policy_loss(
             leaf, old.to(dtype), advantages.to(dtype), mask, method, loss_agg_mode=mode, **params
         )

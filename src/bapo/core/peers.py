@@ -121,7 +121,9 @@ def sapo_loss(batch: TokenBatch, *, tau_pos: float = 1.0, tau_neg: float = 1.05)
     No token's gradient is cut: the diagnostics see (0, inf)."""
     _check_positive(tau_pos=tau_pos, tau_neg=tau_neg)
     tau = torch.where(batch.advantages > 0, batch.ratio.new_tensor(tau_pos), batch.ratio.new_tensor(tau_neg))
-    gate = torch.sigmoid(tau * (batch.ratio - 1.0)) * (4.0 / tau)
+    # exp(logsigmoid) = sigmoid, with the gradient sigma(z) sigma(-z) exact in the tail, where
+    # sigmoid's own backward, sigma (1 - sigma), rounds to 0 (float32 from z ~ 17)
+    gate = torch.exp(torch.nn.functional.logsigmoid(tau * (batch.ratio - 1.0))) * (4.0 / tau)
     return TokenLoss(-gate * batch.advantages, *NO_BOUNDS)
 
 
