@@ -225,7 +225,9 @@ def _squared_log_ratio(batch: TokenBatch) -> Tensor:
 def m2po_loss(batch: TokenBatch, *, budget: float = 0.04) -> TokenLoss:
     """M2PO (arXiv 2510.01161, Algorithm 1; AReaL's m2po): mask the tokens of largest M2 = (log r)^2
     until the mean M2 of the remaining masked tokens is <= budget (the paper's tau_M2 = 0.04),
-    then the unclipped surrogate -r A on the rest, token-mean. When no non-empty rest meets the
+    then the unclipped surrogate -r A on the rest, token-mean. M2 is the current policy's
+    against the behaviour policy (the paper's); AReaL measures it once per batch as
+    log(pi_prox / mu) with its recomputed proximal log-probs. When no non-empty rest meets the
     budget every token is masked (the literal loop; AReaL keeps the smallest one). No bound
     cuts a token: (0, inf), the masked ones dropped; metrics m2po/m2 and m2po/m2_kept."""
     _check_positive(budget=budget)
