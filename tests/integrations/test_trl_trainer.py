@@ -436,6 +436,8 @@ def test_training_logs_the_share_of_each_optimizer_steps_tokens(tiny_model_dir, 
         ("dual-clip", {"bapo_method_kwargs": '{"dual_clip": 3.0}'}),
         ("topr", {}),
         ("dcpo", {}),
+        ("gspo", {}),
+        ("m2po", {"bapo_method_kwargs": '{"budget": 0.02}'}),
     ],
 )
 def test_every_core_method_trains(tiny_model_dir, tmp_path, method, kwargs):
@@ -443,6 +445,11 @@ def test_every_core_method_trains(tiny_model_dir, tmp_path, method, kwargs):
     trainer.train()
     entry = next(entry for entry in trainer.state.log_history if "loss" in entry)
     assert math.isfinite(entry["loss"]) and "bapo/clip_frac/upper" in entry
+
+
+def test_decoupled_ppo_is_refused_naming_the_field(tmp_path):
+    with pytest.raises(ValueError, match="^bapo_method: 'decoupled-ppo' needs a proximal policy"):
+        make_args(tmp_path, bapo_method="decoupled-ppo")
 
 
 def test_evaluate_searches_on_the_eval_batch(tiny_model_dir, tmp_path):

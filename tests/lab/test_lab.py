@@ -273,3 +273,20 @@ def test_a_method_added_to_METHODS_joins_the_default_plan(monkeypatch):
     monkeypatch.setitem(run.METHODS, "m2po", ("grpo", {}))
     plan = LabPlan()
     assert plan.methods[-1] == "m2po" and {Cell("m2po", e) for e in plan.staleness} <= set(plan.cells())
+
+
+@pytest.mark.parametrize("method", ["gspo", "cispo", "sapo", "gmpo", "clip-cov", "kl-cov", "m2po", "m2po-official"])
+def test_any_registered_loss_runs_by_name_and_each_seed_alone(method):
+    """A registered loss outside METHODS runs as Cell(<its name>) with its defaults; losses that
+    select over the batch (BATCH_LEVEL_METHODS) select per seed, so a seed's run does not depend
+    on the others in the cell."""
+    both = run_cell(Cell(method, staleness=1), TINY)
+    alone = run_cell(Cell(method, staleness=1), LabConfig(**{**TINY.__dict__, "seeds": 1, "first_seed": 1}))
+    assert torch.isfinite(both.updates["grad_norm"]).all() and torch.isfinite(both.updates["exact/entropy"]).all()
+    for key, series in alone.updates.items():
+        assert torch.allclose(both.updates[key][1], series[0], equal_nan=True), key
+
+
+def test_the_lab_refuses_decoupled_ppo_it_keeps_no_proximal_policy():
+    with pytest.raises(ValueError, match="method: 'decoupled-ppo' is not one of"):
+        run_cell(Cell("decoupled-ppo"), TINY)

@@ -28,7 +28,8 @@ def stale_setup(tiny_model, tmp_path_factory):
     return trainer, old
 
 
-@pytest.mark.parametrize("method", ["bapo", "grpo"])
+# the peers that select no tokens over the whole batch (clip-cov, kl-cov and m2po do: split, they select apart)
+@pytest.mark.parametrize("method", ["bapo", "grpo", "gspo", "cispo", "sapo", "gmpo"])
 def test_micro_batches_give_the_same_update(stale_setup, method):
     trainer, batch = stale_setup
     results = []

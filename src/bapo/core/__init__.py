@@ -6,6 +6,7 @@ from bapo.core.losses import (
     LOSS_AGG_MODES,
     PAPER_AGG_MODES,
     POLICY_LOSSES,
+    PROXIMAL_METHODS,
     TokenBatch,
     TokenLoss,
     aggregate_loss,
@@ -13,6 +14,7 @@ from bapo.core.losses import (
     policy_loss,
     register_policy_loss,
 )
+from bapo.core.peers import BATCH_LEVEL_METHODS, NO_BOUNDS  # registers the peer losses (gspo, cispo, ...)
 from bapo.core.search import (
     BAPOConfig,
     BoundStats,
@@ -27,6 +29,7 @@ from bapo.core.step import BAPOStep, MissingStepStateWarning
 from bapo.core.target import EntropyTargetController, token_mean_over_ranks
 
 __all__ = [
+    "BATCH_LEVEL_METHODS",
     "BAPOConfig",
     "BAPOStep",
     "BoundStats",
@@ -34,8 +37,10 @@ __all__ = [
     "EntropyTargetController",
     "LOSS_AGG_MODES",
     "MissingStepStateWarning",
+    "NO_BOUNDS",
     "PAPER_AGG_MODES",
     "POLICY_LOSSES",
+    "PROXIMAL_METHODS",
     "PromptRewardHistory",
     "SearchResult",
     "TokenBatch",

@@ -36,6 +36,7 @@ SUM_FIELDS = (
     "clipped_upper",
     "clipped_lower",
     "clipped_dual",
+    "clipped_dropped",
     "contribution",
     "positive_contribution",
     *(f"{quadrant}/{part}" for quadrant in QUADRANTS for part in ("count", "contribution", "clipped")),
@@ -147,6 +148,8 @@ class ClipStats:
 
         Keys: clip_frac/upper (share of positive tokens above upper), clip_frac/lower (share of
         negative tokens below lower), clip_frac/dual (share of negative tokens above dual_clip),
+        clip_frac/dropped (share of masked tokens a loss's own rule removed from the gradient:
+        Clip-Cov's sampled tokens, M2PO's masked ones),
         clip_frac (all clipped / all masked tokens), positive_share (rho: positive tokens' share of
         sum w*|r*A|*X_t, NaN when no token carries signal), bapo/no_signal (1 when no masked token
         has a non-zero advantage), quadrant/{high,low}_{pos,neg}/{count,loss_share,clip_frac},
@@ -159,11 +162,12 @@ class ClipStats:
         """
         values = self.named()
         tokens = values["tokens"]
-        clipped = values["clipped_upper"] + values["clipped_lower"] + values["clipped_dual"]
+        clipped = values["clipped_upper"] + values["clipped_lower"] + values["clipped_dual"] + values["clipped_dropped"]
         metrics = {
             "clip_frac/upper": _share(values["clipped_upper"], values["positive"]),
             "clip_frac/lower": _share(values["clipped_lower"], values["negative"]),
             "clip_frac/dual": _share(values["clipped_dual"], values["negative"]),
+            "clip_frac/dropped": _share(values["clipped_dropped"], tokens),
             "clip_frac": _share(clipped, tokens),
             # sums of core.search.token_contributions (gradient definition, dual-clip included)
             "positive_share": _share(values["positive_contribution"], values["contribution"], float("nan")),
@@ -278,6 +282,8 @@ def clip_statistics(
     importance_weights: Tensor | None = None,
     entropy: Tensor | None = None,
     logits: Tensor | None = None,
+    clip_ratio: Tensor | None = None,
+    dropped: Tensor | None = None,
 ) -> ClipStats:
     """Additive statistics of one (micro-)batch; see ClipStats.finalize for what they become.
 
@@ -285,6 +291,10 @@ def clip_statistics(
     per-token [B, T] bounds; dual_clip: cap on the ratio of negative tokens (None = off);
     importance_weights: optional [B, T] per-token loss multipliers (rollout correction) weighting
     each token's |r*A| and the covariance; entropy: [B, T] or logits: [B, T, V] (optional).
+    clip_ratio: [B, T] the ratio the loss compared with its bounds when that is not the token
+    ratio (GSPO's sequence ratio on every token of the sequence); clipping and the positive share
+    read it, ratio/* and approx_kl stay the token ratio's. dropped: [B, T] bool, tokens the loss
+    removed from the gradient by a rule of its own (Clip-Cov, M2PO): X_t = 0, clip_frac/dropped.
 
     Quadrants split high/low probability per state, log pi(y_t) > -H_t (the paper's split), when
     per-token entropy is given, else at this batch's mean log pi. entropy_change_estimate is
@@ -302,17 +312,22 @@ def clip_statistics(
     if importance_weights is not None:
         weight = torch.where(counted, importance_weights.detach().to(dtype), 0.0)
     ratio = token_ratio(log_prob, old_log_prob)
+    bounded = ratio if clip_ratio is None else torch.where(counted, clip_ratio.detach().to(dtype), 1.0)
+    removed = counted & dropped.to(torch.bool) if dropped is not None else torch.zeros_like(counted)
 
     positive = counted & (advantages > 0)
     negative = counted & (advantages < 0)
-    clipped_upper = positive & (ratio > upper)
-    clipped_lower = negative & (ratio < lower)
-    clipped_dual = negative & (ratio > dual_clip) if dual_clip is not None else torch.zeros_like(counted)
-    carries_gradient = counted & ~clipped_upper & ~clipped_lower & ~clipped_dual
+    # a dropped token counts once, as dropped, whatever its ratio
+    clipped_upper = positive & (bounded > upper) & ~removed
+    clipped_lower = negative & (bounded < lower) & ~removed
+    clipped_dual = negative & (bounded > dual_clip) & ~removed if dual_clip is not None else torch.zeros_like(counted)
+    carries_gradient = counted & ~clipped_upper & ~clipped_lower & ~clipped_dual & ~removed
     # w*|r*A|*X_t per token (float64): the search's gradient definition, the one positive share
     positive_part, negative_part = token_contributions(
-        ratio, advantages, counted, lower, upper, weights=importance_weights, dual_clip=dual_clip
+        bounded, advantages, counted, lower, upper, weights=importance_weights, dual_clip=dual_clip
     )
+    if dropped is not None:
+        positive_part, negative_part = (torch.where(removed, 0.0, part) for part in (positive_part, negative_part))
     contribution = positive_part + negative_part
     if logits is not None and entropy is None:
         entropy = entropy_from_logits(logits)
@@ -329,6 +344,7 @@ def clip_statistics(
         "clipped_upper": clipped_upper.sum(),
         "clipped_lower": clipped_lower.sum(),
         "clipped_dual": clipped_dual.sum(),
+        "clipped_dropped": removed.sum(),
         "contribution": contribution.sum(),
         "positive_contribution": positive_part.sum(),
         **_quadrant_sums(

@@ -46,18 +46,32 @@ class TokenBatch:
     advantages: Tensor
     mask: Tensor
     importance_weights: Tensor | None = None  # [B, T] multipliers policy_loss applies to the token loss
+    # [B, T] log-probs of the proximal policy (decoupled PPO), detached; None unless the caller has them
+    proximal_log_prob: Tensor | None = None
 
 
 @dataclass
 class TokenLoss:
     """What a registered loss returns: loss [B, T], the ratio bounds in effect and the dual-clip
-    cap (None = off), so the diagnostics count exactly the tokens the loss clipped."""
+    cap (None = off), so the diagnostics count exactly the tokens the loss clipped.
+
+    ratio: [B, T] the ratio the bounds were compared with when it is not the token ratio (GSPO's
+    sequence ratio, repeated on each token of its sequence); None = batch.ratio. dropped: [B, T]
+    bool, tokens removed from the gradient by the loss's own rule rather than by a bound
+    (Clip-Cov, M2PO); the diagnostics count them in clip_frac/dropped."""
 
     loss: Tensor
     lower: float | Tensor
     upper: float | Tensor
     metrics: dict[str, float] = field(default_factory=dict)
     dual_clip: float | None = None
+    ratio: Tensor | None = None
+    dropped: Tensor | None = None
+
+
+def score(log_prob: Tensor) -> Tensor:
+    """exp(log pi - sg(log pi)): value 1, gradient that of log pi (a REINFORCE term's carrier)."""
+    return torch.exp(log_prob - log_prob.detach())
 
 
 # A registered loss: fn(batch: TokenBatch, **its keyword-only parameters) -> TokenLoss.
@@ -67,17 +81,26 @@ PolicyLossFn = Callable[..., TokenLoss]
 POLICY_LOSSES: dict[str, PolicyLossFn] = {}
 # The aggregation each method's paper uses; policy_loss(loss_agg_mode=None) picks it.
 PAPER_AGG_MODES: dict[str, str] = {}
+# The methods that read TokenBatch.proximal_log_prob (policy_loss(proximal_log_prob=...) required).
+PROXIMAL_METHODS: set[str] = set()
 
 
-def register_policy_loss(name: str, agg_mode: str = "token-mean") -> Callable[[PolicyLossFn], PolicyLossFn]:
+def register_policy_loss(
+    name: str, agg_mode: str = "token-mean", needs_proximal: bool = False
+) -> Callable[[PolicyLossFn], PolicyLossFn]:
     """Decorator: make a loss available to `policy_loss(method=name)` (and the integrations);
-    agg_mode: its paper's aggregation (one of LOSS_AGG_MODES)."""
+    agg_mode: its paper's aggregation (one of LOSS_AGG_MODES); needs_proximal: it reads the
+    proximal policy's log-probs (decoupled PPO), which the caller then must pass."""
     if agg_mode not in LOSS_AGG_MODES:
         raise ValueError(f"agg_mode: {agg_mode!r} is not one of {LOSS_AGG_MODES}")
 
     def register(fn: PolicyLossFn) -> PolicyLossFn:
         POLICY_LOSSES[name] = fn
         PAPER_AGG_MODES[name] = agg_mode
+        if needs_proximal:
+            PROXIMAL_METHODS.add(name)
+        else:
+            PROXIMAL_METHODS.discard(name)
         return fn
 
     return register
@@ -181,9 +204,8 @@ def topr_loss(batch: TokenBatch, *, level: str = "sequence", negative_ratio_max:
         )
         negative_weight = sequence_log_ratio.clamp(max=math.log(negative_ratio_max)).exp().expand_as(batch.ratio)
     weight = torch.where(batch.advantages >= 0, torch.ones_like(batch.ratio), negative_weight)
-    score = torch.exp(batch.log_prob - batch.log_prob.detach())
     # Nothing is clipped to zero gradient: diagnostics see the widest bounds.
-    return TokenLoss(-batch.advantages * weight * score, 0.0, float("inf"))
+    return TokenLoss(-batch.advantages * weight * score(batch.log_prob), 0.0, float("inf"))
 
 
 @register_policy_loss("dcpo", agg_mode="seq-mean-token-sum")
@@ -249,11 +271,19 @@ def aggregate_loss(
     return masked_loss.sum() / (normalizer if normalizer is not None else max(batch_size * length, 1))
 
 
+def nearest_name(word: str, options: Any, cutoff: float = 0.6) -> str | None:
+    """The option closest to a misspelt `word` (difflib), a transposition of its letters first
+    ('gpro' -> 'grpo', not 'gspo'); None when nothing is close."""
+    close = difflib.get_close_matches(word, list(options), n=3, cutoff=cutoff)
+    close.sort(key=lambda option: sorted(option) != sorted(word))  # stable: difflib's order otherwise
+    return close[0] if close else None
+
+
 def loss_parameters(method: str) -> list[str]:
     """The keyword parameters the registered loss `method` takes (e.g. whether it has dual_clip)."""
     if method not in POLICY_LOSSES:
-        near = difflib.get_close_matches(method, POLICY_LOSSES, n=1)
-        hint = f"; did you mean {near[0]!r}?" if near else ""
+        near = nearest_name(method, POLICY_LOSSES)
+        hint = f"; did you mean {near!r}?" if near else ""
         raise ValueError(f"method: unknown policy loss {method!r}{hint} Registered: {sorted(POLICY_LOSSES)}")
     return [name for name, p in inspect.signature(POLICY_LOSSES[method]).parameters.items() if p.kind is p.KEYWORD_ONLY]
 
@@ -306,6 +336,7 @@ def policy_loss(
     loss_agg_mode: str | None = None,
     normalizer: float | Tensor | None = None,
     importance_weights: Tensor | None = None,
+    proximal_log_prob: Tensor | None = None,
     entropy: Tensor | None = None,
     logits: Tensor | None = None,
     stats: ClipStats | None = None,
@@ -317,6 +348,8 @@ def policy_loss(
     log_prob: [B, T] current log-probs of the sampled tokens (carries grad); old_log_prob: [B, T]
     behaviour log-probs; advantages: [B, T] or [B]; mask: [B, T] 0/1; importance_weights: [B, T]
     optional detached per-token weights (rollout/training mismatch) multiplying the loss;
+    proximal_log_prob: [B, T] log-probs of the proximal policy, for the methods in
+    PROXIMAL_METHODS (decoupled PPO; required there, refused elsewhere);
     entropy [B, T] / logits [B, T, V]: optional, for the entropy diagnostic and the per-state
     quadrant split. loss_agg_mode: None = the method's paper's (PAPER_AGG_MODES). normalizer:
     the denominator of the whole update (> 0), see aggregate_loss. params: the method's own
@@ -327,11 +360,19 @@ def policy_loss(
     for float64 inputs; metrics).
     """
     fn = _check_params(method, params)
+    if (proximal_log_prob is None) == (method in PROXIMAL_METHODS):
+        raise ValueError(
+            f"proximal_log_prob: method {method!r} needs the proximal policy's log-probs [B, T]"
+            if proximal_log_prob is None
+            else f"proximal_log_prob: method {method!r} does not read it; only {sorted(PROXIMAL_METHODS)} do"
+        )
     loss_agg_mode = PAPER_AGG_MODES[method] if loss_agg_mode is None else loss_agg_mode
     if validate:
         named = {"log_prob": log_prob, "old_log_prob": old_log_prob, "advantages": advantages}
         if importance_weights is not None:
             named["importance_weights"] = importance_weights
+        if proximal_log_prob is not None:
+            named["proximal_log_prob"] = proximal_log_prob
         checks: tuple = ()
         if isinstance(normalizer, Tensor):
             checks = (
@@ -350,7 +391,10 @@ def policy_loss(
     weights = None
     if importance_weights is not None:
         weights = torch.where(counted, importance_weights.detach().to(dtype), 0.0)
-    batch = TokenBatch(log_prob, old_log_prob, token_ratio(log_prob, old_log_prob), advantages, mask, weights)
+    proximal = None
+    if proximal_log_prob is not None:
+        proximal = torch.where(counted, proximal_log_prob.detach().to(dtype), 0.0)
+    batch = TokenBatch(log_prob, old_log_prob, token_ratio(log_prob, old_log_prob), advantages, mask, weights, proximal)
     result = fn(batch, **params)
     token_loss = result.loss
     if weights is not None:
@@ -367,6 +411,8 @@ def policy_loss(
         importance_weights=weights,
         entropy=entropy,
         logits=logits,
+        clip_ratio=result.ratio,
+        dropped=result.dropped,
     )
     if stats is not None:
         stats.add_(batch_stats)

@@ -24,6 +24,9 @@ import torch
 from torch import Tensor
 
 from bapo.core import (
+    BATCH_LEVEL_METHODS,
+    POLICY_LOSSES,
+    PROXIMAL_METHODS,
     BAPOConfig,
     BAPOStep,
     clip_diagnostics,
@@ -60,6 +63,20 @@ METHODS: dict[str, tuple[str, dict]] = {
 }
 if EntropyTargetController is not None:  # rho0 steered so that entropy holds its early level
     METHODS["bapo-entropy"] = ("bapo", {"bapo": BAPOConfig(target_mode="entropy")})
+
+
+def method_loss(name: str) -> tuple[str, dict]:
+    """A lab method's registered loss and parameters: its METHODS entry, or any other registered
+    loss by its own name with its defaults (e.g. Cell("gspo")), outside the default plan. Not
+    decoupled PPO: the lab keeps no proximal policy."""
+    if name in METHODS:
+        return METHODS[name]
+    if name in POLICY_LOSSES and name not in PROXIMAL_METHODS:
+        return name, {}
+    raise ValueError(
+        f"method: {name!r} is not one of {sorted(METHODS)} nor a registered loss the lab can run "
+        f"({sorted(set(POLICY_LOSSES) - PROXIMAL_METHODS - set(METHODS))})"
+    )
 
 
 @dataclass(frozen=True)
@@ -150,6 +167,8 @@ def _loss_groups(
     bounds per seed (as the trainer does per update: `steps`, one BAPOStep per seed, each begun
     for this update) and seeds that found the same bounds share a group."""
     seed_count = ratio.shape[0]
+    if method in BATCH_LEVEL_METHODS:  # selections over the batch: each seed's own
+        return [([seed], params) for seed in range(seed_count)], {}
     if method != "bapo":
         return [(list(range(seed_count)), params)], {}
     if steps is None:
@@ -180,7 +199,9 @@ def _update(
     steps: list[BAPOStep] | None = None,
 ) -> dict[str, Tensor]:
     """One optimizer update of every seed on its mini-batch rows [S, b]; returns per-seed metrics [S]."""
-    method, params = METHODS[cell.method]
+    method, params = method_loss(cell.method)
+    # a METHODS entry's own aggregation (all token sums at normalizer 1); another loss's token sum
+    agg_mode = None if cell.method in METHODS else "token-mean"
     seed_count = rows.shape[0]
 
     def pick(values: Tensor) -> Tensor:  # each seed's mini-batch rows of a [S, B] or [S, B, D] tensor
@@ -205,6 +226,7 @@ def _update(
             advantages[members].reshape(-1),
             mask[members].reshape(-1, length),
             method,
+            loss_agg_mode=agg_mode,
             normalizer=1.0,
             **group_params,
         )
@@ -259,8 +281,7 @@ def _update(
 
 def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
     """Train every seed of `cell` for cfg.rollout_steps rollout steps; deterministic per seed."""
-    if cell.method not in METHODS:
-        raise ValueError(f"method: {cell.method!r} is not one of {sorted(METHODS)}")
+    method_loss(cell.method)  # a method the lab can run, or ValueError naming them
     seeds = list(range(cfg.first_seed, cfg.first_seed + cfg.seeds))
     train_cfg = cfg.train_config(cell)  # validates E and k the way `bapo train` does
     instances = [cfg.task.instance(seed) for seed in seeds]
@@ -277,7 +298,7 @@ def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
     while len(buffer.batches) < buffer.warmup:  # FIFO warm-up: batches of the start policy
         buffer.push(_rollout(logits, answers, cfg, generators, version))
     rows_per_batch = cfg.task.prompts * cfg.group_size
-    method, params = METHODS[cell.method]
+    method, params = method_loss(cell.method)
     # One BAPOStep per seed (its adaptive target fed the entropy of each update, as a trainer would).
     steps = [BAPOStep(params.get("bapo", BAPOConfig())) for _ in seeds] if method == "bapo" else []
     adaptive = bool(steps) and steps[0].config.target_mode == "entropy"

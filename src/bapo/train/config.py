@@ -7,7 +7,6 @@ nearest valid name, a bad value names the field and what would fix it.
 from __future__ import annotations
 
 import contextlib
-import difflib
 import math
 import os
 import re
@@ -160,11 +159,17 @@ BAPOSection = create_model(
 
 
 class LossSection(Section):
-    method: str = Field("grpo", description="grpo | clip-higher | dual-clip | topr | dcpo | bapo")
+    method: str = Field(
+        "grpo",
+        description="a registered bapo.core loss: grpo | clip-higher | dual-clip | topr | dcpo | bapo, or a peer: "
+        "gspo | cispo | cispo-verl | sapo | gmpo | clip-cov | kl-cov | m2po | m2po-official | decoupled-ppo "
+        "(docs/CORE.md)",
+    )
     agg_mode: str | None = Field(
         None,
         description="token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm; "
-        "null = the method's paper's (bapo.core.PAPER_AGG_MODES: token-mean, dcpo and topr seq-mean-token-sum)",
+        "null = the method's paper's (bapo.core.PAPER_AGG_MODES: token-mean; dcpo, topr seq-mean-token-sum; "
+        "gspo, sapo, gmpo seq-mean-token-mean)",
     )
     advantages: Literal["auto", "group", "dcpo_smooth"] = Field(
         "auto",
@@ -340,8 +345,10 @@ class TrainConfig(Section):
 
 
 def _suggest(word: str, options) -> str:
-    close = difflib.get_close_matches(word, list(options), n=1, cutoff=0.5)
-    return f" (did you mean {close[0]!r}?)" if close else ""
+    from bapo.core.losses import nearest_name
+
+    close = nearest_name(word, options, cutoff=0.5)
+    return f" (did you mean {close!r}?)" if close else ""
 
 
 # -- YAML ---------------------------------------------------------------------------------------

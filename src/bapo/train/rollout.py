@@ -42,6 +42,8 @@ class Batch:
     truncated: Tensor  # [N] bool: reached max_new_tokens without EOS / stop string
     example_idx: Tensor  # [N] int64, row of the dataset
     ref_log_prob: Tensor | None = None  # [N, R] reference-model log-prob (only with loss.kl_coef > 0)
+    # [N, R] proximal-policy log-prob: the weights before this batch's first update (decoupled PPO only)
+    proximal_log_prob: Tensor | None = None
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -72,6 +74,7 @@ class Batch:
             "old_log_prob": 0.0,
             "versions": -1,
             "ref_log_prob": 0.0,
+            "proximal_log_prob": 0.0,
         }
         out = {}
         for spec in fields(Batch):

@@ -21,7 +21,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from bapo.core import BAPOStep
+from bapo.core import PROXIMAL_METHODS, BAPOStep
 from bapo.train.buffer import BatchBuffer, minibatch_order
 from bapo.train.checkpoint import (
     CheckpointError,
@@ -40,7 +40,7 @@ from bapo.train.metrics import MetricsLog, NoSignalWarning, ProgressFn, make_pro
 from bapo.train.rewards import resolve_verifier
 from bapo.train.rollout import Batch, Rollout, batched_log_probs
 from bapo.train.rundir import RunLock, check_resume_config, holds_run
-from bapo.train.update import optimizer_update
+from bapo.train.update import optimizer_update, with_proximal_log_prob
 
 OnUpdate = Callable[[int, object, object], "dict | None"]  # (optimizer updates done, model, tokenizer)
 
@@ -453,6 +453,10 @@ class Trainer:
             len(batch), offpolicy.mini_batches, offpolicy.epochs, self.cfg.run.seed, self.rollout_steps_done
         )
         first_version = self.version
+        if self.cfg.loss.method in PROXIMAL_METHODS and len(batch):
+            # decoupled PPO's proximal policy: these weights, before the batch's first update (a copy:
+            # the buffer's batch, which replay may serve again, keeps none)
+            batch = with_proximal_log_prob(self.model, batch, self.cfg)
         for slot, (epoch, rows_idx) in enumerate(updates):
             # the policy version is derived from the slot, so a batch always advances it by exactly
             # updates_per_batch (also for callers that drive rollout_step/update_step themselves)

@@ -4,15 +4,16 @@ entropy terms, gradient clipping, and skipping of non-finite updates."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
 import torch
 
 from bapo.core import BAPOStep, ClipStats, aggregate_loss, k3_kl, policy_loss, token_ratio
-from bapo.core.losses import resolve_loss_params
+from bapo.core.losses import PROXIMAL_METHODS, resolve_loss_params
 from bapo.train.config import TrainConfig
-from bapo.train.rollout import Batch, token_log_probs
+from bapo.train.rollout import Batch, batched_log_probs, token_log_probs
 
 
 def _normalizer(cfg: TrainConfig, batch: Batch) -> float:
@@ -57,6 +58,21 @@ def _observe_update(model, micro: list[Batch], cfg: TrainConfig, bapo_step: BAPO
                 )
             ratio = token_ratio(log_prob, mb.old_log_prob)
         bapo_step.observe(ratio, mb.advantages, mb.response_mask, behaviour_log_prob=mb.old_log_prob)
+
+
+def with_proximal_log_prob(model, batch: Batch, cfg: TrainConfig) -> Batch:
+    """`batch` with its proximal log-probs (decoupled PPO): a no-grad forward of the current
+    weights, i.e. the policy before the first of the updates this batch is about to get."""
+    proximal = batched_log_probs(
+        model,
+        batch.prompt_ids,
+        batch.prompt_mask,
+        batch.response_ids,
+        batch.response_mask,
+        cfg.rollout.temperature,
+        cfg.rollout.logprob_batch_size,
+    )
+    return dataclasses.replace(batch, proximal_log_prob=proximal.to(batch.old_log_prob.device))
 
 
 def loss_params(cfg: TrainConfig) -> dict:
@@ -104,6 +120,7 @@ def _micro_batch_loss(
         normalizer=normalizer,
         entropy=entropy,
         stats=stats,
+        **({} if mb.proximal_log_prob is None else {"proximal_log_prob": mb.proximal_log_prob}),
         **params,
     )
     terms = {"loss": metrics.pop("loss")}
@@ -155,6 +172,8 @@ def optimizer_update(
     search needs no extra forward.
     """
     start = time.perf_counter()
+    if cfg.loss.method in PROXIMAL_METHODS and batch.proximal_log_prob is None:
+        batch = with_proximal_log_prob(model, batch, cfg)  # this update is the first on `batch`
     micro = [
         batch.select(torch.arange(s, min(s + cfg.optim.micro_batch_size, len(batch))))
         for s in range(0, len(batch), cfg.optim.micro_batch_size)

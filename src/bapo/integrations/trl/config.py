@@ -14,7 +14,7 @@ from typing import Any
 
 from trl import GRPOConfig
 
-from bapo.core import POLICY_LOSSES, BAPOConfig
+from bapo.core import POLICY_LOSSES, PROXIMAL_METHODS, BAPOConfig
 from bapo.core.losses import configurable_parameters, resolve_loss_params
 from bapo.core.search import PRESETS
 
@@ -138,6 +138,11 @@ class BAPOGRPOConfig(_BAPOConfigFields, GRPOConfig):
         """Raise ValueError, naming the field, for TRL options bapo's losses do not implement."""
         if self.bapo_method not in POLICY_LOSSES:
             raise ValueError(f"bapo_method: {self.bapo_method!r} is not one of {sorted(POLICY_LOSSES)}")
+        if self.bapo_method in PROXIMAL_METHODS:
+            raise ValueError(
+                f"bapo_method: {self.bapo_method!r} needs a proximal policy's log-probs, which this trainer "
+                "does not compute; use `bapo train` for it"
+            )
         if self.loss_type not in LOSS_TYPE_TO_AGG_MODE:
             raise ValueError(
                 f"loss_type: {self.loss_type!r} is TRL's own surrogate, not an aggregation; with bapo use one of "
