@@ -2,6 +2,7 @@
 
 import json
 import math
+import statistics
 from dataclasses import asdict
 from pathlib import Path
 
@@ -91,3 +92,16 @@ def test_leaderboard_ranks_every_method_with_its_interval_and_verdict():
     assert lower_is_better[0].versus.verdict == "held"
     table = leaderboard_markdown(board)
     assert "| E=4 | m2po | 0.7233 [" in table and "**held**" in table and "(baseline)" in table
+
+
+def test_detectable_effect_follows_the_seed_spread_and_the_t_quantiles():
+    from bapo.analysis.claims import detectable_effect, mean_interval
+
+    effects = [0.02, 0.05, 0.08, 0.03, 0.07]
+    mean, low, high = mean_interval(effects)
+    standard_error = statistics.stdev(effects) / math.sqrt(len(effects))
+    assert detectable_effect(low, high, 5) == pytest.approx((2.776 + 0.941) * standard_error, rel=1e-3)
+    # more seeds with the same spread detect a smaller effect; one seed detects nothing
+    _, low10, high10 = mean_interval(effects * 2)
+    assert detectable_effect(low10, high10, 10) < detectable_effect(low, high, 5)
+    assert math.isnan(detectable_effect(math.nan, math.nan, 1))

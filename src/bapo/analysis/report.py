@@ -12,7 +12,7 @@ import math
 from collections.abc import Callable
 from pathlib import Path
 
-from bapo.analysis.claims import Claim, claims_markdown, mean_interval
+from bapo.analysis.claims import Claim, claims_markdown, detectable_effect, mean_interval
 from bapo.analysis.run_claims import grad_spike
 from bapo.analysis.runs import Run, group_runs
 
@@ -106,8 +106,9 @@ def _verdict_counts(claims: list[Claim]) -> str:
 
 def headline(claims: list[Claim], lab_claims: list[Claim] = ()) -> list[str]:
     """A few lines of what the runs show: the verdict counts, then one line per headline claim
-    (HEADLINE_CLAIMS) with each setting's verdict, effect and 95% interval. Printed at the end of
-    `bapo demo` and leading report.md."""
+    (HEADLINE_CLAIMS) with each setting's verdict, effect and 95% interval, and the smallest effect
+    the plan detects with 80% power (from the seed spread; the largest over the settings). Printed
+    at the end of `bapo demo` and leading report.md."""
     lines = [f"Mechanism lab (exact softmax): {_verdict_counts(list(lab_claims))}."] if lab_claims else []
     lines.append(f"Tiny LLM: {_verdict_counts(claims)}.")
     for family in HEADLINE_CLAIMS:
@@ -120,7 +121,10 @@ def headline(claims: list[Claim], lab_claims: list[Claim] = ()) -> list[str]:
             numbers = f" ({c.detail})" if c.id == family and c.detail else ""
             interval = f"[{c.low:+.3f}, {c.high:+.3f}]" if math.isfinite(c.low) else f"(no interval: {c.seeds} seed)"
             cells.append(f"{where}**{c.verdict}** {c.effect:+.3f} {interval}{numbers}")
-        lines.append(f"{members[0].text}: " + "; ".join(cells))
+        detectable = [detectable_effect(c.low, c.high, c.seeds) for c in members]
+        finite = [value for value in detectable if math.isfinite(value)]
+        power = f" (detectable with 80% power: {max(finite):.3f})" if finite else ""
+        lines.append(f"{members[0].text}: " + "; ".join(cells) + power)
     return lines
 
 
