@@ -92,6 +92,30 @@ def test_demo_produces_every_file_and_ends_with_its_headline(tmp_path, monkeypat
     assert all(set(c) >= {"id", "held", "effect", "interval", "seeds"} for c in claims)
     info = read_json(out / "demo.json")
     assert set(info["timings_s"]) >= {"warm start", "total", *names} and set(info["cpu_s"]) >= set(names)
+    check_results_tables_regenerate(out, tmp_path, report)
+
+
+def check_results_tables_regenerate(out, tmp_path, report):
+    """scripts/demo_tables.py replaces exactly the marked block of a results file with this run's
+    headline, claims and per-run tables, the same numbers as report.md."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    results = tmp_path / "RESULTS.md"
+    start, end = "<!-- DEMO_TABLES:START (scripts/demo_tables.py) -->", "<!-- DEMO_TABLES:END -->"
+    results.write_text(f"# Results\nbefore\n{start}\nold numbers\n{end}\nafter\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root / "src"), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, str(root / "scripts" / "demo_tables.py"), str(out), "--write", str(results)]
+    done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    text = results.read_text()
+    assert text.startswith("# Results\nbefore\n" + start) and text.endswith(end + "\nafter\n")
+    assert "old numbers" not in text and "- Tiny LLM: " in text
+    per_run = report[report.index("| setting | method | seeds |") :].split("\n\n")[0]
+    assert per_run in text  # the per-run table, cell for cell as in report.md
 
 
 def test_a_run_is_deterministic_per_seed(tmp_path):
