@@ -82,7 +82,7 @@ def test_holds_entropy_in_a_band_on_a_plant_that_follows_the_entropy_clip_rule()
 def test_reacts_in_the_documented_direction_on_a_tabular_softmax_policy():
     """A 16-action softmax bandit trained with policy_loss(method="bapo") on 3-update-stale
     samples: the entropy falls, and the controller answers by raising rho0 toward target_max.
-    (On this plant a higher rho0 does not hold entropy up: learning speed dominates; see README.)"""
+    (On this plant a higher rho0 does not hold entropy up: learning speed dominates; see docs/CORE.md.)"""
     generator = torch.Generator().manual_seed(0)
     logits = torch.zeros(16, requires_grad=True)
     optimizer = torch.optim.SGD([logits], lr=0.5)

@@ -62,7 +62,7 @@ class RunSpec:
 @dataclass(frozen=True)
 class DemoPlan:
     """What a demo profile runs. Sizes were chosen so that on-policy GRPO improves held-out
-    accuracy on the built-in task within `rollout_steps` rollout steps (measured, see the README)."""
+    accuracy on the built-in task within `rollout_steps` rollout steps (measured, see docs/DEMO.md)."""
 
     methods: tuple[str, ...] = CLIPPED_SURROGATES
     staleness_e: tuple[int, ...] = (0, 2, 4)  # the paper's E: E+1 updates per rollout batch
@@ -75,7 +75,7 @@ class DemoPlan:
     prompts_per_batch: int = 15  # 15 x 8 = 120 responses: divisible by E+1 = 1, 2, 3, 4, 5, 6, 8
     group_size: int = 8
     segment_tokens: int = 8  # partial rollout: new tokens per generation pass
-    lr: float = 1e-4  # 3e-4 and 1e-3 lowered held-out accuracy on-policy (measured, README)
+    lr: float = 1e-4  # 3e-4 and 1e-3 lowered held-out accuracy on-policy (measured, docs/DEMO.md)
     bapo_target: float = 0.4  # the paper's rho0, not tuned here
     eval_every: int = 10  # rollout steps between held-out checks during training
     eval_prompts: int = 64  # held-out prompts in those checks ...

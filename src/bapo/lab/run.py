@@ -95,7 +95,7 @@ class Cell:
 
 @dataclass(frozen=True)
 class LabConfig:
-    """The regime (see README "mechanism lab" for why these values).
+    """The regime (see docs/LAB.md for why these values).
 
     lr: SGD step on the logits; group_size: G responses per prompt; rollout_steps: per cell
     (equal samples in every cell; updates = rollout_steps * (E + 1)); seeds: how many; share_methods:
