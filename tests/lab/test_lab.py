@@ -314,7 +314,7 @@ def test_peers_plan_runs_every_lab_method_at_every_setting():
         plan_for(quick=True, peers=True)
 
 
-def test_peers_leaderboards_rank_every_method_in_every_setting(tmp_path):
+def test_peers_leaderboards_rank_every_method_in_every_setting(tmp_path, monkeypatch):
     """A tiny peers run (2 seeds, 3 batches, E 0 and 2, delay 2): one row per method and setting
     with a finite mean in every leaderboard (the share one: the clipped methods only), each vs grpo;
     printed by `bapo lab --peers`, written to report.md and claims.json."""
@@ -355,3 +355,19 @@ def test_peers_leaderboards_rank_every_method_in_every_setting(tmp_path):
     assert "### grad-norm CV" in report and "| E=0, async delay 2 | gspo |" in board and board in report
     ids = {row["id"] for row in json.loads((out / "claims.json").read_text())}
     assert "mean reward-gspo-vs-grpo-E=0, async delay 2" in ids and {c.id for c in claims} < ids
+
+    import bapo.lab.lab
+
+    small = peers_plan(plan.config, ("grpo", "m2po"), (0,), ())
+    monkeypatch.setattr(bapo.lab.lab, "plan_for", lambda *args, **kwargs: small)  # `bapo lab --peers`, tiny
+    result = CliRunner().invoke(
+        app, ["lab", "--peers", "--json", "--jobs", "1", "--no-plots", "--out", str(tmp_path / "c")]
+    )
+    assert result.exit_code == 0, result.output
+    assert "m2po" in result.output and json.loads(result.output) == json.loads(
+        (tmp_path / "c" / "claims.json").read_text()
+    )
+    printed = CliRunner().invoke(app, ["lab", "--peers", "--jobs", "1", "--no-plots", "--out", str(tmp_path / "p")])
+    assert printed.exit_code == 0, printed.output
+    assert "bapo lab --peers: leaderboards" in printed.output and "| E=0 | m2po |" in printed.output
+    assert (tmp_path / "p" / "leaderboards.md").read_text() in printed.output

@@ -30,8 +30,8 @@ def lab(
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     claims, out_dir = run_lab(out, plan=plan, jobs=jobs, plots=plots)
-    if as_json:
-        typer.echo(claims_json(claims))
+    if as_json:  # with --peers, the leaderboards' vs-grpo claims too (claims.json)
+        typer.echo((out_dir / "claims.json").read_text().rstrip("\n") if peers else claims_json(claims))
         return
     _print_table(claims)
     boards = out_dir / "leaderboards.md"
