@@ -152,3 +152,19 @@ def test_profiles_make_valid_trainer_configs(tmp_path):
     specs = PROFILES["default"].runs()
     assert len(specs) == 3 * (1 + 4 * 2) and RunSpec("grpo", 0, seed=2) in specs
     assert RunSpec("bapo", 0, seed=0) not in specs  # identical to grpo on-policy
+
+
+@pytest.mark.slow
+def test_the_demo_pipeline_trains_every_peer_in_every_setting(tmp_path):
+    """What `bapo demo --full` adds (PEERS), two rollout steps each on the tiny plan: every peer
+    trains at E 0 and 1, with an async delay and with partial rollouts (decoupled-ppo keeping its
+    proximal policy), and the report is written."""
+    from bapo.demo.demo import PEERS
+
+    plan = replace(PLAN, methods=("grpo", *PEERS))
+    out = run_demo(plan, tmp_path / "demo", jobs=1, show_progress=False)
+    for peer in PEERS:
+        for setting in ("E0", "E1", "E0-asyncdelay1", "E0-partialrollout"):
+            rows = (out / f"{peer}-{setting}-seed0" / "metrics.jsonl").read_text().splitlines()
+            assert len(rows) == 2 * (2 if setting == "E1" else 1), (peer, setting)
+    assert (out / "report.md").exists()

@@ -1,4 +1,5 @@
 import random
+from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
@@ -106,3 +107,22 @@ def test_heldout_split_is_fixed_and_disjoint():
 def test_too_small_task_space_fails_loudly():
     with pytest.raises(ValueError, match="too few distinct"):
         make_split(TaskConfig(max_number=3, n_train=1000, n_heldout=8))
+
+
+def test_the_full_demo_profile_runs_every_peer_bapo_train_supports():
+    """`bapo demo --full` names every registered loss (the peers included) in every setting; not run here."""
+    from bapo.core import POLICY_LOSSES
+    from bapo.demo.demo import PEERS, plan_for, train_config
+
+    runs = plan_for("full").runs()
+    assert set(PEERS) == set(POLICY_LOSSES) - {"grpo", "clip-higher", "dual-clip", "topr", "dcpo", "bapo"}
+    assert {run.method for run in runs} == set(POLICY_LOSSES)
+    for peer in PEERS:  # at every E, the async delay and the partial rollout (a peer is not a shared E=0 run)
+        settings = {run.setting for run in runs if run.method == peer}
+        assert settings == {"E=0", "E=2", "E=4", "E=7", "E=0, async delay 4", "E=0, partial rollout"}, peer
+    for run in runs:  # the config `bapo train` gets for each run validates
+        assert (
+            train_config(plan_for("full"), run, Path("model"), Path("train.jsonl"), Path("out")).loss.method
+            == run.method
+        )
+    assert {run.method for run in plan_for("default").runs()} == {"grpo", "clip-higher", "dual-clip", "bapo"}

@@ -290,3 +290,84 @@ def test_any_registered_loss_runs_by_name_and_each_seed_alone(method):
 def test_the_lab_refuses_decoupled_ppo_it_keeps_no_proximal_policy():
     with pytest.raises(ValueError, match="method: 'decoupled-ppo' is not one of"):
         run_cell(Cell("decoupled-ppo"), TINY)
+
+
+def test_peers_plan_runs_every_lab_method_at_every_setting():
+    """`bapo lab --peers`: every registered loss the lab runs (not decoupled-ppo), at E 0/2/4/8 and
+    async delay 2/4/8/16/64, no claim-2 variants; the default plan is unchanged."""
+    from bapo.core import POLICY_LOSSES
+    from bapo.lab.lab import LabPlan, peer_methods, plan_for
+
+    methods = peer_methods()
+    assert set(methods) == set(POLICY_LOSSES) - {"decoupled-ppo"} and methods[0] == "grpo"
+    plan = plan_for(peers=True)
+    assert plan.config.seeds == 20 and plan_for(peers=True, seeds=3).config.seeds == 3
+    settings = ["E=0", "E=2", "E=4", "E=8"] + [f"E=0, async delay {k}" for k in (2, 4, 8, 16, 64)]
+    assert plan.settings() == settings
+    assert sorted(c.name for c in plan.cells()) == sorted(
+        Cell(m, e, k).name
+        for m in methods
+        for e, k in [(0, 0), (2, 0), (4, 0), (8, 0)] + [(0, k) for k in (2, 4, 8, 16, 64)]
+    )
+    assert plan_for() == LabPlan()  # the default lab is unchanged
+    with pytest.raises(ValueError, match="choose one"):
+        plan_for(quick=True, peers=True)
+
+
+def test_peers_leaderboards_rank_every_method_in_every_setting(tmp_path, monkeypatch):
+    """A tiny peers run (2 seeds, 3 batches, E 0 and 2, delay 2): one row per method and setting
+    with a finite mean in every leaderboard (the share one: the clipped methods only), each vs grpo;
+    printed by `bapo lab --peers`, written to report.md and claims.json."""
+    from bapo.lab.lab import PEER_SHARE_METHODS, peer_methods, peers_plan, plan_leaderboards, run_cell, run_lab
+
+    plan = peers_plan(LabConfig(**{**TINY.__dict__, "seeds": 2}), staleness=(0, 2), delays=(2,))
+    methods, settings = peer_methods(), ["E=0", "E=2", "E=0, async delay 2"]
+    runs = [run_cell(cell, plan.config) for cell in plan.cells()]
+    boards = plan_leaderboards(runs, plan)
+    assert [metric for metric, _, _ in boards] == [
+        "reward at the end",
+        "mean reward",
+        "entropy at the end",
+        "grad-norm CV",
+        "share distance",
+    ]
+    for metric, _, standings in boards:
+        expected = PEER_SHARE_METHODS if metric == "share distance" else methods
+        assert sorted((r.setting, r.method) for r in standings) == sorted((s, m) for s in settings for m in expected)
+        assert all(math.isfinite(r.mean) and r.seeds == 2 for r in standings), metric
+        assert all((r.versus is None) == (r.method == "grpo") for r in standings)
+    cv = [r.mean for r in boards[3][2] if r.setting == "E=2"]
+    assert cv == sorted(cv)  # lower is better: ranked ascending
+
+    from typer.testing import CliRunner
+
+    from bapo.cli.main import app
+
+    help_text = CliRunner().invoke(app, ["lab", "--help"]).output
+    assert "--peers" in help_text
+    result = CliRunner().invoke(app, ["lab", "--peers", "--quick"])
+    assert result.exit_code != 0 and "choose one" in result.output
+
+    claims, out = run_lab(
+        tmp_path, plan=peers_plan(plan.config, ("grpo", "bapo", "gspo"), (0,), (2,)), jobs=1, plots=False
+    )
+    report, board = (out / "report.md").read_text(), (out / "leaderboards.md").read_text()
+    assert "### grad-norm CV" in report and "| E=0, async delay 2 | gspo |" in board and board in report
+    ids = {row["id"] for row in json.loads((out / "claims.json").read_text())}
+    assert "mean reward-gspo-vs-grpo-E=0, async delay 2" in ids and {c.id for c in claims} < ids
+
+    import bapo.lab.lab
+
+    small = peers_plan(plan.config, ("grpo", "m2po"), (0,), ())
+    monkeypatch.setattr(bapo.lab.lab, "plan_for", lambda *args, **kwargs: small)  # `bapo lab --peers`, tiny
+    result = CliRunner().invoke(
+        app, ["lab", "--peers", "--json", "--jobs", "1", "--no-plots", "--out", str(tmp_path / "c")]
+    )
+    assert result.exit_code == 0, result.output
+    assert "m2po" in result.output and json.loads(result.output) == json.loads(
+        (tmp_path / "c" / "claims.json").read_text()
+    )
+    printed = CliRunner().invoke(app, ["lab", "--peers", "--jobs", "1", "--no-plots", "--out", str(tmp_path / "p")])
+    assert printed.exit_code == 0, printed.output
+    assert "bapo lab --peers: leaderboards" in printed.output and "| E=0 | m2po |" in printed.output
+    assert (tmp_path / "p" / "leaderboards.md").read_text() in printed.output

@@ -9,6 +9,12 @@ import typer
 
 def lab(
     quick: bool = typer.Option(False, "--quick", help="6 seeds, 12 rollout batches, grpo and bapo at E 0 and 4"),
+    peers: bool = typer.Option(
+        False,
+        "--peers",
+        help="every lab-capable method (grpo, clip-higher, dual-clip, bapo, topr, dcpo and the peers of "
+        "bapo.core.peers) at E 0/2/4/8 and async delay 2/4/8/16/64, each at its defaults; leaderboards vs grpo",
+    ),
     seeds: int | None = typer.Option(None, "--seeds", help="seeds per cell (default 20)"),
     out: Path | None = typer.Option(None, "--out", help="output dir (default runs/lab-<timestamp>)"),
     jobs: int | None = typer.Option(None, "--jobs", help="processes (default: one per CPU core)"),
@@ -20,14 +26,20 @@ def lab(
     from bapo.lab.lab import plan_for, run_lab
 
     try:
-        plan = plan_for(quick, seeds)
+        plan = plan_for(quick, seeds, peers=peers)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     claims, out_dir = run_lab(out, plan=plan, jobs=jobs, plots=plots)
-    if as_json:
-        typer.echo(claims_json(claims))
+    if as_json:  # with --peers, the leaderboards' vs-grpo claims too (claims.json)
+        typer.echo((out_dir / "claims.json").read_text().rstrip("\n") if peers else claims_json(claims))
         return
     _print_table(claims)
+    boards = out_dir / "leaderboards.md"
+    if peers and boards.exists():
+        typer.echo(
+            "\nbapo lab --peers: leaderboards (mean [95% interval] over seeds; vs grpo paired by seed, > 0 = better)\n"
+        )
+        typer.echo(boards.read_text())
     typer.echo(f"report: {out_dir / 'report.md'}")
 
 

@@ -30,6 +30,20 @@ VERIFIER = "bapo.demo.task:verify"
 # methods whose loss is the same clipped surrogate: on-policy (E=0, no delay) every ratio is
 # exactly 1, nothing is clipped, so their runs are identical and one run stands for them all
 CLIPPED_SURROGATES = ("grpo", "clip-higher", "dual-clip", "bapo")
+# the peer losses of bapo.core.peers (docs/CORE.md), each at its defaults: `bapo train` runs every
+# one as loss.method=<name> (decoupled-ppo with the proximal policy it keeps); --full adds them
+PEERS = (
+    "gspo",
+    "cispo",
+    "cispo-verl",
+    "sapo",
+    "gmpo",
+    "clip-cov",
+    "kl-cov",
+    "m2po",
+    "m2po-official",
+    "decoupled-ppo",
+)
 
 
 @dataclass(frozen=True)
@@ -119,7 +133,7 @@ PROFILES = {
     ),
     "default": DemoPlan(),
     "full": DemoPlan(
-        methods=("grpo", "clip-higher", "dual-clip", "topr", "dcpo", "bapo"),
+        methods=("grpo", "clip-higher", "dual-clip", "topr", "dcpo", "bapo", *PEERS),
         staleness_e=(0, 2, 4, 7),
         async_delays=(4,),
         partial_rollout=True,

@@ -15,8 +15,10 @@ from pathlib import Path
 
 import torch
 
-from bapo.analysis.claims import Claim, claims_json
-from bapo.lab.claims import CLAIM2_METHODS, lab_claims
+from bapo.analysis.claims import Claim, Standing, claims_json, leaderboard, leaderboard_markdown
+from bapo.analysis.runs import setting_name
+from bapo.core import POLICY_LOSSES, PROXIMAL_METHODS
+from bapo.lab.claims import CLAIM2_METHODS, EFFECT_RESOLUTION, cell_values, lab_claims, lab_measures
 from bapo.lab.run import METHODS, Cell, CellRun, LabConfig, run_cell
 
 
@@ -24,6 +26,35 @@ def compared_methods() -> tuple[str, ...]:
     """Every method of METHODS but claim 2's bound variants, in METHODS order: a method added
     there runs at every E of the default plan and joins the report's leaderboards."""
     return tuple(method for method in METHODS if method not in CLAIM2_METHODS)
+
+
+def peer_methods() -> tuple[str, ...]:
+    """`bapo lab --peers`' methods: grpo, clip-higher, dual-clip and bapo (their METHODS entries),
+    then every other registered loss the lab runs (topr, dcpo and the peers of bapo.core.peers, in
+    POLICY_LOSSES order, each with its own defaults; not decoupled-ppo, which needs a proximal
+    policy). The adaptive-target variant bapo-entropy is left out (not a paper default)."""
+    own = ("grpo", "clip-higher", "dual-clip", "bapo")
+    rest = [m for m in POLICY_LOSSES if m not in METHODS and m not in PROXIMAL_METHODS]
+    return own + tuple(rest)
+
+
+# (lab measure, sign: +1 = higher is better, what it ranks) of `bapo lab --peers`' leaderboards
+PEER_LEADERBOARDS: tuple[tuple[str, int, str], ...] = (
+    ("reward at the end", 1, "exact expected reward after the last update (equal samples)"),
+    ("mean reward", 1, "exact reward averaged over the run's rollout steps (learning speed)"),
+    ("entropy at the end", 1, "exact on-policy entropy after the last update (equal samples)"),
+    ("grad-norm CV", -1, "std / mean of the per-update gradient norm (lower = more stable)"),
+    (
+        "share distance",
+        -1,
+        "|positive share - 0.4| averaged over the updates, clipped methods only (lower = nearer BAPO's target)",
+    ),
+)
+# where the positive share (of the loss, at the method's clip bounds) is meaningful: fixed or searched bounds
+PEER_SHARE_METHODS = ("grpo", "clip-higher", "dual-clip", "bapo")
+PEER_STALENESS = (0, 2, 4, 8)
+PEER_DELAYS = (2, 8)
+PEER_LONG_DELAYS = (0, 4, 16, 64)  # M2PO's stale-k axis; k = 0 is the E = 0 cell
 
 
 @dataclass(frozen=True)
@@ -37,17 +68,81 @@ class LabPlan:
     staleness: tuple[int, ...] = (0, 2, 4, 8)
     delays: tuple[int, ...] = (2, 8)
     claim2_staleness: tuple[int, ...] = (4,)
+    # methods run at every async delay (None: grpo and the bapo variants, the default plan's)
+    delay_methods: tuple[str, ...] | None = None
+    # (measure, sign, what) leaderboards over `methods` vs grpo, printed and written to report.md and
+    # claims.json (empty: the default report's leaderboards only)
+    leaderboards: tuple[tuple[str, int, str], ...] = ()
 
     def cells(self) -> list[Cell]:
         cells = [Cell(m, e) for e in self.staleness for m in self.methods]
         cells += [Cell(m, e) for e in self.claim2_staleness for m in CLAIM2_METHODS]
-        cells += [Cell(m, 0, k) for k in self.delays for m in ("grpo", "bapo", "bapo-entropy") if m in self.methods]
+        delayed = self.delay_methods if self.delay_methods is not None else ("grpo", "bapo", "bapo-entropy")
+        cells += [Cell(m, 0, k) for k in self.delays for m in delayed if m in self.methods]
         return cells
 
+    def settings(self) -> list[str]:
+        """The settings of the cells (bapo.analysis.runs.setting_name), in plan order."""
+        return list(dict.fromkeys(setting_name(c.staleness, c.delay) for c in self.cells()))
 
-def plan_for(quick: bool = False, seeds: int | None = None) -> LabPlan:
-    """The default plan, or --quick: fewer seeds, steps and cells (E 0 and 4, delay 4)."""
-    plan = LabPlan()
+
+def peers_plan(
+    config: LabConfig | None = None,
+    methods: tuple[str, ...] | None = None,
+    staleness: tuple[int, ...] = PEER_STALENESS,
+    delays: tuple[int, ...] = tuple(sorted(set(PEER_DELAYS) | set(PEER_LONG_DELAYS) - {0})),
+) -> LabPlan:
+    """`bapo lab --peers`: every method of peer_methods() at staleness E 0, 2, 4, 8 and async delay
+    2 and 8 plus the long sweep k 4, 16, 64 (k = 0 is E = 0), the default regime and 20 seeds, each
+    method at its defaults (nothing tuned), ranked per setting by PEER_LEADERBOARDS against grpo.
+    The arguments (a subset) are for tests."""
+    config = config or LabConfig()
+    config = replace(config, share_methods=PEER_SHARE_METHODS)
+    methods = methods or peer_methods()
+    return LabPlan(
+        config,
+        methods=methods,
+        staleness=staleness,
+        delays=delays,
+        claim2_staleness=(),
+        delay_methods=methods,
+        leaderboards=PEER_LEADERBOARDS,
+    )
+
+
+def plan_leaderboards(runs: list[CellRun], plan: LabPlan) -> list[tuple[str, str, list[Standing]]]:
+    """plan.leaderboards computed from the runs: (measure, what, standings) each, every method of
+    plan.methods in every setting (best first), with its paired effect vs grpo (sign: better > 0)."""
+    values = cell_values(runs, lab_measures(runs, plan.config.rollout_steps))
+    boards = []
+    for metric, sign, what in plan.leaderboards:
+        standings = leaderboard(
+            list(plan.methods),
+            plan.settings(),
+            metric,
+            values,
+            baseline="grpo",
+            sign=sign,
+            resolution=EFFECT_RESOLUTION,
+        )
+        boards.append((metric, what, standings))
+    return boards
+
+
+def leaderboards_markdown(boards: list[tuple[str, str, list[Standing]]]) -> str:
+    """One section per leaderboard (### measure: what, then the table); '' for none."""
+    text = []
+    for metric, what, standings in boards:
+        text += [f"### {metric}: {what}", "", leaderboard_markdown(standings), ""]
+    return "\n".join(text)
+
+
+def plan_for(quick: bool = False, seeds: int | None = None, peers: bool = False) -> LabPlan:
+    """The default plan, or --quick: fewer seeds, steps and cells (E 0 and 4, delay 4), or --peers
+    (peers_plan)."""
+    if quick and peers:
+        raise ValueError("--quick and --peers: choose one (--peers --seeds N for a smaller peers run)")
+    plan = peers_plan() if peers else LabPlan()
     if quick:
         plan = LabPlan(
             replace(plan.config, seeds=6, rollout_steps=12, check_cells=("grpo E=4",)),
@@ -126,9 +221,14 @@ def run_lab(
     runs = run_cells(plan, jobs)
     train_s = time.perf_counter() - start
     claims = lab_claims(runs, plan.config.rollout_steps)
+    boards = plan_leaderboards(runs, plan) if plan.leaderboards else []
+    # each method's verdict against grpo joins claims.json (id: "<measure>-<method>-vs-grpo-<setting>")
+    claims_out = claims + [row.versus for _, _, standings in boards for row in standings if row.versus is not None]
     for run in runs:
         write_metrics(run, out / "cells" / run.cell.name.replace(" ", "_") / "metrics.jsonl")
-    (out / "claims.json").write_text(claims_json(claims) + "\n")
+    (out / "claims.json").write_text(claims_json(claims_out) + "\n")
+    if boards:
+        (out / "leaderboards.md").write_text(leaderboards_markdown(boards))
     info = {
         "plan": asdict(plan),
         "cells": [c.name for c in plan.cells()],
@@ -138,7 +238,7 @@ def run_lab(
     }
     from bapo.lab.report import write_report  # matplotlib only when a report is written
 
-    write_report(out, runs, claims, plan, info, plots=plots)
+    write_report(out, runs, claims, plan, info, plots=plots, boards=leaderboards_markdown(boards))
     info["total_s"] = round(time.perf_counter() - start, 2)
     (out / "lab.json").write_text(json.dumps(info, indent=2, default=str) + "\n")
     return claims, out

@@ -62,8 +62,11 @@ def _plots(cells: list[Run], out: Path) -> list[Path]:
     return images
 
 
-def write_report(out: Path, runs: list[CellRun], claims: list[Claim], plan, info: dict, plots: bool = True) -> Path:
-    """report.md: regime, claims table, leaderboards, plots, per-cell table (reads OUT/cells)."""
+def write_report(
+    out: Path, runs: list[CellRun], claims: list[Claim], plan, info: dict, plots: bool = True, boards: str = ""
+) -> Path:
+    """report.md: regime, claims table, leaderboards (`boards`, the plan's own in Markdown, where
+    given: `bapo lab --peers`), plots, per-cell table (reads OUT/cells)."""
     cfg = plan.config
     task = cfg.task
     cells = find_runs([out / "cells"])
@@ -106,7 +109,7 @@ def write_report(out: Path, runs: list[CellRun], claims: list[Claim], plan, info
         "",
         "## Leaderboards (mean [95% interval] over seeds; vs GRPO: paired by seed, > 0 = higher)",
         "",
-        *_leaderboards(runs, cells, cfg.rollout_steps),
+        *([boards] if boards else _leaderboards(runs, cells, cfg.rollout_steps)),
     ]
     if images:
         text += ["## Plots", ""] + [f"![{p.stem}](plots/{p.name})" for p in images] + [""]
