@@ -42,6 +42,9 @@ class Batch:
     truncated: Tensor  # [N] bool: reached max_new_tokens without EOS / stop string
     example_idx: Tensor  # [N] int64, row of the dataset
     ref_log_prob: Tensor | None = None  # [N, R] reference-model log-prob (only with loss.kl_coef > 0)
+    # [N, R] the engine's log-prob of each token at its behaviour version (rollout.backend=vllm only;
+    # old_log_prob is then the trainer's recompute of the same weights): bapo.train.correction
+    engine_log_prob: Tensor | None = None
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -72,11 +75,12 @@ class Batch:
             "old_log_prob": 0.0,
             "versions": -1,
             "ref_log_prob": 0.0,
+            "engine_log_prob": 0.0,
         }
         out = {}
         for spec in fields(Batch):
             parts = [getattr(batch, spec.name) for batch in batches]
-            if parts[0] is None:
+            if any(part is None for part in parts):
                 out[spec.name] = None
             elif parts[0].dim() == 1:
                 out[spec.name] = torch.cat(parts)
@@ -201,6 +205,7 @@ class Rollout:
         self.ready: list[dict] = []
         # DCPO's per-prompt reward statistics, keyed by dataset index (loss.advantages=dcpo_smooth)
         self.history = PromptRewardHistory()
+        self.engine = None  # rollout.backend=vllm: bapo.train.vllm_engine.VLLMEngine, made at the first pass
         self.stop = None
         if self.rollout_cfg.stop:
             from transformers.generation.stopping_criteria import StopStringCriteria
@@ -257,6 +262,9 @@ class Rollout:
             {"response": [], "logp": [], "version": [], "done": False, "truncated": False}
             for _ in range(self.rollout_cfg.group_size)
         ]
+        if self.rollout_cfg.backend == "vllm":
+            for seq in seqs:
+                seq["engine_logp"] = []
         return {"example": example, "seqs": seqs, "rewards": None}
 
     @torch.no_grad()
@@ -273,12 +281,23 @@ class Rollout:
         params = SamplingParams(self.rollout_cfg.temperature, self.rollout_cfg.top_k, self.rollout_cfg.top_p)
         was_training = model.training  # (train mode only for gradient checkpointing, which breaks the KV cache)
         model.eval()
-        # model, context, budget, sampling params, stop ids, pad: what both samplers take
-        common = (model, ctx_ids, ctx_mask, budget, params, self.eos_ids.tolist(), self.pad_id)
-        if resolve_sampler(self.rollout_cfg.sampler, model) == "lean":
-            sampled = lean_sample(*common, row_budget=remaining.clamp_max(budget), stop=self.stop)
+        engine_log_prob = None
+        if self.rollout_cfg.backend == "vllm":
+            # the engine samples with the trainer's weights of `version` (pushed when it changed);
+            # its own log-probs are kept for the gap, the trainer recomputes the ratio's denominator
+            engine = self._vllm_engine(model)
+            engine.sync(model, version)
+            sampled = engine.sample(
+                context, remaining.clamp_max(budget).tolist(), params, self.eos_ids.tolist(), self.pad_id
+            )
+            engine_log_prob, sampled.log_prob = sampled.log_prob, None
         else:
-            sampled = hf_sample(*common, tokenizer=self.tokenizer, stop_strings=self.rollout_cfg.stop)
+            # model, context, budget, sampling params, stop ids, pad: what both samplers take
+            common = (model, ctx_ids, ctx_mask, budget, params, self.eos_ids.tolist(), self.pad_id)
+            if resolve_sampler(self.rollout_cfg.sampler, model) == "lean":
+                sampled = lean_sample(*common, row_budget=remaining.clamp_max(budget), stop=self.stop)
+            else:
+                sampled = hf_sample(*common, tokenizer=self.tokenizer, stop_strings=self.rollout_cfg.stop)
         model.train(was_training)
         width = ctx_ids.shape[1]
         new = sampled.tokens  # [n, <= budget]
@@ -287,7 +306,7 @@ class Rollout:
         log_prob = sampled.log_prob
         # The sampling pass's log-probs equal a recompute to ~1e-6 in fp32 (tests/train/test_sampling.py);
         # in half precision the cached decode and the full forward round differently: recompute
-        # (same weights, same temperature, as verl does).
+        # (same weights, same temperature, as verl does). vLLM: always the trainer's recompute.
         if log_prob is None or next(model.parameters()).dtype != torch.float32:
             log_prob = batched_log_probs(
                 model,
@@ -304,9 +323,19 @@ class Rollout:
             seq["response"] += new[row, :kept].tolist()
             seq["logp"] += log_prob[row, :kept].tolist()
             seq["version"] += [version] * kept
+            if engine_log_prob is not None:
+                seq["engine_logp"] += engine_log_prob[row, :kept].tolist()
             if bool(ended[row]) or len(seq["response"]) >= self.rollout_cfg.max_new_tokens:
                 seq["done"], seq["truncated"] = True, not bool(ended[row])
         return int(length.sum())
+
+    def _vllm_engine(self, model):
+        """The colocated vLLM engine (imported and built at the first vLLM pass only)."""
+        if self.engine is None:
+            from bapo.train.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(self.cfg, model, self.tokenizer)
+        return self.engine
 
     def _segment_ends(self, out: Tensor, width: int, remaining: Tensor) -> tuple[Tensor, Tensor]:
         """Tokens to keep per row [n] and whether the row ended by EOS or a stop string [n]."""
@@ -377,6 +406,9 @@ class Rollout:
         response_ids, response_mask = pad([seq["response"] for seq in seqs], self.pad_id, left=False)
         old_log_prob, _ = pad([seq["logp"] for seq in seqs], 0.0, left=False, dtype=torch.float32)
         versions, _ = pad([seq["version"] for seq in seqs], -1, left=False)
+        engine_log_prob = None
+        if self.rollout_cfg.backend == "vllm":
+            engine_log_prob, _ = pad([seq["engine_logp"] for seq in seqs], 0.0, left=False, dtype=torch.float32)
         batch = Batch(
             prompt_ids,
             prompt_mask,
@@ -388,5 +420,6 @@ class Rollout:
             advantages[rows].float(),
             torch.tensor([seq["truncated"] for seq in seqs], dtype=torch.bool),
             torch.tensor(examples, dtype=torch.long),
+            engine_log_prob=engine_log_prob,
         )
         return batch, int((~keep).sum()), int(zero_groups.sum())
