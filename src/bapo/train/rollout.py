@@ -234,6 +234,7 @@ class Rollout:
         then return them as a Batch (plus rollout metrics). At least one pass always runs, so
         unfinished responses advance every step."""
         start, new_tokens, passes, failures = time.perf_counter(), 0, 0, 0
+        pushed = (self.engine.pushes, self.engine.push_seconds) if self.engine is not None else (0, 0.0)
         want = self.rollout_cfg.prompts_per_batch
         while passes == 0 or len(self.ready) < want:
             if len(self.in_flight) + len(self.ready) + want <= self.capacity:
@@ -255,6 +256,9 @@ class Rollout:
             "tokens/rollout": new_tokens,
             "time/rollout_s": time.perf_counter() - start,
         }
+        if self.engine is not None:  # rollout.backend=vllm: weight pushes of this step (in time/rollout_s)
+            metrics["rollout/vllm_pushes"] = self.engine.pushes - pushed[0]
+            metrics["time/vllm_push_s"] = self.engine.push_seconds - pushed[1]
         return batch, metrics
 
     def _new_group(self, example: int) -> dict:
@@ -320,6 +324,8 @@ class Rollout:
         lengths = length.tolist()
         for row, seq in enumerate(live):
             kept = lengths[row]
+            if engine_log_prob is not None:  # (a response begun by backend hf before a resume: its own log-probs)
+                seq.setdefault("engine_logp", list(seq["logp"]))
             seq["response"] += new[row, :kept].tolist()
             seq["logp"] += log_prob[row, :kept].tolist()
             seq["version"] += [version] * kept
@@ -408,7 +414,8 @@ class Rollout:
         versions, _ = pad([seq["version"] for seq in seqs], -1, left=False)
         engine_log_prob = None
         if self.rollout_cfg.backend == "vllm":
-            engine_log_prob, _ = pad([seq["engine_logp"] for seq in seqs], 0.0, left=False, dtype=torch.float32)
+            engine_logp = [seq.get("engine_logp", seq["logp"]) for seq in seqs]
+            engine_log_prob, _ = pad(engine_logp, 0.0, left=False, dtype=torch.float32)
         batch = Batch(
             prompt_ids,
             prompt_mask,

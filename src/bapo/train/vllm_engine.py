@@ -37,6 +37,13 @@ def _engine_dtype(cfg, model) -> str:
     return str(next(model.parameters()).dtype).removeprefix("torch.")
 
 
+def _max_model_len(cfg, model) -> int:
+    """Prompt + response, within the model's own position limit."""
+    wanted = cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens + 8
+    limit = getattr(model.config, "max_position_embeddings", None)
+    return min(wanted, limit) if isinstance(limit, int) and limit > 0 else wanted
+
+
 class VLLMEngine:
     """A vllm.LLM holding the trainer's weights of `self.version`."""
 
@@ -56,7 +63,7 @@ class VLLMEngine:
             tokenizer=cfg.model.path,
             dtype=_engine_dtype(cfg, model),
             seed=cfg.run.seed,
-            max_model_len=cfg.data.max_prompt_tokens + cfg.rollout.max_new_tokens + 8,
+            max_model_len=_max_model_len(cfg, model),
             logprobs_mode="processed_logprobs",
             enforce_eager=cfg.rollout.vllm_enforce_eager,
             gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
