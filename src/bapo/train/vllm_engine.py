@@ -78,16 +78,7 @@ class VLLMEngine:
         if self.version == version:
             return False
         started = time.perf_counter()
-        weights = [(name, tensor.detach()) for name, tensor in model.state_dict().items()]
-        tied = self.tied
-
-        def push(worker):
-            runner = worker.model_runner
-            runner.reload_weights(weights_iterator=iter(weights))
-            if tied:
-                _retie_lm_head(runner.get_model())
-
-        self.llm.collective_rpc(push)
+        push_weights(self.llm, [(name, tensor.detach()) for name, tensor in model.state_dict().items()], self.tied)
         self.version = version
         self.pushes += 1
         self.push_seconds += time.perf_counter() - started
@@ -142,6 +133,21 @@ class VLLMEngine:
             for col, (token, entry) in enumerate(zip(ids, completion.logprobs or [])):
                 log_prob[row, col] = float(entry[token].logprob)
         return Sampled(tokens, log_prob)
+
+
+def push_weights(llm, weights: list[tuple[str, torch.Tensor]], tied: bool) -> None:
+    """Load (name, tensor) pairs in Hugging Face names into an in-process `llm` through the model
+    runner's layer-wise `reload_weights` (which restores, loads and re-processes every layer, so
+    it also works where vLLM packed the weights after loading, e.g. on CPU), then re-tie and
+    re-pack a tied LM head. Also used by bapo.integrations.trl for TRL's colocate mode on CPU."""
+
+    def push(worker):
+        runner = worker.model_runner
+        runner.reload_weights(weights_iterator=iter(weights))
+        if tied:
+            _retie_lm_head(runner.get_model())
+
+    llm.collective_rpc(push)
 
 
 def _retie_lm_head(vllm_model) -> None:
