@@ -20,7 +20,7 @@ class FakeEngine:
     def __init__(self):
         self.synced: list[int] = []
         self.version = None
-        self.pushes, self.push_seconds = 0, 0.0
+        self.pushes, self.push_seconds, self.sample_seconds = 0, 0.0, 0.0
         self.model = None
 
     def sync(self, model, version):

@@ -234,7 +234,8 @@ class Rollout:
         then return them as a Batch (plus rollout metrics). At least one pass always runs, so
         unfinished responses advance every step."""
         start, new_tokens, passes, failures = time.perf_counter(), 0, 0, 0
-        pushed = (self.engine.pushes, self.engine.push_seconds) if self.engine is not None else (0, 0.0)
+        engine = self.engine
+        pushed = (engine.pushes, engine.push_seconds, engine.sample_seconds) if engine is not None else (0, 0.0, 0.0)
         want = self.rollout_cfg.prompts_per_batch
         while passes == 0 or len(self.ready) < want:
             if len(self.in_flight) + len(self.ready) + want <= self.capacity:
@@ -259,6 +260,7 @@ class Rollout:
         if self.engine is not None:  # rollout.backend=vllm: weight pushes of this step (in time/rollout_s)
             metrics["rollout/vllm_pushes"] = self.engine.pushes - pushed[0]
             metrics["time/vllm_push_s"] = self.engine.push_seconds - pushed[1]
+            metrics["time/vllm_sample_s"] = self.engine.sample_seconds - pushed[2]  # the rest: recompute, scoring
         return batch, metrics
 
     def _new_group(self, example: int) -> dict:

@@ -56,6 +56,7 @@ class VLLMEngine:
         self.version: int | None = None  # nothing pushed yet: the first pass always pushes
         self.push_seconds = 0.0
         self.pushes = 0
+        self.sample_seconds = 0.0  # in llm.generate, over the run
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         started = time.perf_counter()
         self.llm = LLM(
@@ -120,9 +121,11 @@ class VLLMEngine:
             )
             for budget, seed in zip(budgets, seeds)
         ]
+        started = time.perf_counter()
         outputs = self.llm.generate(
             [TokensPrompt(prompt_token_ids=context) for context in contexts], requests, use_tqdm=False
         )
+        self.sample_seconds += time.perf_counter() - started
         width = max(budgets, default=0)
         tokens = torch.full((len(contexts), width), pad_id, dtype=torch.long)
         log_prob = torch.zeros((len(contexts), width), dtype=torch.float32)
