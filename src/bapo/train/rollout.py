@@ -44,6 +44,9 @@ class Batch:
     ref_log_prob: Tensor | None = None  # [N, R] reference-model log-prob (only with loss.kl_coef > 0)
     # [N, R] proximal-policy log-prob: the weights before this batch's first update (decoupled PPO only)
     proximal_log_prob: Tensor | None = None
+    # [N, R] the engine's log-prob of each token at its behaviour version (rollout.backend=vllm only;
+    # old_log_prob is then the trainer's recompute of the same weights): bapo.train.correction
+    engine_log_prob: Tensor | None = None
 
     def __len__(self) -> int:
         return self.response_ids.shape[0]
@@ -75,11 +78,12 @@ class Batch:
             "versions": -1,
             "ref_log_prob": 0.0,
             "proximal_log_prob": 0.0,
+            "engine_log_prob": 0.0,
         }
         out = {}
         for spec in fields(Batch):
             parts = [getattr(batch, spec.name) for batch in batches]
-            if parts[0] is None:
+            if any(part is None for part in parts):
                 out[spec.name] = None
             elif parts[0].dim() == 1:
                 out[spec.name] = torch.cat(parts)
@@ -204,6 +208,7 @@ class Rollout:
         self.ready: list[dict] = []
         # DCPO's per-prompt reward statistics, keyed by dataset index (loss.advantages=dcpo_smooth)
         self.history = PromptRewardHistory()
+        self.engine = None  # rollout.backend=vllm: bapo.train.vllm_engine.VLLMEngine, made at the first pass
         self.stop = None
         if self.rollout_cfg.stop:
             from transformers.generation.stopping_criteria import StopStringCriteria
@@ -232,6 +237,8 @@ class Rollout:
         then return them as a Batch (plus rollout metrics). At least one pass always runs, so
         unfinished responses advance every step."""
         start, new_tokens, passes, failures = time.perf_counter(), 0, 0, 0
+        engine = self.engine
+        pushed = (engine.pushes, engine.push_seconds, engine.sample_seconds) if engine is not None else (0, 0.0, 0.0)
         want = self.rollout_cfg.prompts_per_batch
         while passes == 0 or len(self.ready) < want:
             if len(self.in_flight) + len(self.ready) + want <= self.capacity:
@@ -253,6 +260,10 @@ class Rollout:
             "tokens/rollout": new_tokens,
             "time/rollout_s": time.perf_counter() - start,
         }
+        if self.engine is not None:  # rollout.backend=vllm: weight pushes of this step (in time/rollout_s)
+            metrics["rollout/vllm_pushes"] = self.engine.pushes - pushed[0]
+            metrics["time/vllm_push_s"] = self.engine.push_seconds - pushed[1]
+            metrics["time/vllm_sample_s"] = self.engine.sample_seconds - pushed[2]  # the rest: recompute, scoring
         return batch, metrics
 
     def _new_group(self, example: int) -> dict:
@@ -260,6 +271,9 @@ class Rollout:
             {"response": [], "logp": [], "version": [], "done": False, "truncated": False}
             for _ in range(self.rollout_cfg.group_size)
         ]
+        if self.rollout_cfg.backend == "vllm":
+            for seq in seqs:
+                seq["engine_logp"] = []
         return {"example": example, "seqs": seqs, "rewards": None}
 
     @torch.no_grad()
@@ -276,12 +290,23 @@ class Rollout:
         params = SamplingParams(self.rollout_cfg.temperature, self.rollout_cfg.top_k, self.rollout_cfg.top_p)
         was_training = model.training  # (train mode only for gradient checkpointing, which breaks the KV cache)
         model.eval()
-        # model, context, budget, sampling params, stop ids, pad: what both samplers take
-        common = (model, ctx_ids, ctx_mask, budget, params, self.eos_ids.tolist(), self.pad_id)
-        if resolve_sampler(self.rollout_cfg.sampler, model) == "lean":
-            sampled = lean_sample(*common, row_budget=remaining.clamp_max(budget), stop=self.stop)
+        engine_log_prob = None
+        if self.rollout_cfg.backend == "vllm":
+            # the engine samples with the trainer's weights of `version` (pushed when it changed);
+            # its own log-probs are kept for the gap, the trainer recomputes the ratio's denominator
+            engine = self._vllm_engine(model)
+            engine.sync(model, version)
+            sampled = engine.sample(
+                context, remaining.clamp_max(budget).tolist(), params, self.eos_ids.tolist(), self.pad_id
+            )
+            engine_log_prob, sampled.log_prob = sampled.log_prob, None
         else:
-            sampled = hf_sample(*common, tokenizer=self.tokenizer, stop_strings=self.rollout_cfg.stop)
+            # model, context, budget, sampling params, stop ids, pad: what both samplers take
+            common = (model, ctx_ids, ctx_mask, budget, params, self.eos_ids.tolist(), self.pad_id)
+            if resolve_sampler(self.rollout_cfg.sampler, model) == "lean":
+                sampled = lean_sample(*common, row_budget=remaining.clamp_max(budget), stop=self.stop)
+            else:
+                sampled = hf_sample(*common, tokenizer=self.tokenizer, stop_strings=self.rollout_cfg.stop)
         model.train(was_training)
         width = ctx_ids.shape[1]
         new = sampled.tokens  # [n, <= budget]
@@ -290,7 +315,7 @@ class Rollout:
         log_prob = sampled.log_prob
         # The sampling pass's log-probs equal a recompute to ~1e-6 in fp32 (tests/train/test_sampling.py);
         # in half precision the cached decode and the full forward round differently: recompute
-        # (same weights, same temperature, as verl does).
+        # (same weights, same temperature, as verl does). vLLM: always the trainer's recompute.
         if log_prob is None or next(model.parameters()).dtype != torch.float32:
             log_prob = batched_log_probs(
                 model,
@@ -304,12 +329,24 @@ class Rollout:
         lengths = length.tolist()
         for row, seq in enumerate(live):
             kept = lengths[row]
+            if engine_log_prob is not None:  # (a response begun by backend hf before a resume: its own log-probs)
+                seq.setdefault("engine_logp", list(seq["logp"]))
             seq["response"] += new[row, :kept].tolist()
             seq["logp"] += log_prob[row, :kept].tolist()
             seq["version"] += [version] * kept
+            if engine_log_prob is not None:
+                seq["engine_logp"] += engine_log_prob[row, :kept].tolist()
             if bool(ended[row]) or len(seq["response"]) >= self.rollout_cfg.max_new_tokens:
                 seq["done"], seq["truncated"] = True, not bool(ended[row])
         return int(length.sum())
+
+    def _vllm_engine(self, model):
+        """The colocated vLLM engine (imported and built at the first vLLM pass only)."""
+        if self.engine is None:
+            from bapo.train.vllm_engine import VLLMEngine
+
+            self.engine = VLLMEngine(self.cfg, model, self.tokenizer)
+        return self.engine
 
     def _segment_ends(self, out: Tensor, width: int, remaining: Tensor) -> tuple[Tensor, Tensor]:
         """Tokens to keep per row [n] and whether the row ended by EOS or a stop string [n]."""
@@ -380,6 +417,10 @@ class Rollout:
         response_ids, response_mask = pad([seq["response"] for seq in seqs], self.pad_id, left=False)
         old_log_prob, _ = pad([seq["logp"] for seq in seqs], 0.0, left=False, dtype=torch.float32)
         versions, _ = pad([seq["version"] for seq in seqs], -1, left=False)
+        engine_log_prob = None
+        if self.rollout_cfg.backend == "vllm":
+            engine_logp = [seq.get("engine_logp", seq["logp"]) for seq in seqs]
+            engine_log_prob, _ = pad(engine_logp, 0.0, left=False, dtype=torch.float32)
         batch = Batch(
             prompt_ids,
             prompt_mask,
@@ -391,5 +432,6 @@ class Rollout:
             advantages[rows].float(),
             torch.tensor([seq["truncated"] for seq in seqs], dtype=torch.bool),
             torch.tensor(examples, dtype=torch.long),
+            engine_log_prob=engine_log_prob,
         )
         return batch, int((~keep).sum()), int(zero_groups.sum())

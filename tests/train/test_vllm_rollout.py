@@ -1,0 +1,66 @@
+"""rollout.backend=vllm's bookkeeping without vLLM: a fake engine (bapo's lean sampler on the
+trainer's model, its log-probs shifted by a known offset) in place of bapo.train.vllm_engine.
+One push per policy version, the trainer's recompute as the ratio's denominator, the engine's
+log-probs kept next to it, the gap logged every update."""
+
+import json
+
+import pytest
+import torch
+
+from bapo.train import Trainer
+from bapo.train.rollout import Rollout, pad
+from bapo.train.sampling import lean_sample
+from tests.helpers import arithmetic_examples, digit_share, make_config
+
+OFFSET = 0.03
+
+
+class FakeEngine:
+    def __init__(self):
+        self.synced: list[int] = []
+        self.version = None
+        self.pushes, self.push_seconds, self.sample_seconds = 0, 0.0, 0.0
+        self.model = None
+
+    def sync(self, model, version):
+        self.model = model
+        if self.version == version:
+            return False
+        self.version = version
+        self.synced.append(version)
+        self.pushes += 1
+        return True
+
+    def sample(self, contexts, budgets, params, eos_ids, pad_id):
+        ids, mask = pad(contexts, pad_id, left=True)
+        sampled = lean_sample(
+            self.model, ids, mask, max(budgets), params, eos_ids, pad_id, row_budget=torch.tensor(budgets)
+        )
+        sampled.log_prob = sampled.log_prob + OFFSET
+        return sampled
+
+
+@pytest.mark.parametrize("extra", [{"offpolicy.staleness": 1}, {"rollout.segment_tokens": 3}])
+def test_one_push_per_version_and_the_gap_is_logged(tiny_model, tmp_path, monkeypatch, extra):
+    engine = FakeEngine()
+    monkeypatch.setattr(Rollout, "_vllm_engine", lambda self, model: setattr(self, "engine", engine) or engine)
+    cfg = make_config(
+        tiny_model,
+        tmp_path / "run",
+        **{"rollout.backend": "vllm", "rollout.correction": "tis", "offpolicy.mini_batches": 2, **extra},
+    )
+    trainer = Trainer(cfg, examples=arithmetic_examples(), verifier=digit_share)
+    trainer.fit()
+    trainer.close()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [row for row in rows if "update" in row]
+    # versions 0, 2, 4 (two updates per rollout step); warm-up and partial passes push nothing new
+    assert engine.synced == [0, 2, 4]
+    for row in rows:
+        # old_log_prob is the trainer's recompute: the engine's shifted log-probs differ by OFFSET
+        assert row["rollout/logp_diff/mean"] == pytest.approx(OFFSET, abs=2e-5)
+        assert row["rollout/logp_diff/max"] == pytest.approx(OFFSET, abs=2e-5)
+        assert row["rollout/is_ratio/mean"] == pytest.approx(torch.exp(torch.tensor(-OFFSET)).item(), rel=1e-4)
+        assert row["rollout/is_weight/mean"] == pytest.approx(row["rollout/is_ratio/mean"], rel=1e-6)
+    assert rows[-1]["rollout/vllm_pushes"] == 1  # the last rollout step pushed version 4
