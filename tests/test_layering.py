@@ -29,7 +29,8 @@ ALLOWED_LAYERS: dict[str, set[str]] = {
     "analysis": {"core", "train"},
     "demo": {"core", "train", "analysis", "lab"},  # the demo runs the lab first
     "lab": {"core", "train", "analysis"},
-    "integrations": set(),  # the package's own __init__
+    # the package's own __init__, and verl_plugin.py: verl's entry point, which imports bapo.integrations.verl
+    "integrations": {"integrations.verl"},
     "integrations.verl": {"core", "train", "integrations"},
     "integrations.trl": {"core", "train", "integrations"},
     "cli": {"core", "train", "analysis", "demo", "lab", "integrations", "integrations.verl", "integrations.trl"},

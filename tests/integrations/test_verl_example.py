@@ -90,14 +90,55 @@ def test_import_verl_loads_bapo_through_the_verl_plugins_entry_point(tmp_path):
     dist_info = tmp_path / "bapo_entry_point_probe-0.dist-info"
     dist_info.mkdir()
     (dist_info / "METADATA").write_text("Metadata-Version: 2.1\nName: bapo-entry-point-probe\nVersion: 0\n")
-    (dist_info / "entry_points.txt").write_text("[verl.plugins]\nbapo = bapo.integrations.verl\n")
+    import tomllib
+
+    declared = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    entry_point = declared["project"]["entry-points"]["verl.plugins"]["bapo"]
+    (dist_info / "entry_points.txt").write_text(f"[verl.plugins]\nbapo = {entry_point}\n")
     probe = (
         "import sys, verl; from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY as r; "
-        "print('bapo.integrations.verl' in sys.modules, sorted(k for k in ('bapo', 'topr', 'dcpo') if k in r))"
+        "from verl.trainer.ppo.rollout_corr_helper import apply_bypass_mode as bypass; "
+        "print('bapo.integrations.verl' in sys.modules, sorted(k for k in ('bapo', 'topr', 'dcpo') if k in r), "
+        "getattr(bypass, 'bapo_guard', False))"
     )
     env = {**PYTHON_ENV, "PYTHONPATH": os.pathsep.join([str(tmp_path), *sys.path]), "VERL_USE_EXTERNAL_PLUGINS": "bapo"}
     done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
-    assert done.stdout.strip().splitlines()[-1] == "True ['bapo', 'dcpo', 'topr']", done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "True ['bapo', 'dcpo', 'topr'] True", done.stderr[-2000:]
+
+
+def test_a_plugin_that_fails_to_load_says_so_at_error_level(monkeypatch, caplog):
+    """verl logs a failing plugin at DEBUG (invisible); bapo's entry point logs it at ERROR first."""
+    import importlib
+
+    monkeypatch.setitem(sys.modules, "bapo.integrations.verl", None)  # any import of it now fails
+    monkeypatch.delitem(sys.modules, "bapo.integrations.verl_plugin", raising=False)
+    with caplog.at_level("ERROR", logger="bapo"), pytest.raises(ImportError):
+        importlib.import_module("bapo.integrations.verl_plugin")
+    assert "bapo's verl plugin failed to load (ModuleNotFoundError" in caplog.text and "not registered" in caplog.text
+
+
+def test_bypass_mode_with_a_bapo_loss_fails_in_one_line_and_leaves_other_losses_alone():
+    """verl's bypass mode rewrites policy_loss.loss_mode to 'bypass_mode' (PPO-clip): refused for bapo's losses."""
+    import torch
+    from omegaconf import OmegaConf
+    from verl.trainer.ppo import rollout_corr_helper
+
+    from bapo.integrations.verl.plugin import guard_bypass_mode
+
+    guard_bypass_mode()
+    guard_bypass_mode()  # idempotent: one wrapper
+    assert not getattr(rollout_corr_helper.apply_bypass_mode.__wrapped__, "bapo_guard", False)
+
+    class Batch:
+        batch = {"rollout_log_probs": torch.zeros(1, 2)}
+
+    bapo_loss = OmegaConf.create({"loss_mode": "bapo"})
+    with pytest.raises(ValueError, match=r"bypass_mode=True would replace .*loss_mode=bapo .*bypass_mode=False"):
+        rollout_corr_helper.apply_bypass_mode(Batch(), rollout_corr_config=None, policy_loss_config=bapo_loss)
+    assert bapo_loss.loss_mode == "bapo"
+    vanilla = OmegaConf.create({"loss_mode": "vanilla"})
+    rollout_corr_helper.apply_bypass_mode(Batch(), rollout_corr_config=None, policy_loss_config=vanilla)
+    assert vanilla.loss_mode == "bypass_mode"  # verl's own behaviour, untouched
 
 
 def test_the_plugin_hook_installs_the_worker_and_the_config_does_not(monkeypatch):

@@ -9,12 +9,13 @@ uvicorn), which this module must not load by itself.
 
 from __future__ import annotations
 
+import functools
 import importlib.abc
 import importlib.util
 import logging
 import sys
 
-from bapo.integrations.verl.losses import register_verl_losses
+from bapo.integrations.verl.losses import VERL_LOSSES, register_verl_losses
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +75,37 @@ def install_worker_hook() -> None:
         sys.meta_path.insert(0, _InstallAfterImport())
 
 
+def guard_bypass_mode() -> None:
+    """Refuse verl's bypass mode with a bapo loss (idempotent). With
+    algorithm.rollout_correction.bypass_mode=True (verl's recommended mode) the driver's
+    `rollout_corr_helper.apply_bypass_mode` rewrites the actor's policy_loss.loss_mode to
+    'bypass_mode', so bapo's loss would silently be replaced by verl's PPO-clip; the driver calls it
+    through the module attribute, which this wraps."""
+    from verl.trainer.ppo import rollout_corr_helper
+
+    original = rollout_corr_helper.apply_bypass_mode
+    if getattr(original, "bapo_guard", False):
+        return
+
+    @functools.wraps(original)
+    def apply_bypass_mode(batch, rollout_corr_config=None, policy_loss_config=None):
+        loss_mode = policy_loss_config.get("loss_mode") if policy_loss_config is not None else None
+        if loss_mode in VERL_LOSSES:
+            raise ValueError(
+                f"algorithm.rollout_correction.bypass_mode=True would replace actor_rollout_ref.actor.policy_loss."
+                f"loss_mode={loss_mode} by verl's bypass_mode loss (PPO-clip): set "
+                "algorithm.rollout_correction.bypass_mode=False (decoupled mode: bapo's loss runs, with verl's "
+                "rollout-correction weights)"
+            )
+        return original(batch, rollout_corr_config=rollout_corr_config, policy_loss_config=policy_loss_config)
+
+    apply_bypass_mode.bapo_guard = True  # type: ignore[attr-defined]
+    rollout_corr_helper.apply_bypass_mode = apply_bypass_mode
+
+
 def install_plugin() -> None:
-    """Register bapo's verl losses and install the worker hook (what importing bapo.integrations.verl does)."""
+    """Register bapo's verl losses, refuse bypass mode for them and install the worker hook (what
+    importing bapo.integrations.verl does)."""
     register_verl_losses()
+    guard_bypass_mode()
     install_worker_hook()
