@@ -78,3 +78,24 @@ def make_config(tiny_model: str, run_dir, **sections):
         },
     }
     return config_from_dict(base, [f"{k}={v}" for k, v in sections.items()])
+
+
+def json_from_module(module: str, *args: str, **env: str):
+    """Run `python -m module args` from the repository root in a fresh process (one vLLM engine
+    per process) with `env` added, assert it exits 0, and return the JSON of its last stdout line."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    done = subprocess.run(
+        [sys.executable, "-m", module, *args],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=900,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])

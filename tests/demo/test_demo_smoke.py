@@ -150,7 +150,7 @@ def test_profiles_make_valid_trainer_configs(tmp_path):
             assert cfg.updates_per_batch == spec.staleness_e + 1
             assert (cfg.rollout.segment_tokens is not None) == spec.partial_rollout
     specs = PROFILES["default"].runs()
-    assert len(specs) == 3 * (1 + 4 * 2) and RunSpec("grpo", 0, seed=2) in specs
+    assert len(specs) == 5 * (1 + 4 * 2) and RunSpec("grpo", 0, seed=4) in specs  # 5 seeds
     assert RunSpec("bapo", 0, seed=0) not in specs  # identical to grpo on-policy
 
 

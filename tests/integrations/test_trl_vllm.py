@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import json_from_module
 
 pytestmark = [
     pytest.mark.vllm,
@@ -67,17 +67,12 @@ def run(work: str) -> list[dict]:
 
 
 def test_bapo_grpo_trainer_with_colocated_vllm_on_cpu(tmp_path):
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.integrations.test_trl_vllm", str(tmp_path)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=Path(__file__).resolve().parents[2],
+    rows = json_from_module(
+        "tests.integrations.test_trl_vllm",
+        str(tmp_path),
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CPU_KVCACHE_SPACE="1",
     )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = json.loads(done.stdout.strip().splitlines()[-1])
     print(rows)
     generations = [row for row in rows if "sampling/sampling_logp_difference/max" in row]
     assert len(rows) == 3 and len(generations) == 2  # the second after two updates: a push of new weights

@@ -22,6 +22,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import json_from_module
+
 pytestmark = [
     pytest.mark.vllm,
     pytest.mark.slow,
@@ -94,17 +96,7 @@ def engine_gaps(model_path: str, dtype: str = "float32") -> dict:
 
 
 def _engine_gaps_in_a_process(model_path: str) -> dict:
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
-    done = subprocess.run(
-        [sys.executable, "-m", "tests.train.test_vllm", model_path],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=900,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    result = json.loads(done.stdout.strip().splitlines()[-1])
+    result = json_from_module("tests.train.test_vllm", model_path, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     print(model_path, result)
     return result
 
