@@ -287,19 +287,26 @@ def test_any_registered_loss_runs_by_name_and_each_seed_alone(method):
         assert torch.allclose(both.updates[key][1], series[0], equal_nan=True), key
 
 
-def test_the_lab_refuses_decoupled_ppo_it_keeps_no_proximal_policy():
-    with pytest.raises(ValueError, match="method: 'decoupled-ppo' is not one of"):
-        run_cell(Cell("decoupled-ppo"), TINY)
+def test_decoupled_ppo_in_the_lab_clips_against_the_policy_before_the_batch():
+    """Without an async delay the proximal policy (before the batch's first update) is the behaviour
+    policy: decoupled PPO is grpo exactly, at E = 2 too. With a delay they differ."""
+    same = run_cell(Cell("decoupled-ppo", staleness=2), TINY).updates
+    grpo = run_cell(Cell("grpo", staleness=2), TINY).updates
+    assert torch.allclose(same["exact/reward"], grpo["exact/reward"], atol=1e-9)
+    stale = run_cell(Cell("decoupled-ppo", delay=2), TINY).updates
+    stale_grpo = run_cell(Cell("grpo", delay=2), TINY).updates
+    assert torch.isfinite(stale["grad_norm"]).all()
+    assert not torch.allclose(stale["exact/reward"], stale_grpo["exact/reward"])
 
 
 def test_peers_plan_runs_every_lab_method_at_every_setting():
-    """`bapo lab --peers`: every registered loss the lab runs (not decoupled-ppo), at E 0/2/4/8 and
+    """`bapo lab --peers`: every registered loss the lab runs (decoupled-ppo too), at E 0/2/4/8 and
     async delay 2/4/8/16/64, no claim-2 variants; the default plan is unchanged."""
     from bapo.core import POLICY_LOSSES
     from bapo.lab.lab import LabPlan, peer_methods, plan_for
 
     methods = peer_methods()
-    assert set(methods) == set(POLICY_LOSSES) - {"decoupled-ppo"} and methods[0] == "grpo"
+    assert set(methods) == set(POLICY_LOSSES) and methods[0] == "grpo"
     plan = plan_for(peers=True)
     assert plan.config.seeds == 20 and plan_for(peers=True, seeds=3).config.seeds == 3
     settings = ["E=0", "E=2", "E=4", "E=8"] + [f"E=0, async delay {k}" for k in (2, 4, 8, 16, 64)]

@@ -17,7 +17,7 @@ import torch
 
 from bapo.analysis.claims import Claim, Standing, claims_json, leaderboard, leaderboard_markdown
 from bapo.analysis.runs import setting_name
-from bapo.core import POLICY_LOSSES, PROXIMAL_METHODS
+from bapo.core import POLICY_LOSSES
 from bapo.lab.claims import CLAIM2_METHODS, EFFECT_RESOLUTION, cell_values, lab_claims, lab_measures
 from bapo.lab.run import METHODS, Cell, CellRun, LabConfig, run_cell
 
@@ -31,10 +31,11 @@ def compared_methods() -> tuple[str, ...]:
 def peer_methods() -> tuple[str, ...]:
     """`bapo lab --peers`' methods: grpo, clip-higher, dual-clip and bapo (their METHODS entries),
     then every other registered loss the lab runs (topr, dcpo and the peers of bapo.core.peers, in
-    POLICY_LOSSES order, each with its own defaults; not decoupled-ppo, which needs a proximal
-    policy). The adaptive-target variant bapo-entropy is left out (not a paper default)."""
+    POLICY_LOSSES order, each with its own defaults; decoupled-ppo's proximal policy is the one
+    before each rollout batch's first update). The adaptive-target variant bapo-entropy is left out
+    (not a paper default)."""
     own = ("grpo", "clip-higher", "dual-clip", "bapo")
-    rest = [m for m in POLICY_LOSSES if m not in METHODS and m not in PROXIMAL_METHODS]
+    rest = [m for m in POLICY_LOSSES if m not in METHODS]
     return own + tuple(rest)
 
 

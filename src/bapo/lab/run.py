@@ -67,15 +67,16 @@ if EntropyTargetController is not None:  # rho0 steered so that entropy holds it
 
 def method_loss(name: str) -> tuple[str, dict]:
     """A lab method's registered loss and parameters: its METHODS entry, or any other registered
-    loss by its own name with its defaults (e.g. Cell("gspo")), outside the default plan. Not
-    decoupled PPO: the lab keeps no proximal policy."""
+    loss by its own name with its defaults (e.g. Cell("gspo")), outside the default plan. Decoupled
+    PPO's proximal policy is the one before the first update of each rollout batch, as in `bapo
+    train`."""
     if name in METHODS:
         return METHODS[name]
-    if name in POLICY_LOSSES and name not in PROXIMAL_METHODS:
+    if name in POLICY_LOSSES:
         return name, {}
     raise ValueError(
         f"method: {name!r} is not one of {sorted(METHODS)} nor a registered loss the lab can run "
-        f"({sorted(set(POLICY_LOSSES) - PROXIMAL_METHODS - set(METHODS))})"
+        f"({sorted(set(POLICY_LOSSES) - set(METHODS))})"
     )
 
 
@@ -197,8 +198,10 @@ def _update(
     share: bool,
     check: bool,
     steps: list[BAPOStep] | None = None,
+    proximal_log_prob: Tensor | None = None,
 ) -> dict[str, Tensor]:
-    """One optimizer update of every seed on its mini-batch rows [S, b]; returns per-seed metrics [S]."""
+    """One optimizer update of every seed on its mini-batch rows [S, b]; returns per-seed metrics [S].
+    proximal_log_prob [S, B, D]: the batch's log-probs before its first update (decoupled PPO only)."""
     method, params = method_loss(cell.method)
     # a METHODS entry's own aggregation (all token sums at normalizer 1); another loss's token sum
     agg_mode = None if cell.method in METHODS else "token-mean"
@@ -210,6 +213,7 @@ def _update(
 
     prompt, tokens, mask = pick(batch.prompt), pick(batch.tokens), pick(batch.mask)
     old_log_prob, advantages = pick(batch.old_log_prob), pick(batch.advantages)
+    proximal = None if proximal_log_prob is None else pick(proximal_log_prob)
     length = tokens.shape[-1]
     entropy_before = token_entropy(logits.detach(), prompt, mask)
 
@@ -228,6 +232,7 @@ def _update(
             method,
             loss_agg_mode=agg_mode,
             normalizer=1.0,
+            **({} if proximal is None else {"proximal_log_prob": proximal[members].reshape(-1, length)}),
             **group_params,
         )
         lower[members], upper[members] = metrics["lower"], metrics["upper"]
@@ -306,6 +311,9 @@ def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
         buffer.push(_rollout(logits, answers, cfg, generators, version))
         batch: Rollouts = buffer.pop(rollout_step)
         schedules = [minibatch_order(rows_per_batch, cell.staleness + 1, 1, seed, rollout_step) for seed in seeds]
+        proximal = None
+        if method in PROXIMAL_METHODS:  # the policy before this batch's first update
+            proximal = token_log_probs(logits.detach(), batch.prompt, batch.tokens)
         for update in range(cell.staleness + 1):
             rows = torch.stack([schedule[update][1] for schedule in schedules])
             for step in steps:
@@ -320,6 +328,7 @@ def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
                 cell.method in cfg.share_methods,
                 cell.name in cfg.check_cells,
                 steps or None,
+                proximal,
             )
             if adaptive:
                 metrics["bapo/target"] = torch.tensor([step.target for step in steps], dtype=torch.float64)
