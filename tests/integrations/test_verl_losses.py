@@ -127,8 +127,8 @@ def run_core(method: str, mode: str, info: dict, tokens: dict, weighted: bool, *
     return loss.detach(), log_prob.grad
 
 
-def test_import_registers_bapo_topr_dcpo():
-    for method in ("bapo", "topr", "dcpo"):
+def test_import_registers_bapo_topr_dcpo_and_m2po():
+    for method in ("bapo", "topr", "dcpo", "m2po", "m2po-official"):
         assert POLICY_LOSS_REGISTRY[method].__module__ == "bapo.integrations.verl.losses"
 
 
@@ -156,6 +156,8 @@ def test_core_aggregation_reproduces_verl_agg_loss(mode, info):
         ("bapo", {"target": 0.5}, {"bounds": (0.7, 1.6), "dual_clip": 3.0}),  # verl's clip_ratio_c default
         ("topr", {"negative_ratio_max": 1.5}, {"negative_ratio_max": 1.5}),
         ("dcpo", {"eps_low": 0.1, "eps_high": 0.3}, {"eps_low": 0.1, "eps_high": 0.3, "dual_clip": 3.0}),
+        ("m2po", {"budget": 0.01}, {"budget": 0.01}),  # verl lacks M2PO: bapo registers both variants
+        ("m2po-official", {}, {}),
     ],
 )
 def test_registered_loss_equals_core(method, loss_config, core_params, mode, info, weighted):

@@ -9,8 +9,8 @@ try:
     import bapo.integrations.verl  # noqa: F401  (registers the losses, the worker hook, the bypass guard)
 except Exception as err:
     logging.getLogger("bapo").error(
-        "bapo's verl plugin failed to load (%s: %s): its losses (bapo, topr, dcpo) are not registered; "
-        "check that bapo[verl] is installed in this environment",
+        "bapo's verl plugin failed to load (%s: %s): its losses (bapo, topr, dcpo, m2po, m2po-official) are "
+        "not registered; check that bapo[verl] is installed in this environment",
         type(err).__name__,
         err,
     )

@@ -1,6 +1,6 @@
-"""bapo inside verl 0.9: `bapo`, `topr` and `dcpo` as verl policy losses, BAPO bounds per optimizer step.
+"""bapo inside verl 0.9: bapo.core losses verl lacks as verl policy losses, BAPO bounds per optimizer step.
 
-Importing this module registers the three losses in verl's policy-loss registry (verl imports it
+Importing this module registers VERL_LOSSES (bapo, topr, dcpo, m2po, m2po-official) in verl's policy-loss registry (verl imports it
 in every process through the `verl.plugins` entry point, and Hydra imports it when it builds
 `BAPOPolicyLossConfig`). Select a loss and its parameters in verl's config:
 

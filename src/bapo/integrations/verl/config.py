@@ -28,7 +28,7 @@ from bapo.core.losses import resolve_loss_params
 # The losses whose bounds BAPOTrainingWorker solves (BAPOStep), per optimizer step or micro-batch.
 BOUND_SEARCH_LOSSES = ("bapo",)
 # This config's fields that are parameters of bapo.core losses (each goes to the methods that take it).
-LOSS_PARAMETERS = ("negative_ratio_max", "eps_low", "eps_high", "ratio_max")
+LOSS_PARAMETERS = ("negative_ratio_max", "eps_low", "eps_high", "ratio_max", "budget")
 
 
 #: Every BAPOConfig field, generated (its help text as metadata); None = the value of `preset`.
@@ -43,7 +43,7 @@ _BAPOConfigFields = make_dataclass(
 
 @dataclass
 class BAPOPolicyLossConfig(_BAPOConfigFields, PolicyLossConfig):
-    """verl's PolicyLossConfig plus the parameters of bapo's `bapo`, `topr` and `dcpo` losses.
+    """verl's PolicyLossConfig plus the parameters of bapo's `bapo`, `topr`, `dcpo`, `m2po` and `m2po-official` losses.
 
     bapo: preset (one of bapo.core.PRESETS: "default" = bapo's gradient share, "paper" = Eq. 8
       literally, "recipe" = the public verl recipe's loop) and every BAPOConfig field (generated
@@ -54,6 +54,8 @@ class BAPOPolicyLossConfig(_BAPOConfigFields, PolicyLossConfig):
       scope=micro_batch needs actor.use_dynamic_bsz=False (the same micro-batch count per rank).
     topr: negative_ratio_max (truncation of the IS ratio of negative tokens).
     dcpo: eps_low, eps_high, ratio_max.
+    m2po, m2po-official: budget (the second-moment budget, 0.04; m2po-official's floors keep the
+      official code's 0.7 / 1.5, since lower_max / upper_min here are BAPO's search bounds).
     None means bapo.core's default for that loss.
     """
 
@@ -64,6 +66,7 @@ class BAPOPolicyLossConfig(_BAPOConfigFields, PolicyLossConfig):
     eps_low: Optional[float] = None
     eps_high: Optional[float] = None
     ratio_max: Optional[float] = None
+    budget: Optional[float] = None
 
     def __post_init__(self) -> None:
         getattr(super(), "__post_init__", lambda: None)()

@@ -28,7 +28,8 @@ from bapo.integrations.verl.config import BAPOPolicyLossConfig
 
 logger = logging.getLogger(__name__)
 
-VERL_LOSSES = ("bapo", "topr", "dcpo")
+# bapo.core losses verl lacks (its own gspo, cispo, sapo, geo_mean, clip_cov, kl_cov are the same formulas)
+VERL_LOSSES = ("bapo", "topr", "dcpo", "m2po", "m2po-official")
 METRIC_PREFIX = "actor/bapo/"
 # bapo.core metrics that verl already logs under its own names (actor/pg_loss) or that do not
 # average meaningfully over micro-batches.
@@ -226,7 +227,7 @@ def make_verl_loss(method: str):
 
 
 def register_verl_losses() -> None:
-    """Put `bapo`, `topr` and `dcpo` into verl's registry (idempotent; warns before replacing another)."""
+    """Put VERL_LOSSES into verl's registry (idempotent; warns before replacing another)."""
     check_verl_api()  # fail here, loudly, if this verl calls losses with other arguments
     for method in VERL_LOSSES:
         existing = POLICY_LOSS_REGISTRY.get(method)
