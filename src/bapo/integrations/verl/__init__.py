@@ -1,8 +1,8 @@
 """bapo inside verl 0.9: bapo.core losses verl lacks as verl policy losses, BAPO bounds per optimizer step.
 
-Importing this module registers VERL_LOSSES (bapo, topr, dcpo, m2po, m2po-official) in verl's policy-loss registry (verl imports it
-in every process through the `verl.plugins` entry point, and Hydra imports it when it builds
-`BAPOPolicyLossConfig`). Select a loss and its parameters in verl's config:
+Importing this module registers VERL_LOSSES (bapo, topr, dcpo, m2po, m2po-official) in verl's
+policy-loss registry (verl imports it in every process through the `verl.plugins` entry point,
+and Hydra imports it when it builds `BAPOPolicyLossConfig`). Select a loss and its parameters in verl's config:
 
     actor_rollout_ref.actor.policy_loss._target_=bapo.integrations.verl.BAPOPolicyLossConfig
     actor_rollout_ref.actor.policy_loss.loss_mode=bapo        # or topr, dcpo
