@@ -146,6 +146,13 @@ def test_config_refuses_what_bapo_does_not_do(tmp_path, overrides, field_name):
         make_args(tmp_path, **overrides)
 
 
+def test_refusals_of_trl_surrogates_name_bapos_equivalent(tmp_path):
+    with pytest.raises(ValueError, match=r"loss_type: 'sapo' .*bapo_method='sapo'"):
+        make_args(tmp_path, loss_type="sapo")
+    with pytest.raises(ValueError, match=r"importance_sampling_level: 'sequence' .*bapo_method='gspo'"):
+        make_args(tmp_path, importance_sampling_level="sequence")
+
+
 def test_bapo_bounds_see_the_whole_optimizer_step_and_loss_equals_core(tiny_model_dir, tmp_path):
     trainer = make_trainer(tiny_model_dir, tmp_path, bapo_target=0.6, num_iterations=2)
     buffer = generation_buffer(trainer)

@@ -146,12 +146,17 @@ class BAPOGRPOConfig(_BAPOConfigFields, GRPOConfig):
         if self.loss_type not in LOSS_TYPE_TO_AGG_MODE:
             raise ValueError(
                 f"loss_type: {self.loss_type!r} is TRL's own surrogate, not an aggregation; with bapo use one of "
-                f"{sorted(LOSS_TYPE_TO_AGG_MODE)} (or TRL's GRPOTrainer for {self.loss_type!r})"
+                f"{sorted(LOSS_TYPE_TO_AGG_MODE)}"
+                + (
+                    f" and bapo_method={self.loss_type!r} (bapo.core's, tested equal to TRL's)"
+                    if self.loss_type in POLICY_LOSSES
+                    else f" (or TRL's GRPOTrainer for {self.loss_type!r})"
+                )
             )
         refused = {
             "importance_sampling_level": (
                 self.importance_sampling_level != "token",
-                "bapo's losses clip token ratios; use 'token'",
+                "bapo's losses take token ratios; use 'token', and bapo_method='gspo' for GSPO's sequence ratio",
             ),
             "delta": (self.delta is not None, "TRL's two-sided clip; use bapo_method='dual-clip' instead"),
             "entropy_coef": (
