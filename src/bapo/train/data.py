@@ -22,10 +22,8 @@ def load_examples(cfg: DataSection, needs_answer: bool = False) -> list[dict]:
         rows, numbers = [], []
         with path.open("rb") as f:
             for number, raw in enumerate(f, 1):
-                try:
-                    line = raw.decode(
-                        "utf-8-sig" if number == 1 else "utf-8"
-                    )  # a leading BOM (Windows editors) is fine
+                try:  # a leading byte-order mark (some Windows editors write one) is fine
+                    line = raw.decode("utf-8-sig" if number == 1 else "utf-8")
                 except UnicodeDecodeError as err:
                     raise ConfigError(
                         f"{where} line {number}: not UTF-8 (byte {raw[err.start]:#04x} at column {err.start + 1}); "
