@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-#: verl's SAFETY_BOUND: log-ratios are clamped to +-20 before exp
-SAFETY_BOUND = 20.0
+# the clamp bapo.core applies to every log-ratio before exp; verl's SAFETY_BOUND is the same 20
+from bapo.core.diagnostics import LOG_RATIO_CLAMP
 
 
 def correction_weights(
@@ -43,7 +43,7 @@ def correction_weights(
         log_ratio = log_ratio.sum(-1, keepdim=True).expand_as(log_ratio)
     elif level != "token":
         raise ValueError(f"correction level {level!r}: use token or sequence")
-    ratio = torch.where(counted, torch.exp(log_ratio.clamp(-SAFETY_BOUND, SAFETY_BOUND)), 1.0)
+    ratio = torch.where(counted, torch.exp(log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)), 1.0)
     if mode == "none":
         return None, ratio.float()
     if mode == "tis":

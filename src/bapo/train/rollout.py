@@ -271,9 +271,6 @@ class Rollout:
             {"response": [], "logp": [], "version": [], "done": False, "truncated": False}
             for _ in range(self.rollout_cfg.group_size)
         ]
-        if self.rollout_cfg.backend == "vllm":
-            for seq in seqs:
-                seq["engine_logp"] = []
         return {"example": example, "seqs": seqs, "rewards": None}
 
     @torch.no_grad()
@@ -329,8 +326,8 @@ class Rollout:
         lengths = length.tolist()
         for row, seq in enumerate(live):
             kept = lengths[row]
-            if engine_log_prob is not None:  # (a response begun by backend hf before a resume: its own log-probs)
-                seq.setdefault("engine_logp", list(seq["logp"]))
+            if engine_log_prob is not None:  # first vLLM pass of this response: its earlier tokens (none, or
+                seq.setdefault("engine_logp", list(seq["logp"]))  # begun by backend hf before a resume) as they are
             seq["response"] += new[row, :kept].tolist()
             seq["logp"] += log_prob[row, :kept].tolist()
             seq["version"] += [version] * kept
