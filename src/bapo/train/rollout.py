@@ -345,6 +345,12 @@ class Rollout:
             self.engine = VLLMEngine(self.cfg, model, self.tokenizer)
         return self.engine
 
+    def close(self) -> None:
+        """Release the vLLM engine, if one was built (a no-op for the in-process samplers)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
+
     def _segment_ends(self, out: Tensor, width: int, remaining: Tensor) -> tuple[Tensor, Tensor]:
         """Tokens to keep per row [n] and whether the row ended by EOS or a stop string [n]."""
         new = out[:, width:]

@@ -555,7 +555,9 @@ class Trainer:
         set_rng_state(state["rng"])
 
     def close(self) -> None:
-        """Close the metrics log and progress display and release the run directory's lock."""
+        """Shut the rollout engine down, close the metrics log and progress display, and release
+        the run directory's lock."""
+        self.rollout.close()
         if self.log is not None:
             self.log.close()
         if self.progress_arg is True and self.progress is not None:
