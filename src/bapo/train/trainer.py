@@ -437,6 +437,7 @@ class Trainer:
                 batch.response_mask,
                 self.cfg.rollout.temperature,
                 self.cfg.rollout.logprob_batch_size,
+                self.cfg.model.autocast,
             )
         metrics["tokens_per_s/rollout"] = metrics["tokens/rollout"] / max(metrics["time/rollout_s"], 1e-9)
         return batch, metrics
