@@ -215,13 +215,15 @@ class LabPolicy:
         """[S, P, L, V], differentiable in the parameters."""
         if self.cfg.parameters == "table":
             return self.params[0]
-        return self.prior + sum(self.params)
+        prompt_block, position_block, state_block = self.params
+        logits: Tensor = self.prior + prompt_block + position_block + state_block
+        return logits
 
     @torch.no_grad()
     def step(self, per_seed_scale: Tensor) -> Tensor:
         """One optimizer update from the parameters' .grad, each seed's divided by per_seed_scale
         [S] (its token count: a token mean); returns the scaled gradient's norm per seed [S]."""
-        grads = [p.grad / per_seed_scale.reshape(-1, *[1] * (p.dim() - 1)) for p in self.params]
+        grads = [_grad(p) / per_seed_scale.reshape(-1, *[1] * (p.dim() - 1)) for p in self.params]
         self.steps += 1
         lr = self.cfg.step_size
         for param, grad, (first, second) in zip(self.params, grads, self.moments):
@@ -233,7 +235,14 @@ class LabPolicy:
             second.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
             denom = (second / (1 - beta2**t)).sqrt_().add_(ADAM_EPS)
             param.addcdiv_(first, denom, value=-lr / (1 - beta1**t))
-        return torch.cat([g.flatten(1) for g in grads], 1).norm(dim=1)
+        norm: Tensor = torch.cat([g.flatten(1) for g in grads], 1).norm(dim=1)
+        return norm
+
+
+def _grad(param: Tensor) -> Tensor:
+    if param.grad is None:  # pragma: no cover - every parameter is in the loss's graph
+        raise RuntimeError("LabPolicy.step: a parameter has no gradient (call backward first)")
+    return param.grad
 
 
 def entropy_split(before: Tensor, after: Tensor, prompt: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
@@ -343,7 +352,7 @@ def _update(
     proximal = None if proximal_log_prob is None else pick(proximal_log_prob)
     length = tokens.shape[-1]
     logits = policy.logits()
-    before = logits.detach()
+    before = logits.detach().clone()  # the table's logits are the parameter, updated in place below
     entropy_before = token_entropy(before, prompt, mask)
 
     log_prob = token_log_probs(logits, prompt, tokens)
