@@ -218,3 +218,22 @@ def test_regime_claims_come_from_the_runs():
     after = {c.id: c.effect for c in regime_claims(runs, cfg.rollout_steps)}
     updates = runs[2].updates["entropy/first_order"].shape[1]
     assert after["F-first-order-E4"] == pytest.approx(before["F-first-order-E4"] + updates, abs=1e-6)
+
+
+def test_bapo_lab_regimes_cli(tmp_path, monkeypatch):
+    """`bapo lab --regimes --quick --json` runs the quick map (made one tiny regime here) and prints
+    regimes.json; --regimes refuses --peers and one seed with the flag named."""
+    from typer.testing import CliRunner
+
+    from bapo.cli.main import app
+    from bapo.lab import regimes as regime_lab
+
+    tiny = replace(TINY, seeds=2)
+    monkeypatch.setattr(regime_lab, "plan_regimes", lambda quick, seeds: ([Regime(filler=1)], tiny))
+    result = CliRunner().invoke(app, ["lab", "--regimes", "--quick", "--json", "--jobs", "1", "--out", str(tmp_path)])
+    assert result.exit_code == 0, result.output
+    assert list(json.loads(result.output)) == [Regime(filler=1).name]
+    assert CliRunner().invoke(app, ["lab", "--regimes", "--peers"]).exit_code != 0
+    monkeypatch.undo()
+    refused = CliRunner().invoke(app, ["lab", "--regimes", "--seeds", "1"])
+    assert refused.exit_code != 0 and "seeds" in refused.output
