@@ -56,7 +56,9 @@ def lab(
     typer.echo(f"report: {out_dir / 'report.md'}")
 
 
-def _regimes(quick: bool, peers: bool, choose_lr: bool, seeds: int | None, out, jobs, as_json: bool) -> None:
+def _regimes(
+    quick: bool, peers: bool, choose_lr: bool, seeds: int | None, out: Path | None, jobs: int | None, as_json: bool
+) -> None:
     """`bapo lab --regimes [--quick] [--choose-lr]`."""
     import json
 

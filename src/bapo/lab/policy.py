@@ -129,8 +129,13 @@ def state_entropy(logits: Tensor) -> Tensor:
 def token_entropy(logits: Tensor, prompt: Tensor, mask: Tensor) -> Tensor:
     """Exact mean entropy [S] of the states that the masked tokens of a batch sit in (the
     token-mean entropy an LLM trainer logs), per seed. prompt [S, B], mask [S, B, D]."""
-    entropy = state_entropy(logits)  # [S, P, D]
-    per_token = torch.gather(entropy, 1, prompt[:, :, None].expand(-1, -1, mask.shape[-1]))
+    return token_mean(state_entropy(logits), prompt, mask)
+
+
+def token_mean(per_state: Tensor, prompt: Tensor, mask: Tensor) -> Tensor:
+    """Mean [S] over a batch's masked tokens of a per-state quantity per_state [S, P, L] (each token
+    reads its state's value). prompt [S, B], mask [S, B, L]."""
+    per_token = torch.gather(per_state, 1, prompt[:, :, None].expand(-1, -1, mask.shape[-1]))
     weight = mask.to(per_token.dtype)
     return (per_token * weight).sum((1, 2)) / weight.sum((1, 2)).clamp_min(1.0)
 

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from bapo.analysis.claims import Claim, ClaimSpec, claims_json, claims_markdown, format_interval, mean_interval
+from bapo.analysis.claims import Arm, Claim, ClaimSpec, claims_json, claims_markdown, format_interval, mean_interval
 from bapo.lab.claims import EFFECT_RESOLUTION, MATCHED_REWARD, cell_arm, cell_values, lab_claims, lab_measures
 from bapo.lab.run import STAGE_BOTH, STAGE_C_HIGH, STAGE_C_LOW, Cell, CellRun, LabConfig, run_cell
 
@@ -109,7 +109,7 @@ def regime_map(quick: bool = False) -> list[Regime]:
         {"optimizer": "adam", "parameters": "shared"},
         {"split": "epochs"},
     )
-    return tasks + [Regime(k, s, **setup) for setup in setups for k, s in corners]  # type: ignore[arg-type]
+    return tasks + [Regime(k, s, **setup) for setup in setups for k, s in corners]
 
 
 def _run_one(args: tuple[Cell, LabConfig]) -> CellRun:
@@ -179,18 +179,24 @@ def _premise_gap(sign: str) -> Callable[[CellRun], Tensor]:
     return measure
 
 
+def _last(key: str) -> Callable[[CellRun], Tensor]:
+    return lambda run: run.updates[key][:, -1]
+
+
+def _nanmean(key: str) -> Callable[[CellRun], Tensor]:
+    return lambda run: run.updates[key].nanmean(1)
+
+
 def regime_measures(runs: list[CellRun], rollout_steps: int) -> dict[str, Callable[[CellRun], Tensor]]:
     """lab_measures plus the regime lab's own (per seed [S])."""
     measures: dict[str, Callable[[CellRun], Tensor]] = dict(lab_measures(runs, rollout_steps))
     for part in ("guess", "filler"):  # only cells with filler record them (KeyError otherwise)
-        key = f"exact/entropy/{part}"
-        measures[f"{part} entropy at the end"] = lambda run, key=key: run.updates[key][:, -1]
-        measures[f"{part} entropy at matched reward"] = lambda run, key=key: _at_matched_reward(key)(run)
+        measures[f"{part} entropy at the end"] = _last(f"exact/entropy/{part}")
+        measures[f"{part} entropy at matched reward"] = _at_matched_reward(f"exact/entropy/{part}")
     for sign in ("pos", "neg"):
         measures[f"premise gap {sign}"] = _premise_gap(sign)
         for kind in ("clipped", "kept"):
-            key = f"premise/{sign}_{kind}_low_share"
-            measures[f"{sign} {kind} low share"] = lambda run, key=key: run.updates[key].nanmean(1)
+            measures[f"{sign} {kind} low share"] = _nanmean(f"premise/{sign}_{kind}_low_share")
     measures["first-order sum"] = lambda run: run.updates["entropy/first_order"].sum(1)
     measures["remainder sum"] = lambda run: run.updates["entropy/remainder"].sum(1)
     measures["remainder fraction"] = lambda run: (
@@ -319,11 +325,11 @@ def entropy_parts(runs: list[CellRun], rollout_steps: int) -> list[tuple[str, ..
     """Per cell: (cell, whole / guess / filler entropy at the end, the same at matched reward),
     each 'mean [95% interval]' ('-' where the cell has no filler)."""
     values = cell_values(runs, regime_measures(runs, rollout_steps))
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for run in runs:
         arm = cell_arm(run.cell)
 
-        def shown(metric: str, arm=arm) -> str:
+        def shown(metric: str, arm: Arm = arm) -> str:
             got = values(arm, metric)
             return format_interval(list(got.values())) if got else "-"
 
@@ -456,13 +462,12 @@ SPLIT_COLUMNS = (
 )
 
 
-def _table(regimes: list[Regime], claims: dict[str, list[Claim]], columns, extra=None) -> list[str]:
-    titles = ["regime", *(title for title, _ in columns)] + ([extra[0]] if extra else [])
+def _table(regimes: list[Regime], claims: dict[str, list[Claim]], columns: tuple[tuple[str, str], ...]) -> list[str]:
+    """One row per regime, one column per (title, claim id): effect [95% interval] verdict."""
+    titles = ["regime", *(title for title, _ in columns)]
     lines = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
     for regime in regimes:
         row = [regime.name, *(_cell(_effect(claims[regime.name], claim_id)) for _, claim_id in columns)]
-        if extra:
-            row.append(extra[1](claims[regime.name]))
         lines.append("| " + " | ".join(row) + " |")
     return lines
 

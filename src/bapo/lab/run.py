@@ -48,8 +48,8 @@ from bapo.lab.policy import (
     exact_stats,
     sample,
     state_entropy,
-    token_entropy,
     token_log_probs,
+    token_mean,
 )
 from bapo.train.buffer import BatchBuffer, minibatch_order
 from bapo.train.config import TrainConfig, config_from_dict
@@ -254,17 +254,14 @@ def entropy_split(before: Tensor, after: Tensor, prompt: Tensor, mask: Tensor) -
     softmax; the rule's -eta Cov(log pi(y), A X) is this for one SGD step on a table); both are
     averaged over the states of the masked tokens, as entropy/batch_change is."""
     log_pi = torch.log_softmax(before, -1)
-    pi = log_pi.exp()
-    entropy = -(pi * log_pi).sum(-1, keepdim=True)
-    first = -(pi * (log_pi + entropy) * (after - before)).sum(-1)  # -Cov_pi(log pi, dz) [S, P, L]
-    change = state_entropy(after) - entropy.squeeze(-1)
+    entropy = -(log_pi.exp() * log_pi).sum(-1)
+    first = _first_order(log_pi, entropy, after - before)
+    return token_mean(first, prompt, mask), token_mean(state_entropy(after) - entropy, prompt, mask)
 
-    def token_mean(per_state: Tensor) -> Tensor:
-        per_token = torch.gather(per_state, 1, prompt[:, :, None].expand(-1, -1, mask.shape[-1]))
-        weight = mask.to(per_token.dtype)
-        return (per_token * weight).sum((1, 2)) / weight.sum((1, 2)).clamp_min(1.0)
 
-    return token_mean(first), token_mean(change)
+def _first_order(log_pi: Tensor, entropy: Tensor, change: Tensor) -> Tensor:
+    """-Cov_pi(log pi, dz) per state [S, P, L] from log pi [S, P, L, V], entropy [S, P, L], dz."""
+    return -(log_pi.exp() * (log_pi + entropy[..., None]) * change).sum(-1)
 
 
 @dataclass
@@ -353,7 +350,9 @@ def _update(
     length = tokens.shape[-1]
     logits = policy.logits()
     before = logits.detach().clone()  # the table's logits are the parameter, updated in place below
-    entropy_before = token_entropy(before, prompt, mask)
+    log_pi_before = torch.log_softmax(before, -1)
+    states_before = -(log_pi_before.exp() * log_pi_before).sum(-1)  # state_entropy(before), once
+    entropy_before = token_mean(states_before, prompt, mask)
 
     log_prob = token_log_probs(logits, prompt, tokens)
     ratio = token_ratio(log_prob.detach(), old_log_prob)
@@ -380,18 +379,20 @@ def _update(
     total.backward()
     grad_norm = policy.step(mask.sum((1, 2)).clamp_min(1).to(logits.dtype))
     after = policy.logits().detach()
+    states_after = state_entropy(after)
     out = {
         "grad_norm": grad_norm,
         "entropy/batch": entropy_before,
-        "entropy/batch_change": token_entropy(after, prompt, mask) - entropy_before,
+        "entropy/batch_change": token_mean(states_after, prompt, mask) - entropy_before,
         "lower": lower,
         "upper": upper,
         "reward/batch": pick(batch.rewards).mean(1),
         **{f"exact/{name}": value for name, value in exact_stats(after, answers, cfg.task.filler).items()},
     }
     if cfg.premise:  # the change just measured, split: the rule's first-order term and the rest
-        first_order, change = entropy_split(before, after, prompt, mask)
-        out["entropy/first_order"], out["entropy/remainder"] = first_order, change - first_order
+        first_order = token_mean(_first_order(log_pi_before, states_before, after - before), prompt, mask)
+        out["entropy/first_order"] = first_order
+        out["entropy/remainder"] = token_mean(states_after - states_before, prompt, mask) - first_order
     out.update(searched)
     # A mini-batch whose advantages are all zero (every group solved or every group failed) has no
     # share to balance and no entropy change: its share-like metrics are missing (NaN), not 1.0.
@@ -402,7 +403,7 @@ def _update(
             keys = ("positive_share", "entropy_change_estimate", "clip_frac/upper", "clip_frac/lower", "clip_frac")
         if cfg.premise:  # split per state by log pi < -H (the per-token entropy of its state)
             keys += PREMISE_KEYS + (() if check or not share else ("positive_share",))
-            per_token_entropy = _token_state_entropy(before, prompt, length)
+            per_token_entropy = torch.gather(states_before, 1, prompt[:, :, None].expand(-1, -1, length))
         per_seed = [
             clip_diagnostics(
                 log_prob[seed].detach(),
@@ -428,11 +429,6 @@ def _update(
         if key in out:
             out[key] = out[key].masked_fill(no_signal, float("nan"))
     return out
-
-
-def _token_state_entropy(logits: Tensor, prompt: Tensor, length: int) -> Tensor:
-    """The entropy of each token's state [S, B, L] (logits [S, P, L, V], prompt [S, B])."""
-    return torch.gather(state_entropy(logits), 1, prompt[:, :, None].expand(-1, -1, length))
 
 
 def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
