@@ -424,3 +424,7 @@ def test_stale_k_plan_runs_long_with_an_unclipped_surrogate():
     unclipped = next(r for r in runs if r.cell.name == "unclipped E=0 delay=2").updates["exact/reward"]
     grpo = next(r for r in runs if r.cell.name == "grpo E=0 delay=2").updates["exact/reward"]
     assert not torch.allclose(unclipped, grpo)  # stale ratios: the clip matters
+    # one update per batch: decoupled PPO's proximal policy is the current one (r' = 1) and its weight
+    # pi_prox / mu is uncapped, so its updates are the unclipped surrogate's (docs/LAB.md)
+    decoupled = next(r for r in runs if r.cell.name == "decoupled-ppo E=0 delay=2").updates["exact/reward"]
+    assert torch.allclose(decoupled, unclipped, atol=1e-9)

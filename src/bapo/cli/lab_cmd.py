@@ -21,6 +21,16 @@ def lab(
         help="M2PO's stale-k axis run long: grpo, unclipped, m2po, m2po-official, bapo, decoupled-ppo at async "
         "delay 4/16/64/256 for 384 rollout steps, 10 seeds; leaderboards vs grpo (early reward, end, drawdown)",
     ),
+    regimes: bool = typer.Option(
+        False,
+        "--regimes",
+        help="the regime map (docs/LAB_REGIMES.md): filler positions x prior peakedness, Adam, shared "
+        "parameters, full-batch epochs; grpo / bapo / BAPO's stages apart at E 4, claims per regime; "
+        "with --quick 7 small regimes, 4 seeds, 8 rollout batches",
+    ),
+    choose_lr: bool = typer.Option(
+        False, "--choose-lr", help="with --regimes: rerun the learning-rate choice (on-policy GRPO only) and print it"
+    ),
     seeds: int | None = typer.Option(None, "--seeds", help="seeds per cell (default 20; --stale-k 10)"),
     out: Path | None = typer.Option(None, "--out", help="output dir (default runs/lab-<timestamp>)"),
     jobs: int | None = typer.Option(None, "--jobs", help="processes (default: one per CPU core)"),
@@ -31,6 +41,9 @@ def lab(
     from bapo.analysis.claims import claims_json
     from bapo.lab.lab import plan_for, run_lab
 
+    if regimes or choose_lr:
+        _regimes(quick, peers, choose_lr, seeds, out, jobs, as_json)
+        return
     try:
         plan = plan_for(quick, seeds, peers=peers, stale_k=stale_k)
     except ValueError as err:
@@ -49,6 +62,36 @@ def lab(
         )
         typer.echo(boards.read_text())
     typer.echo(f"report: {out_dir / 'report.md'}")
+
+
+def _regimes(
+    quick: bool, peers: bool, choose_lr: bool, seeds: int | None, out: Path | None, jobs: int | None, as_json: bool
+) -> None:
+    """`bapo lab --regimes [--quick] [--choose-lr]`."""
+    import json
+
+    from bapo.lab import regimes as regime_lab
+
+    if peers:
+        raise typer.BadParameter("--regimes and --peers: choose one")
+    if choose_lr:
+        base = regime_lab.plan_regimes(False, seeds)[1]
+        chosen, grid = regime_lab.choose_learning_rates(base, jobs)
+        rows = {f"{o} {p}".strip(): [list(row) for row in values] for (o, p), values in grid.items()}
+        result = {"chosen": {f"{o} {p}": lr for (o, p), lr in chosen.items()}, "grid (lr, mean, low, high)": rows}
+        typer.echo(json.dumps(result, indent=2))
+        return
+    try:
+        regime_lab.plan_regimes(quick, seeds)
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
+    _, out_dir = regime_lab.run_regimes(out, quick=quick, seeds=seeds, jobs=jobs)
+    if as_json:
+        typer.echo((out_dir / "regimes.json").read_text().rstrip("\n"))
+        return
+    text = (out_dir / "regimes.md").read_text()
+    typer.echo(text.split("\n## Every regime's claims")[0])
+    typer.echo(f"report: {out_dir / 'regimes.md'}")
 
 
 def _print_table(claims) -> None:

@@ -10,6 +10,12 @@ state has its own softmax, so the Entropy-Clip Rule's softmax derivation is exac
 logits are a random "pretrained" prior with the answer made rare: pi(answer | p, t) = q_p with
 q_p log-uniform in `answer_prob`, so correct responses start rare and differ by prompt.
 
+Filler positions (`GuessTask.filler` = k > 0, the regime lab): each guess step is k filler tokens
+followed by the guess, L = D * (k + 1) positions per response, each position its own softmax over
+the V tokens (state (p, position)). Filler tokens never change the reward; a response still stops
+at its first correct guess (after that guess's fillers). With k = 0 (the default) L = D and every
+position is a guess, the task above exactly.
+
 Everything is exact where it can be: log-probs and entropies are read from the table, and the
 expected reward and on-policy token entropy come in closed form from the reach probabilities
 reach[p, t] = prod_{j < t} (1 - pi(answer | p, j)).
@@ -29,8 +35,10 @@ class GuessTask:
     """The task's sizes and start prior (see the module doc).
 
     prompts: P; vocab: V tokens per state; budget: D guesses (max response length);
-    prior_scale: std of the start logits (a peaked, non-uniform prior); answer_prob: (low, high)
-    range of the start probability of each prompt's answer token (log-uniform per prompt).
+    prior_scale: std of the start logits (a peaked, non-uniform prior: 1.0 gives ~3 nats per state
+    at V = 32, larger values LLM-like entropies below 1 nat); answer_prob: (low, high) range of the
+    start probability of each prompt's answer token (log-uniform per prompt); filler: k
+    reward-irrelevant positions before each guess (see the module doc).
     """
 
     prompts: int = 15
@@ -38,8 +46,13 @@ class GuessTask:
     budget: int = 8
     prior_scale: float = 1.0
     answer_prob: tuple[float, float] = (0.005, 0.05)
+    filler: int = 0
 
     def __post_init__(self) -> None:
+        if self.filler < 0:
+            raise ValueError(f"filler: {self.filler} must be >= 0 (filler positions per guess step)")
+        if self.prior_scale < 0:
+            raise ValueError(f"prior_scale: {self.prior_scale} must be >= 0 (the start logits' std)")
         for name in ("prompts", "vocab", "budget"):
             if getattr(self, name) < (2 if name == "vocab" else 1):
                 raise ValueError(f"{name}: {getattr(self, name)} is too small (prompts, budget >= 1; vocab >= 2)")
@@ -47,8 +60,15 @@ class GuessTask:
         if not 0.0 < low <= high < 1.0:
             raise ValueError(f"answer_prob: {self.answer_prob} must satisfy 0 < low <= high < 1")
 
+    @property
+    def positions(self) -> int:
+        """L: positions per response, D * (filler + 1)."""
+        return self.budget * (self.filler + 1)
+
     def instance(self, seed: int) -> tuple[Tensor, Tensor]:
-        """(start logits [P, D, V] float64, answers [P] int64) of one seed's task instance."""
+        """(start logits [P, L, V] float64, answers [P] int64) of one seed's task instance (L = D
+        without filler). The guess positions' logits are drawn first, so they are the same for
+        every filler count."""
         gen = torch.Generator().manual_seed(1_000_003 * seed + 17)
         P, D, V = self.prompts, self.budget, self.vocab
         logits = self.prior_scale * torch.randn(P, D, V, generator=gen, dtype=torch.float64)
@@ -61,7 +81,16 @@ class GuessTask:
         others = torch.logsumexp(logits.masked_fill(is_answer, -math.inf), -1)
         answer_logit = torch.log(answer_prob / (1 - answer_prob))[:, None] + others
         logits = torch.where(is_answer, answer_logit[:, :, None].expand(P, D, V), logits)
+        if self.filler:  # [P, D, k + 1, V]: k filler positions, then the guess, per step
+            k = self.filler
+            filler = self.prior_scale * torch.randn(P, D, k, V, generator=gen, dtype=torch.float64)
+            logits = torch.cat([filler, logits[:, :, None]], 2).reshape(P, D * (k + 1), V)
         return logits, answers
+
+
+def guess_positions(positions: int, filler: int = 0) -> Tensor:
+    """[L] bool: True at the guess positions (the last of each block of filler + 1)."""
+    return torch.arange(positions) % (filler + 1) == filler
 
 
 @dataclass
@@ -100,40 +129,61 @@ def state_entropy(logits: Tensor) -> Tensor:
 def token_entropy(logits: Tensor, prompt: Tensor, mask: Tensor) -> Tensor:
     """Exact mean entropy [S] of the states that the masked tokens of a batch sit in (the
     token-mean entropy an LLM trainer logs), per seed. prompt [S, B], mask [S, B, D]."""
-    entropy = state_entropy(logits)  # [S, P, D]
-    per_token = torch.gather(entropy, 1, prompt[:, :, None].expand(-1, -1, mask.shape[-1]))
+    return token_mean(state_entropy(logits), prompt, mask)
+
+
+def token_mean(per_state: Tensor, prompt: Tensor, mask: Tensor) -> Tensor:
+    """Mean [S] over a batch's masked tokens of a per-state quantity per_state [S, P, L] (each token
+    reads its state's value). prompt [S, B], mask [S, B, L]."""
+    per_token = torch.gather(per_state, 1, prompt[:, :, None].expand(-1, -1, mask.shape[-1]))
     weight = mask.to(per_token.dtype)
     return (per_token * weight).sum((1, 2)) / weight.sum((1, 2)).clamp_min(1.0)
 
 
-def exact_stats(logits: Tensor, answers: Tensor) -> dict[str, Tensor]:
+def exact_stats(logits: Tensor, answers: Tensor, filler: int = 0) -> dict[str, Tensor]:
     """Closed-form on-policy quantities per seed [S]: expected reward (mean over prompts of
     P(some guess is correct)), expected length, and the token entropy under the policy's own
-    visitation (sum over states of reach * H / expected tokens). answers [S, P]."""
+    visitation (sum over states of reach * H / expected tokens). logits [S, P, L, V], answers
+    [S, P]. With filler > 0 also entropy/guess and entropy/filler: the same entropy over the guess
+    positions and the filler positions only (a filler position is reached with its guess)."""
     log_pi = torch.log_softmax(logits, -1)
-    D = logits.shape[2]
-    answer_prob = torch.gather(log_pi, 3, answers[:, :, None, None].expand(-1, -1, D, 1)).squeeze(-1).exp()
+    guess_log_pi = log_pi[:, :, filler :: filler + 1] if filler else log_pi
+    D = guess_log_pi.shape[2]
+    answer_prob = torch.gather(guess_log_pi, 3, answers[:, :, None, None].expand(-1, -1, D, 1)).squeeze(-1).exp()
     miss = (1.0 - answer_prob).clamp_min(0.0)  # [S, P, D]
     reach = torch.cumprod(torch.cat([torch.ones_like(miss[..., :1]), miss[..., :-1]], -1), -1)
+    if filler:  # every position of guess step t is reached with probability reach[t]
+        reach = reach.repeat_interleave(filler + 1, -1)  # [S, P, L]
     entropy = -(log_pi.exp() * log_pi).sum(-1)
     tokens = reach.sum(-1)  # expected length [S, P]
-    return {
+    stats = {
         "reward": (1.0 - reach[..., -1] * miss[..., -1]).mean(-1),
         "length": tokens.mean(-1),
         "entropy": (reach * entropy).sum((1, 2)) / tokens.sum(-1),
     }
+    if filler:
+        guess = guess_positions(logits.shape[2], filler).to(reach.dtype)
+        for name, weight in (("guess", guess), ("filler", 1.0 - guess)):
+            weighted = reach * weight
+            stats[f"entropy/{name}"] = (weighted * entropy).sum((1, 2)) / weighted.sum((1, 2))
+    return stats
 
 
-def sample(logits: Tensor, answers: Tensor, group_size: int, generators: list[torch.Generator]) -> dict[str, Tensor]:
+def sample(
+    logits: Tensor, answers: Tensor, group_size: int, generators: list[torch.Generator], filler: int = 0
+) -> dict[str, Tensor]:
     """G responses per prompt for every seed, each seed from its own generator (so a seed's
-    draws do not depend on which other seeds run). Returns prompt [S, B], tokens [S, B, D],
-    mask [S, B, D], rewards [S, B] (float64), log_prob [S, B, D]."""
+    draws do not depend on which other seeds run). logits [S, P, L, V] (L = D * (filler + 1));
+    only guess positions can be correct. Returns prompt [S, B], tokens [S, B, L], mask [S, B, L],
+    rewards [S, B] (float64), log_prob [S, B, L]."""
     S, P, D, V = logits.shape
     G = group_size
     uniform = torch.stack([torch.rand(P, G, D, generator=g, dtype=logits.dtype) for g in generators])
     cdf = torch.softmax(logits, -1).cumsum(-1)  # [S, P, D, V]
     tokens = (uniform[..., None] > cdf[:, :, None]).sum(-1).clamp_max(V - 1)  # inverse CDF, [S, P, G, D]
     correct = tokens == answers[:, :, None, None]
+    if filler:
+        correct = correct & guess_positions(D, filler)
     solved = correct.any(-1)
     first = torch.where(solved, correct.float().argmax(-1), torch.full_like(solved, D - 1, dtype=torch.long))
     mask = torch.arange(D) <= first[..., None]  # up to and including the stop

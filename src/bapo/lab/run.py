@@ -13,6 +13,13 @@ and divided per seed by that seed's token count, which is exactly each seed's ow
 gradient (seeds share no parameter). BAPO searches its bounds per seed (one `BAPOStep` each) and
 the loss runs once per distinct pair of bounds. Plain SGD on the logits: the Entropy-Clip Rule is
 derived for a gradient step on softmax logits.
+
+The regime lab (bapo.lab.regimes) varies what the default fixes, each a LabConfig field whose
+default is the lab above: the optimizer (SGD or Adam, elementwise, so still per seed), the
+parameters (the table, or shared: a fixed prior plus prompt, position and state blocks, so an
+update to one state moves the others of its prompt and position), the staleness split (E + 1
+mini-batches, or E + 1 full-batch epochs), and `premise`: the Entropy-Clip premise diagnostic
+and the first-order / remainder split of each update's exact entropy change, at every update.
 """
 
 from __future__ import annotations
@@ -40,8 +47,9 @@ from bapo.lab.policy import (
     Rollouts,
     exact_stats,
     sample,
-    token_entropy,
+    state_entropy,
     token_log_probs,
+    token_mean,
 )
 from bapo.train.buffer import BatchBuffer, minibatch_order
 from bapo.train.config import TrainConfig, config_from_dict
@@ -61,6 +69,24 @@ METHODS: dict[str, tuple[str, dict]] = {
     "grpo-c_high=2.0": ("grpo", {"upper": 2.0}),  # claim 2: raised c_high
     "grpo-c_low=0.6": ("grpo", {"lower": 0.6}),  # claim 2: lowered c_low
 }
+
+# BAPO's two search stages apart (the regime lab): GRPO with c_high fixed at the search's maximum
+# (admitting positive tokens), with c_low fixed at its maximum (filtering negative tokens), and
+# both. Outside METHODS, so the default plan does not run them; aggregated like METHODS entries.
+_SEARCH = BAPOConfig()
+STAGE_C_HIGH = f"grpo-c_high={_SEARCH.upper_max:g}"
+STAGE_C_LOW = f"grpo-c_low={_SEARCH.lower_max:g}"
+STAGE_BOTH = f"grpo-c_low={_SEARCH.lower_max:g}-c_high={_SEARCH.upper_max:g}"
+STAGE_METHODS: dict[str, tuple[str, dict]] = {
+    STAGE_C_HIGH: ("grpo", {"upper": _SEARCH.upper_max}),
+    STAGE_C_LOW: ("grpo", {"lower": _SEARCH.lower_max}),
+    STAGE_BOTH: ("grpo", {"lower": _SEARCH.lower_max, "upper": _SEARCH.upper_max}),
+}
+OPTIMIZERS = ("sgd", "adam")
+PARAMETERS = ("table", "shared")
+SPLITS = ("mini-batches", "epochs")
+ADAM_BETAS, ADAM_EPS = (0.9, 0.999), 1e-8  # torch's defaults
+PREMISE_KEYS = tuple(f"premise/{sign}_{kind}_low_share" for sign in ("pos", "neg") for kind in ("clipped", "kept"))
 if EntropyTargetController is not None:  # rho0 steered so that entropy holds its early level
     METHODS["bapo-entropy"] = ("bapo", {"bapo": BAPOConfig(target_mode="entropy")})
 
@@ -71,16 +97,18 @@ EXTRA_METHODS: dict[str, tuple[str, dict]] = {"unclipped": ("grpo", {"lower": 0.
 
 
 def method_loss(name: str) -> tuple[str, dict]:
-    """A lab method's registered loss and parameters: its METHODS or EXTRA_METHODS entry, or any
-    other registered loss by its own name with its defaults (e.g. Cell("gspo")), outside the default
-    plan. Decoupled PPO's proximal policy is the one before the first update of each rollout batch,
-    as in `bapo train`."""
-    if name in METHODS or name in EXTRA_METHODS:
-        return {**METHODS, **EXTRA_METHODS}[name]
+    """A lab method's registered loss and parameters: its METHODS, STAGE_METHODS or EXTRA_METHODS
+    entry, or any other registered loss by its own name with its defaults (e.g. Cell("gspo")),
+    outside the default plan. Decoupled PPO's proximal policy is the one before the first update of
+    each rollout batch, as in `bapo train`."""
+    for named in (METHODS, STAGE_METHODS, EXTRA_METHODS):
+        if name in named:
+            return named[name]
     if name in POLICY_LOSSES:
         return name, {}
     raise ValueError(
-        f"method: {name!r} is not one of {sorted(METHODS) + sorted(EXTRA_METHODS)} nor a registered loss "
+        f"method: {name!r} is not one of {sorted(METHODS) + sorted(STAGE_METHODS) + sorted(EXTRA_METHODS)} "
+        "nor a registered loss "
         "the lab can run "
         f"({sorted(set(POLICY_LOSSES) - set(METHODS))})"
     )
@@ -109,6 +137,14 @@ class LabConfig:
     methods whose per-seed positive share is recorded at every update (BAPO's comes from its
     search); check_cells: cells whose full per-seed `clip_diagnostics` (entropy-change estimate,
     clip fractions) are recorded at every update. Both cost one host sync per seed and update.
+
+    Regime fields (bapo.lab.regimes; the defaults are the lab above): optimizer "sgd" | "adam"
+    (lr is Adam's step size then); parameters "table" | "shared" (see LabPolicy); split
+    "mini-batches" (E + 1 mini-batches per rollout batch) | "epochs" (E + 1 full-batch updates);
+    premise: record premise/* (bapo.core's diagnostic, split per state by log pi < -H) and
+    entropy/first_order, entropy/remainder at every update of every cell. With task.filler = k,
+    SGD's lr is multiplied by k + 1, so each position moves as much as without filler (the
+    token-mean loss has k + 1 times the tokens); Adam's step is scale-free and is not.
     """
 
     task: GuessTask = field(default_factory=GuessTask)
@@ -119,6 +155,22 @@ class LabConfig:
     first_seed: int = 0
     share_methods: tuple[str, ...] = ("grpo", "bapo")
     check_cells: tuple[str, ...] = ("grpo E=0", "grpo E=4", "bapo E=4")
+    optimizer: str = "sgd"
+    parameters: str = "table"
+    split: str = "mini-batches"
+    premise: bool = False
+
+    def __post_init__(self) -> None:
+        for name, options in (("optimizer", OPTIMIZERS), ("parameters", PARAMETERS), ("split", SPLITS)):
+            if getattr(self, name) not in options:
+                raise ValueError(f"{name}: {getattr(self, name)!r} is not one of {list(options)}")
+        if not self.lr > 0:
+            raise ValueError(f"lr: {self.lr} must be > 0")
+
+    @property
+    def step_size(self) -> float:
+        """The optimizer's step: lr, times filler + 1 for SGD (see the class doc)."""
+        return self.lr * (self.task.filler + 1) if self.optimizer == "sgd" else self.lr
 
     def train_config(self, cell: Cell, seed: int = 0) -> TrainConfig:
         """The bapo.train config whose off-policy semantics this cell runs (it validates E and k:
@@ -129,12 +181,93 @@ class LabConfig:
                 "rollout": {
                     "prompts_per_batch": self.task.prompts,
                     "group_size": self.group_size,
-                    "max_new_tokens": self.task.budget,
+                    "max_new_tokens": self.task.positions,
                 },
-                "offpolicy": {"staleness": cell.delay, "mini_batches": cell.staleness + 1},
+                "offpolicy": {"staleness": cell.delay, **self._updates_per_batch(cell)},
                 "run": {"rollout_steps": self.rollout_steps, "seed": seed, "progress": False},
             }
         )
+
+    def _updates_per_batch(self, cell: Cell) -> dict[str, int]:
+        if self.split == "epochs":
+            return {"mini_batches": 1, "epochs": cell.staleness + 1}
+        return {"mini_batches": cell.staleness + 1}
+
+
+class LabPolicy:
+    """The trainable policy of every seed of a cell and its optimizer.
+
+    prior: start logits [S, P, L, V]. parameters "table": the logits themselves are the parameter
+    (one softmax per state, the default). "shared": logits = prior + W_prompt[p] + W_position[l]
+    + W_state[p, l] (state features = one-hot prompt, position and state blocks, times a weight
+    matrix; W [S, P, 1, V], [S, 1, L, V], [S, P, L, V] start at 0, the prior stays fixed), so a
+    gradient on one state moves every state of its prompt and of its position, as in a network.
+    step(): SGD or Adam (torch's defaults) on each parameter, elementwise, so seeds stay apart.
+    """
+
+    def __init__(self, prior: Tensor, cfg: LabConfig):
+        self.cfg = cfg
+        self.prior = prior
+        if cfg.parameters == "table":
+            self.params = [prior.clone().requires_grad_(True)]
+        else:
+            S, P, L, V = prior.shape
+            shapes = ((S, P, 1, V), (S, 1, L, V), (S, P, L, V))
+            self.params = [torch.zeros(shape, dtype=prior.dtype, requires_grad=True) for shape in shapes]
+        self.moments = [(torch.zeros_like(p), torch.zeros_like(p)) for p in self.params]
+        self.steps = 0
+
+    def logits(self) -> Tensor:
+        """[S, P, L, V], differentiable in the parameters."""
+        if self.cfg.parameters == "table":
+            return self.params[0]
+        prompt_block, position_block, state_block = self.params
+        logits: Tensor = self.prior + prompt_block + position_block + state_block
+        return logits
+
+    @torch.no_grad()
+    def step(self, per_seed_scale: Tensor) -> Tensor:
+        """One optimizer update from the parameters' .grad, each seed's divided by per_seed_scale
+        [S] (its token count: a token mean); returns the scaled gradient's norm per seed [S]."""
+        grads = [_grad(p) / per_seed_scale.reshape(-1, *[1] * (p.dim() - 1)) for p in self.params]
+        self.steps += 1
+        lr = self.cfg.step_size
+        for param, grad, (first, second) in zip(self.params, grads, self.moments):
+            if self.cfg.optimizer == "sgd":
+                param -= lr * grad
+                continue
+            (beta1, beta2), t = ADAM_BETAS, self.steps
+            first.mul_(beta1).add_(grad, alpha=1 - beta1)
+            second.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+            denom = (second / (1 - beta2**t)).sqrt_().add_(ADAM_EPS)
+            param.addcdiv_(first, denom, value=-lr / (1 - beta1**t))
+        norm: Tensor = torch.cat([g.flatten(1) for g in grads], 1).norm(dim=1)
+        return norm
+
+
+def _grad(param: Tensor) -> Tensor:
+    if param.grad is None:  # pragma: no cover - every parameter is in the loss's graph
+        raise RuntimeError("LabPolicy.step: a parameter has no gradient (call backward first)")
+    return param.grad
+
+
+def entropy_split(before: Tensor, after: Tensor, prompt: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """An update's exact entropy change on a batch's tokens, split into the Entropy-Clip Rule's
+    first-order term and the rest, per seed [S]: (first_order, exact change).
+
+    before/after: logits [S, P, L, V] around the update; prompt [S, B], mask [S, B, L]. Per state,
+    the first-order change of entropy for a logit change dz is -Cov_pi(log pi, dz) (exact for a
+    softmax; the rule's -eta Cov(log pi(y), A X) is this for one SGD step on a table); both are
+    averaged over the states of the masked tokens, as entropy/batch_change is."""
+    log_pi = torch.log_softmax(before, -1)
+    entropy = -(log_pi.exp() * log_pi).sum(-1)
+    first = _first_order(log_pi, entropy, after - before)
+    return token_mean(first, prompt, mask), token_mean(state_entropy(after) - entropy, prompt, mask)
+
+
+def _first_order(log_pi: Tensor, entropy: Tensor, change: Tensor) -> Tensor:
+    """-Cov_pi(log pi, dz) per state [S, P, L] from log pi [S, P, L, V], entropy [S, P, L], dz."""
+    return -(log_pi.exp() * (log_pi + entropy[..., None]) * change).sum(-1)
 
 
 @dataclass
@@ -152,7 +285,7 @@ class CellRun:
 def _rollout(
     logits: Tensor, answers: Tensor, cfg: LabConfig, generators: list[torch.Generator], version: int
 ) -> Rollouts:
-    drawn = sample(logits.detach(), answers, cfg.group_size, generators)
+    drawn = sample(logits.detach(), answers, cfg.group_size, generators, cfg.task.filler)
     advantages, _ = group_advantages(drawn["rewards"].flatten(), cfg.group_size)
     seed_count = logits.shape[0]
     return Rollouts(
@@ -195,7 +328,7 @@ def _loss_groups(
 
 
 def _update(
-    logits: Tensor,
+    policy: LabPolicy,
     answers: Tensor,
     batch: Rollouts,
     rows: Tensor,
@@ -210,7 +343,7 @@ def _update(
     proximal_log_prob [S, B, D]: the batch's log-probs before its first update (decoupled PPO only)."""
     method, params = method_loss(cell.method)
     # a METHODS entry's own aggregation (all token sums at normalizer 1); another loss's token sum
-    agg_mode = None if cell.method in METHODS else "token-mean"
+    agg_mode = None if any(cell.method in named for named in (METHODS, STAGE_METHODS, EXTRA_METHODS)) else "token-mean"
     seed_count = rows.shape[0]
 
     def pick(values: Tensor) -> Tensor:  # each seed's mini-batch rows of a [S, B] or [S, B, D] tensor
@@ -221,7 +354,11 @@ def _update(
     old_log_prob, advantages = pick(batch.old_log_prob), pick(batch.advantages)
     proximal = None if proximal_log_prob is None else pick(proximal_log_prob)
     length = tokens.shape[-1]
-    entropy_before = token_entropy(logits.detach(), prompt, mask)
+    logits = policy.logits()
+    before = logits.detach().clone()  # the table's logits are the parameter, updated in place below
+    log_pi_before = torch.log_softmax(before, -1)
+    states_before = -(log_pi_before.exp() * log_pi_before).sum(-1)  # state_entropy(before), once
+    entropy_before = token_mean(states_before, prompt, mask)
 
     log_prob = token_log_probs(logits, prompt, tokens)
     ratio = token_ratio(log_prob.detach(), old_log_prob)
@@ -243,27 +380,36 @@ def _update(
         )
         lower[members], upper[members] = metrics["lower"], metrics["upper"]
         total = total + loss
-    logits.grad = None
+    for param in policy.params:
+        param.grad = None
     total.backward()
-    tokens_per_seed = mask.sum((1, 2)).clamp_min(1).to(logits.dtype)
-    grad = logits.grad / tokens_per_seed[:, None, None, None]
-    with torch.no_grad():
-        logits -= cfg.lr * grad
+    grad_norm = policy.step(mask.sum((1, 2)).clamp_min(1).to(logits.dtype))
+    after = policy.logits().detach()
+    states_after = state_entropy(after)
     out = {
-        "grad_norm": grad.flatten(1).norm(dim=1),
+        "grad_norm": grad_norm,
         "entropy/batch": entropy_before,
-        "entropy/batch_change": token_entropy(logits.detach(), prompt, mask) - entropy_before,
+        "entropy/batch_change": token_mean(states_after, prompt, mask) - entropy_before,
         "lower": lower,
         "upper": upper,
         "reward/batch": pick(batch.rewards).mean(1),
-        **{f"exact/{name}": value for name, value in exact_stats(logits.detach(), answers).items()},
+        **{f"exact/{name}": value for name, value in exact_stats(after, answers, cfg.task.filler).items()},
     }
+    if cfg.premise:  # the change just measured, split: the rule's first-order term and the rest
+        first_order = token_mean(_first_order(log_pi_before, states_before, after - before), prompt, mask)
+        out["entropy/first_order"] = first_order
+        out["entropy/remainder"] = token_mean(states_after - states_before, prompt, mask) - first_order
     out.update(searched)
     # A mini-batch whose advantages are all zero (every group solved or every group failed) has no
     # share to balance and no entropy change: its share-like metrics are missing (NaN), not 1.0.
     no_signal = ~((advantages[:, :, None] != 0) & mask).flatten(1).any(1)
-    if check:  # the full per-seed diagnostics of bapo.core (one call per seed)
-        keys = ("positive_share", "entropy_change_estimate", "clip_frac/upper", "clip_frac/lower", "clip_frac")
+    if check or cfg.premise:  # the full per-seed diagnostics of bapo.core (one call per seed)
+        keys: tuple[str, ...] = ()
+        if check:
+            keys = ("positive_share", "entropy_change_estimate", "clip_frac/upper", "clip_frac/lower", "clip_frac")
+        if cfg.premise:  # split per state by log pi < -H (the per-token entropy of its state)
+            keys += PREMISE_KEYS + (() if check or not share else ("positive_share",))
+            per_token_entropy = torch.gather(states_before, 1, prompt[:, :, None].expand(-1, -1, length))
         per_seed = [
             clip_diagnostics(
                 log_prob[seed].detach(),
@@ -272,11 +418,12 @@ def _update(
                 mask[seed],
                 float(lower[seed]),
                 float(upper[seed]),
+                **({"entropy": per_token_entropy[seed]} if cfg.premise else {}),
             )
             for seed in range(seed_count)
         ]
         out.update({key: torch.tensor([metrics[key] for metrics in per_seed], dtype=torch.float64) for key in keys})
-    elif share and "positive_share" not in out:
+    if share and "positive_share" not in out:
         out["positive_share"] = torch.tensor(
             [
                 positive_share(ratio[seed], advantages[seed], mask[seed], float(lower[seed]), float(upper[seed]))
@@ -296,36 +443,40 @@ def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
     seeds = list(range(cfg.first_seed, cfg.first_seed + cfg.seeds))
     train_cfg = cfg.train_config(cell)  # validates E and k the way `bapo train` does
     instances = [cfg.task.instance(seed) for seed in seeds]
-    logits = torch.stack([start for start, _ in instances]).requires_grad_(True)
+    policy = LabPolicy(torch.stack([start for start, _ in instances]), cfg)
     answers = torch.stack([answer for _, answer in instances])
     # Per-seed rollout generators, the same in every cell: paired comparisons share the draws
     # until the policies differ.
     generators = [torch.Generator().manual_seed(7_777_777 * seed + 1) for seed in seeds]
     run = CellRun(cell, seeds)
     series: dict[str, list[Tensor]] = {}
-    run.start = exact_stats(logits.detach(), answers)
+    run.start = exact_stats(policy.logits().detach(), answers, cfg.task.filler)
     buffer = BatchBuffer(train_cfg, pad_id=0)
     version = 0
     while len(buffer.batches) < buffer.warmup:  # FIFO warm-up: batches of the start policy
-        buffer.push(_rollout(logits, answers, cfg, generators, version))
+        buffer.push(_rollout(policy.logits(), answers, cfg, generators, version))
     rows_per_batch = cfg.task.prompts * cfg.group_size
     method, params = method_loss(cell.method)
     # One BAPOStep per seed (its adaptive target fed the entropy of each update, as a trainer would).
     steps = [BAPOStep(params.get("bapo", BAPOConfig())) for _ in seeds] if method == "bapo" else []
     adaptive = bool(steps) and steps[0].config.target_mode == "entropy"
     for rollout_step in range(cfg.rollout_steps):
-        buffer.push(_rollout(logits, answers, cfg, generators, version))
+        buffer.push(_rollout(policy.logits(), answers, cfg, generators, version))
         batch: Rollouts = buffer.pop(rollout_step)
-        schedules = [minibatch_order(rows_per_batch, cell.staleness + 1, 1, seed, rollout_step) for seed in seeds]
+        split = cfg._updates_per_batch(cell)
+        schedules = [
+            minibatch_order(rows_per_batch, split["mini_batches"], split.get("epochs", 1), seed, rollout_step)
+            for seed in seeds
+        ]
         proximal = None
         if method in PROXIMAL_METHODS:  # the policy before this batch's first update
-            proximal = token_log_probs(logits.detach(), batch.prompt, batch.tokens)
+            proximal = token_log_probs(policy.logits().detach(), batch.prompt, batch.tokens)
         for update in range(cell.staleness + 1):
             rows = torch.stack([schedule[update][1] for schedule in schedules])
             for step in steps:
                 step.begin(micro_batches=1)
             metrics = _update(
-                logits,
+                policy,
                 answers,
                 batch,
                 rows,
