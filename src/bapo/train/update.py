@@ -27,8 +27,9 @@ def _normalizer(cfg: TrainConfig, batch: Batch) -> float:
     return float(len(batch))
 
 
-def _forward(model, mb: Batch, cfg: TrainConfig):
-    """Current-policy log-probs [n, R] (with grad) and entropy [n, R] (grad only when it is a loss term)."""
+def _forward(model, mb: Batch, cfg: TrainConfig, with_entropy: bool = True):
+    """Current-policy log-probs [n, R] (with grad unless under no_grad) and, with_entropy, the
+    entropy [n, R] (grad only when it is a loss term), under cfg.model.autocast."""
     return token_log_probs(
         model,
         mb.prompt_ids,
@@ -36,8 +37,8 @@ def _forward(model, mb: Batch, cfg: TrainConfig):
         mb.response_ids,
         mb.response_mask,
         cfg.rollout.temperature,
-        with_entropy=True,
-        entropy_grad=cfg.loss.entropy_coef > 0,
+        with_entropy=with_entropy,
+        entropy_grad=with_entropy and cfg.loss.entropy_coef > 0,
         autocast=cfg.model.autocast,
     )
 
@@ -82,15 +83,7 @@ def _observe_update(
                 log_prob = first[0].detach()
             else:
                 with torch.no_grad():
-                    log_prob, _ = token_log_probs(
-                        model,
-                        mb.prompt_ids,
-                        mb.prompt_mask,
-                        mb.response_ids,
-                        mb.response_mask,
-                        cfg.rollout.temperature,
-                        autocast=cfg.model.autocast,
-                    )
+                    log_prob, _ = _forward(model, mb, cfg, with_entropy=False)
             ratio = token_ratio(log_prob, mb.old_log_prob)
         weights, _ = importance_weights(mb, cfg)
         bapo_step.observe(ratio, mb.advantages, mb.response_mask, weights=weights, behaviour_log_prob=mb.old_log_prob)
