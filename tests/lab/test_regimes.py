@@ -204,6 +204,10 @@ def test_regimes_run_every_cell_and_report_the_claims(tmp_path):
     text = (out / "regimes.md").read_text()
     for section in ("Claims 1 and 4", "stages apart", "The premise", "First-order vs remainder", "by axis"):
         assert section in text
+    rows = (out / "cells" / "k1_prior6_adam_shared_mini-batches" / "bapo_E=4" / "metrics.jsonl").read_text()
+    first = json.loads(rows.splitlines()[0])  # the premise and the split, per update, per regime
+    assert {"premise/pos_clipped_low_share", "entropy/first_order", "entropy/remainder"} <= first.keys()
+    assert len(rows.splitlines()) == 3 * 3 * 5  # seeds x rollout steps x (E + 1)
     summary = json.loads((out / "regimes.json").read_text())
     assert len(summary[regimes[1].name]["entropy_parts"]) == len(REGIME_CELLS)
     assert summary[regimes[1].name]["entropy_parts"][0]["filler, end"] != "-"

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from bapo.analysis.claims import Arm, Claim, ClaimSpec, claims_json, claims_markdown, format_interval, mean_interval
 from bapo.lab.claims import EFFECT_RESOLUTION, MATCHED_REWARD, cell_arm, cell_values, lab_claims, lab_measures
+from bapo.lab.lab import write_metrics
 from bapo.lab.run import STAGE_BOTH, STAGE_C_HIGH, STAGE_C_LOW, Cell, CellRun, LabConfig, run_cell
 
 STALE_E = 4  # the staleness of the compared cells (the default lab's claim-2 E)
@@ -367,10 +368,12 @@ def run_regimes(
     jobs: int | None = None,
     regimes: list[Regime] | None = None,
     base: LabConfig | None = None,
+    metrics: bool = True,
 ) -> tuple[dict[str, list[Claim]], Path]:
     """Run every cell of every regime; write regimes.json (every regime's claims and entropy
-    parts), regimes.md (the tables), claims/<regime>.json and lab.json. Returns ({regime name:
-    claims}, out_dir). regimes / base: instead of plan_regimes' (tests)."""
+    parts), regimes.md (the tables), claims/<regime>.json, lab.json and (metrics=True)
+    cells/<regime>/<cell>/metrics.jsonl, the default lab's rows per seed and update (the full map's
+    are ~0.4 GB). Returns ({regime name: claims}, out_dir). regimes / base: instead of plan_regimes' (tests)."""
     planned, planned_base = plan_regimes(quick, seeds)
     regimes = regimes or planned
     base = base or planned_base
@@ -396,6 +399,9 @@ def run_regimes(
         name = regime.name.replace(" ", "_").replace("=", "")
         (out / "claims").mkdir(exist_ok=True)
         (out / "claims" / f"{name}.json").write_text(claims_json(claims[regime.name]) + "\n")
+        if metrics:  # every update's series, premise/* and entropy/first_order|remainder included
+            for run in runs:
+                write_metrics(run, out / "cells" / name / run.cell.name.replace(" ", "_") / "metrics.jsonl")
     (out / "regimes.md").write_text(regimes_markdown(regimes, claims, parts, starts, base))
     info = {
         "regimes": [asdict(r) | {"name": r.name, "lr": LEARNING_RATES[(r.optimizer, r.parameters)]} for r in regimes],
