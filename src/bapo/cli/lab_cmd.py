@@ -19,30 +19,45 @@ def lab(
         False,
         "--stale-k",
         help="M2PO's stale-k axis run long: grpo, unclipped, m2po, m2po-official, bapo, decoupled-ppo at async "
-        "delay 4/16/64/256 for 384 rollout steps, 10 seeds; leaderboards vs grpo (early reward, end, drawdown)",
+        "delay 4/16/64/256 for 384 rollout steps, 10 seeds; leaderboards vs grpo (early reward, reward at the end, "
+        "drawdown, entropy at the end and at matched reward)",
     ),
     regimes: bool = typer.Option(
         False,
         "--regimes",
         help="the regime map (docs/LAB_REGIMES.md): filler positions x prior peakedness, Adam, shared "
         "parameters, full-batch epochs; grpo / bapo / BAPO's stages apart at E 4, claims per regime; "
-        "with --quick 7 small regimes, 4 seeds, 8 rollout batches",
+        "with --quick 7 small regimes, 4 seeds, 8 rollout batches (no plots; output runs/lab-regimes-<timestamp>)",
     ),
     choose_lr: bool = typer.Option(
-        False, "--choose-lr", help="with --regimes: rerun the learning-rate choice (on-policy GRPO only) and print it"
+        False,
+        "--choose-lr",
+        help="with --regimes: rerun the learning-rate choice (on-policy GRPO only), print it as JSON (writes nothing)",
     ),
-    seeds: int | None = typer.Option(None, "--seeds", help="seeds per cell (default 20; --stale-k 10)"),
+    seeds: int | None = typer.Option(
+        None, "--seeds", help="seeds per cell (default 20; --quick 6, --stale-k 10, --regimes --quick 4)"
+    ),
     out: Path | None = typer.Option(None, "--out", help="output dir (default runs/lab-<timestamp>)"),
     jobs: int | None = typer.Option(None, "--jobs", help="processes (default: one per CPU core)"),
-    as_json: bool = typer.Option(False, "--json", help="print the claims table as JSON"),
+    as_json: bool = typer.Option(
+        False,
+        "--json",
+        help="print the claims table as JSON (--peers / --stale-k: claims.json, leaderboards included; "
+        "--regimes: regimes.json)",
+    ),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="draw the PNG plots of the report"),
 ):
     """The paper's claims tested on an exact tabular softmax policy, with 95% intervals over seeds."""
     from bapo.analysis.claims import claims_json
     from bapo.lab.lab import plan_for, run_lab
 
-    if regimes or choose_lr:
-        _regimes(quick, peers, choose_lr, seeds, out, jobs, as_json)
+    modes = [flag for flag, on in (("--peers", peers), ("--stale-k", stale_k), ("--regimes", regimes)) if on]
+    if len(modes) > 1:
+        raise typer.BadParameter(f"{' and '.join(modes)}: choose one")
+    if choose_lr and not regimes:
+        raise typer.BadParameter("--choose-lr goes with --regimes: bapo lab --regimes --choose-lr")
+    if regimes:
+        _regimes(quick, choose_lr, seeds, out, jobs, as_json)
         return
     try:
         plan = plan_for(quick, seeds, peers=peers, stale_k=stale_k)
@@ -65,26 +80,25 @@ def lab(
 
 
 def _regimes(
-    quick: bool, peers: bool, choose_lr: bool, seeds: int | None, out: Path | None, jobs: int | None, as_json: bool
+    quick: bool, choose_lr: bool, seeds: int | None, out: Path | None, jobs: int | None, as_json: bool
 ) -> None:
-    """`bapo lab --regimes [--quick] [--choose-lr]`."""
+    """`bapo lab --regimes [--quick]`, or `--regimes --choose-lr` (prints JSON, writes nothing)."""
     import json
 
     from bapo.lab import regimes as regime_lab
 
-    if peers:
-        raise typer.BadParameter("--regimes and --peers: choose one")
+    if choose_lr and quick:
+        raise typer.BadParameter("--choose-lr reruns the full learning-rate grid; drop --quick (--seeds N for fewer)")
+    try:
+        base = regime_lab.plan_regimes(quick, seeds)[1]
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
     if choose_lr:
-        base = regime_lab.plan_regimes(False, seeds)[1]
         chosen, grid = regime_lab.choose_learning_rates(base, jobs)
         rows = {f"{o} {p}".strip(): [list(row) for row in values] for (o, p), values in grid.items()}
         result = {"chosen": {f"{o} {p}": lr for (o, p), lr in chosen.items()}, "grid (lr, mean, low, high)": rows}
         typer.echo(json.dumps(result, indent=2))
         return
-    try:
-        regime_lab.plan_regimes(quick, seeds)
-    except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
     _, out_dir = regime_lab.run_regimes(out, quick=quick, seeds=seeds, jobs=jobs)
     if as_json:
         typer.echo((out_dir / "regimes.json").read_text().rstrip("\n"))

@@ -557,13 +557,15 @@ class Trainer:
 
     def close(self) -> None:
         """Shut the rollout engine down, close the metrics log and progress display, and release
-        the run directory's lock."""
-        self.rollout.close()
-        if self.log is not None:
-            self.log.close()
-        if self.progress_arg is True and self.progress is not None:
-            self.progress.close()
-        self.lock.release()
+        the run directory's lock (released even when the engine's shutdown fails)."""
+        try:
+            self.rollout.close()
+        finally:
+            if self.log is not None:
+                self.log.close()
+            if self.progress_arg is True and self.progress is not None:
+                self.progress.close()
+            self.lock.release()
 
 
 def train(

@@ -84,9 +84,11 @@ class VLLMEngine:
     def close(self) -> None:
         """Shut the in-process engine down (its executor and KV cache) and drop it."""
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
-        if core is not None:
-            core.shutdown()
-        self.llm = None
+        try:
+            if core is not None:
+                core.shutdown()
+        finally:
+            self.llm = None
 
     # -- weights ----------------------------------------------------------------------------
     def sync(self, model, version: int) -> bool:
