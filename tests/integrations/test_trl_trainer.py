@@ -139,6 +139,8 @@ def test_config_mirrors_core_bapo_config(tmp_path):
         ({"bapo_method": "gpro"}, "bapo_method"),
         ({"bapo_lower": 0.7}, "bapo_lower"),  # fixed bounds with the adaptive method
         ({"bapo_target": 1.5}, "target"),
+        ({"entropy_coef": 0.01}, "entropy_coef: 0.01 .*entropy_coef=0.0"),
+        ({"use_adaptive_entropy": True}, "use_adaptive_entropy: True .*use_adaptive_entropy=False"),
     ],
 )
 def test_config_refuses_what_bapo_does_not_do(tmp_path, overrides, field_name):

@@ -77,13 +77,13 @@ def _pearson(x: Tensor, y: Tensor) -> Tensor:
     return torch.stack(out)
 
 
-def _at_reward(run: CellRun, level: float = MATCHED_REWARD) -> Tensor:
-    """Exact entropy [S] after the first update whose exact reward is >= level (NaN: never)."""
-    reward, entropy = run.updates["exact/reward"], run.updates["exact/entropy"]
+def at_matched_reward(run: CellRun, key: str = "exact/entropy", level: float = MATCHED_REWARD) -> Tensor:
+    """run.updates[key] [S] after the first update whose exact reward is >= level (NaN: never)."""
+    reward, values = run.updates["exact/reward"], run.updates[key]
     reached = reward >= level
     first = reached.to(torch.int64).argmax(1, keepdim=True)
-    missing = torch.full_like(entropy[:, 0], math.nan)
-    return torch.where(reached.any(1), entropy.gather(1, first).squeeze(1), missing)
+    missing = torch.full_like(values[:, 0], math.nan)
+    return torch.where(reached.any(1), values.gather(1, first).squeeze(1), missing)
 
 
 def _sign_agreement(run: CellRun) -> Tensor:
@@ -112,7 +112,7 @@ def lab_measures(runs: list[CellRun], rollout_steps: int) -> dict[str, Measure]:
     return {
         "entropy at the end": lambda run: run.updates["exact/entropy"][:, -1],
         "reward at the end": lambda run: run.updates["exact/reward"][:, -1],
-        "entropy at matched reward": _at_reward,
+        "entropy at matched reward": at_matched_reward,
         "entropy at equal updates": lambda run: run.updates["exact/entropy"][:, rollout_steps - 1],
         "reward drawdown": lambda run: _drawdown(per_step(run, "reward")),
         "reward drawdown at equal updates": lambda run: _drawdown(run.updates["exact/reward"][:, :rollout_steps]),

@@ -132,7 +132,8 @@ def peers_plan(
 def stale_k_plan(config: LabConfig | None = None, seeds: int = 10, delays: tuple[int, ...] = STALE_K_DELAYS) -> LabPlan:
     """`bapo lab --stale-k`: STALE_K_METHODS at E = 0 and async delay k in `delays`, each for
     STALE_K_ROLLOUT_STEPS rollout steps (10 seeds: 16x the default run's steps), ranked by
-    STALE_K_LEADERBOARDS against grpo. Each method at its defaults; nothing tuned."""
+    STALE_K_LEADERBOARDS against grpo. Each method at its defaults; nothing tuned. A `config`
+    given (tests) is used as it is: `seeds` and STALE_K_ROLLOUT_STEPS apply to the default only."""
     config = config or replace(LabConfig(), rollout_steps=STALE_K_ROLLOUT_STEPS, seeds=seeds)
     config = replace(config, share_methods=("grpo", "bapo"), check_cells=())
     return LabPlan(
@@ -198,17 +199,21 @@ def _run_one(args: tuple[Cell, LabConfig]) -> CellRun:
     return run_cell(*args)
 
 
+def run_jobs(work: list[tuple[Cell, LabConfig]], jobs: int | None = None) -> list[CellRun]:
+    """run_cell of every (cell, config) of `work`, in `jobs` processes (default: one per CPU
+    core), returned in the order of `work`."""
+    jobs = max(1, min(jobs or os.cpu_count() or 1, len(work)))
+    if jobs == 1:
+        return [_run_one(job) for job in work]
+    with multiprocessing.get_context("fork").Pool(jobs) as pool:
+        return pool.map(_run_one, work, chunksize=1)
+
+
 def run_cells(plan: LabPlan, jobs: int | None = None) -> list[CellRun]:
     """Run every cell of the plan, `jobs` processes (default: one per CPU core), biggest first."""
     cells = plan.cells()
     order = sorted(cells, key=lambda c: -(c.staleness + 1))
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(cells)))
-    if jobs == 1:
-        done = [_run_one((c, plan.config)) for c in order]
-    else:
-        with multiprocessing.get_context("fork").Pool(jobs) as pool:
-            done = pool.map(_run_one, [(c, plan.config) for c in order], chunksize=1)
-    by_name = {r.cell.name: r for r in done}
+    by_name = {r.cell.name: r for r in run_jobs([(c, plan.config) for c in order], jobs)}
     return [by_name[c.name] for c in cells]
 
 

@@ -20,7 +20,6 @@ that rule chose (docs/LAB_REGIMES.md has the grid's numbers). The filler and pri
 from __future__ import annotations
 
 import json
-import multiprocessing
 import os
 import statistics
 import time
@@ -32,9 +31,17 @@ import torch
 from torch import Tensor
 
 from bapo.analysis.claims import Arm, Claim, ClaimSpec, claims_json, claims_markdown, format_interval, mean_interval
-from bapo.lab.claims import EFFECT_RESOLUTION, MATCHED_REWARD, cell_arm, cell_values, lab_claims, lab_measures
-from bapo.lab.lab import write_metrics
-from bapo.lab.run import STAGE_BOTH, STAGE_C_HIGH, STAGE_C_LOW, Cell, CellRun, LabConfig, run_cell
+from bapo.lab.claims import (
+    EFFECT_RESOLUTION,
+    MATCHED_REWARD,
+    at_matched_reward,
+    cell_arm,
+    cell_values,
+    lab_claims,
+    lab_measures,
+)
+from bapo.lab.lab import run_jobs, write_metrics
+from bapo.lab.run import STAGE_BOTH, STAGE_C_HIGH, STAGE_C_LOW, Cell, CellRun, LabConfig
 
 STALE_E = 4  # the staleness of the compared cells (the default lab's claim-2 E)
 REGIME_CELLS = (
@@ -76,15 +83,14 @@ class Regime:
     def name(self) -> str:
         return f"k={self.filler} prior={self.prior_scale:g} {self.optimizer} {self.parameters} {self.split}"
 
-    def config(self, base: LabConfig, learning_rates: dict[tuple[str, str], float] | None = None) -> LabConfig:
+    def config(self, base: LabConfig) -> LabConfig:
         """base with this regime's task, optimizer, parameters, split, its learning rate and the
         premise diagnostic on (every update of every cell)."""
-        rates = LEARNING_RATES if learning_rates is None else learning_rates
         task = replace(base.task, filler=self.filler, prior_scale=self.prior_scale)
         return replace(
             base,
             task=task,
-            lr=rates[(self.optimizer, self.parameters)],
+            lr=LEARNING_RATES[(self.optimizer, self.parameters)],
             optimizer=self.optimizer,
             parameters=self.parameters,
             split=self.split,
@@ -111,20 +117,6 @@ def regime_map(quick: bool = False) -> list[Regime]:
         {"split": "epochs"},
     )
     return tasks + [Regime(k, s, **setup) for setup in setups for k, s in corners]
-
-
-def _run_one(args: tuple[Cell, LabConfig]) -> CellRun:
-    torch.set_num_threads(1)
-    return run_cell(*args)
-
-
-def run_jobs(jobs_list: list[tuple[Cell, LabConfig]], jobs: int | None = None) -> list[CellRun]:
-    """run_cell of every (cell, config), `jobs` processes (default: one per core), in order."""
-    jobs = max(1, min(jobs or os.cpu_count() or 1, len(jobs_list)))
-    if jobs == 1:
-        return [_run_one(job) for job in jobs_list]
-    with multiprocessing.get_context("fork").Pool(jobs) as pool:
-        return pool.map(_run_one, jobs_list, chunksize=1)
 
 
 def choose_learning_rates(
@@ -157,15 +149,7 @@ def choose_learning_rates(
 
 def _at_matched_reward(key: str) -> Callable[[CellRun], Tensor]:
     """exact/<key> [S] after the first update whose exact reward reaches MATCHED_REWARD (NaN: never)."""
-
-    def measure(run: CellRun) -> Tensor:
-        reward, values = run.updates["exact/reward"], run.updates[key]
-        reached = reward >= MATCHED_REWARD
-        first = reached.float().argmax(1)
-        picked = values.gather(1, first[:, None]).squeeze(1)
-        return torch.where(reached.any(1), picked, torch.full_like(picked, float("nan")))
-
-    return measure
+    return lambda run: at_matched_reward(run, key)
 
 
 def _premise_gap(sign: str) -> Callable[[CellRun], Tensor]:
@@ -373,7 +357,7 @@ def run_regimes(
     """Run every cell of every regime; write regimes.json (every regime's claims and entropy
     parts), regimes.md (the tables), claims/<regime>.json, lab.json and (metrics=True)
     cells/<regime>/<cell>/metrics.jsonl, the default lab's rows per seed and update (the full map's
-    are ~0.4 GB). Returns ({regime name: claims}, out_dir). regimes / base: instead of plan_regimes' (tests)."""
+    are ~0.3 GB). Returns ({regime name: claims}, out_dir). regimes / base: instead of plan_regimes' (tests)."""
     planned, planned_base = plan_regimes(quick, seeds)
     regimes = regimes or planned
     base = base or planned_base

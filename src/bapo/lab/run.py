@@ -251,18 +251,24 @@ def _grad(param: Tensor) -> Tensor:
     return param.grad
 
 
-def entropy_split(before: Tensor, after: Tensor, prompt: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+def entropy_split(
+    log_pi_before: Tensor,
+    entropy_before: Tensor,
+    entropy_after: Tensor,
+    logit_change: Tensor,
+    prompt: Tensor,
+    mask: Tensor,
+) -> tuple[Tensor, Tensor]:
     """An update's exact entropy change on a batch's tokens, split into the Entropy-Clip Rule's
     first-order term and the rest, per seed [S]: (first_order, exact change).
 
-    before/after: logits [S, P, L, V] around the update; prompt [S, B], mask [S, B, L]. Per state,
-    the first-order change of entropy for a logit change dz is -Cov_pi(log pi, dz) (exact for a
+    log_pi_before [S, P, L, V] and entropy_before / entropy_after [S, P, L] around the update,
+    logit_change [S, P, L, V] (after - before); prompt [S, B], mask [S, B, L]. Per state, the
+    first-order change of entropy for a logit change dz is -Cov_pi(log pi, dz) (exact for a
     softmax; the rule's -eta Cov(log pi(y), A X) is this for one SGD step on a table); both are
     averaged over the states of the masked tokens, as entropy/batch_change is."""
-    log_pi = torch.log_softmax(before, -1)
-    entropy = -(log_pi.exp() * log_pi).sum(-1)
-    first = _first_order(log_pi, entropy, after - before)
-    return token_mean(first, prompt, mask), token_mean(state_entropy(after) - entropy, prompt, mask)
+    first = _first_order(log_pi_before, entropy_before, logit_change)
+    return token_mean(first, prompt, mask), token_mean(entropy_after - entropy_before, prompt, mask)
 
 
 def _first_order(log_pi: Tensor, entropy: Tensor, change: Tensor) -> Tensor:
@@ -396,9 +402,9 @@ def _update(
         **{f"exact/{name}": value for name, value in exact_stats(after, answers, cfg.task.filler).items()},
     }
     if cfg.premise:  # the change just measured, split: the rule's first-order term and the rest
-        first_order = token_mean(_first_order(log_pi_before, states_before, after - before), prompt, mask)
+        first_order, change = entropy_split(log_pi_before, states_before, states_after, after - before, prompt, mask)
         out["entropy/first_order"] = first_order
-        out["entropy/remainder"] = token_mean(states_after - states_before, prompt, mask) - first_order
+        out["entropy/remainder"] = change - first_order
     out.update(searched)
     # A mini-batch whose advantages are all zero (every group solved or every group failed) has no
     # share to balance and no entropy change: its share-like metrics are missing (NaN), not 1.0.

@@ -160,8 +160,14 @@ class BAPOGRPOConfig(_BAPOConfigFields, GRPOConfig):
             ),
             "delta": (self.delta is not None, "TRL's two-sided clip; use bapo_method='dual-clip' instead"),
             "entropy_coef": (
-                self.entropy_coef != 0.0 or self.use_adaptive_entropy,
-                "the entropy bonus is not supported with bapo losses",
+                self.entropy_coef != 0.0,
+                "the entropy bonus is not supported with bapo losses; set entropy_coef=0.0 "
+                "(bapo train has one: loss.entropy_coef)",
+            ),
+            "use_adaptive_entropy": (
+                self.use_adaptive_entropy,
+                "the entropy bonus is not supported with bapo losses; set use_adaptive_entropy=False "
+                "(bapo_target_mode='entropy' steers BAPO's target share by entropy instead)",
             ),
         }
         for name, (is_set, reason) in refused.items():
