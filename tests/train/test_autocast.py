@@ -100,8 +100,13 @@ def test_autocast_needs_fp32_weights():
         config_from_dict({"model": {"path": "unused", "dtype": "bfloat16", "autocast": "bfloat16"}})
 
 
-def test_chunked_log_probs_equal_the_plain_ones_and_their_gradient(monkeypatch):
-    monkeypatch.setattr(logits_module, "CHUNK_ELEMENTS", 40)  # 5 rows x 3 x 7: one row per chunk
+# logits [5, 3, 7]: 40 elements = one row a chunk; 10 = one token a chunk (a row of 3 x 7 is larger
+# than a chunk: a long response goes a few positions at a time); 1 << 23: all rows in one chunk
+@pytest.mark.parametrize("chunk_elements", [40, 10, 1 << 23])
+def test_chunked_log_probs_equal_the_plain_ones_and_their_gradient(monkeypatch, chunk_elements):
+    monkeypatch.setattr(logits_module, "CHUNK_ELEMENTS", chunk_elements)
+    shape_chunks = logits_module._chunks(torch.empty(5, 3, 7))
+    assert len(shape_chunks) == {40: 5, 10: 15, 1 << 23: 1}[chunk_elements]
     gen = torch.Generator().manual_seed(0)
     logits = torch.randn(5, 3, 7, dtype=torch.float64, generator=gen, requires_grad=True)
     ids = torch.randint(0, 7, (5, 3), generator=gen)

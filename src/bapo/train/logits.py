@@ -3,7 +3,8 @@
 `log_softmax(logits.float()).gather(...)` keeps for backward: a vocabulary of 49152 (SmolLM2) makes
 each of them 200 kB per token.
 
-`chosen_log_probs` goes over the rows a few at a time: each chunk is upcast to float32, its
+`chosen_log_probs` goes over the rows a few at a time (over one row's positions a few at a time
+when a row alone is larger than a chunk): each chunk is upcast to float32, its
 log-normaliser (logsumexp) and chosen logit are taken, and only the logits (in their own dtype,
 bf16 under autocast) and the [N, R] log-normaliser are saved; backward recomputes the chunk's
 softmax, so d log p(y) / d z = (onehot(y) - softmax(z / T)) / T is formed one chunk at a time.
@@ -16,13 +17,21 @@ from typing import Any
 import torch
 from torch import Tensor
 
-#: Elements of one float32 chunk of logits (32 MB): rows per chunk = this // (R * V), at least 1.
+#: Elements of one float32 chunk of logits (32 MB): whole rows while a row fits, else pieces of one row.
 CHUNK_ELEMENTS = 1 << 23
 
 
-def _rows_per_chunk(logits: Tensor) -> int:
-    per_row = max(logits.shape[1] * logits.shape[2], 1)
-    return max(1, CHUNK_ELEMENTS // per_row)
+def _chunks(logits: Tensor) -> list[tuple[slice, slice]]:
+    """(rows, positions) index pairs covering logits [N, R, V], each chunk of at most
+    CHUNK_ELEMENTS (or one token where a single row of V exceeds it): several rows at a time
+    while R x V fits, else a row's positions a few at a time (long responses)."""
+    n, length, vocab = logits.shape
+    tokens = max(1, CHUNK_ELEMENTS // max(vocab, 1))
+    if length <= tokens:
+        rows = max(1, tokens // max(length, 1))
+        return [(slice(first, first + rows), slice(None)) for first in range(0, n, rows)]
+    starts = range(0, length, tokens)
+    return [(slice(row, row + 1), slice(first, first + tokens)) for row in range(n) for first in starts]
 
 
 def _upcast(chunk: Tensor, temperature: float) -> Tensor:
@@ -37,19 +46,16 @@ class _ChosenLogProb(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, logits: Tensor, ids: Tensor, temperature: float, with_entropy: bool) -> tuple[Tensor, Tensor]:
         out_dtype = torch.promote_types(logits.dtype, torch.float32)
-        n = logits.shape[0]
         log_norm = torch.empty(logits.shape[:2], dtype=out_dtype, device=logits.device)
         log_prob = torch.empty_like(log_norm)
         entropy = torch.empty_like(log_norm) if with_entropy else log_norm.new_empty(0)
-        step = _rows_per_chunk(logits)
-        for first in range(0, n, step):
-            rows = slice(first, first + step)
-            scaled = _upcast(logits[rows], temperature)  # [n', R, V]
-            log_norm[rows] = torch.logsumexp(scaled, dim=-1)
-            log_prob[rows] = scaled.gather(-1, ids[rows].unsqueeze(-1)).squeeze(-1) - log_norm[rows]
+        for at in _chunks(logits):
+            scaled = _upcast(logits[at], temperature)  # [n', r', V]
+            log_norm[at] = torch.logsumexp(scaled, dim=-1)
+            log_prob[at] = scaled.gather(-1, ids[at].unsqueeze(-1)).squeeze(-1) - log_norm[at]
             if with_entropy:  # H = log Z - sum p z
-                probs = torch.exp(scaled - log_norm[rows].unsqueeze(-1))
-                entropy[rows] = log_norm[rows] - (probs * scaled).sum(-1)
+                probs = torch.exp(scaled - log_norm[at].unsqueeze(-1))
+                entropy[at] = log_norm[at] - (probs * scaled).sum(-1)
         ctx.save_for_backward(logits, ids, log_norm)
         ctx.temperature = temperature
         ctx.mark_non_differentiable(entropy)
@@ -60,14 +66,12 @@ class _ChosenLogProb(torch.autograd.Function):
         logits, ids, log_norm = ctx.saved_tensors
         temperature = ctx.temperature
         grad_logits = torch.empty_like(logits, memory_format=torch.contiguous_format)
-        step = _rows_per_chunk(logits)
-        for first in range(0, logits.shape[0], step):
-            rows = slice(first, first + step)
-            grad = grad_log_prob[rows].to(log_norm.dtype)  # [n', R]
-            scaled = _upcast(logits[rows], temperature)
-            chunk = torch.exp(scaled - log_norm[rows].unsqueeze(-1)).mul_(-grad.unsqueeze(-1))  # -g p
-            chunk.scatter_add_(-1, ids[rows].unsqueeze(-1), grad.unsqueeze(-1))  # + g onehot(y)
-            grad_logits[rows] = chunk.div_(temperature)
+        for at in _chunks(logits):
+            grad = grad_log_prob[at].to(log_norm.dtype)  # [n', r']
+            scaled = _upcast(logits[at], temperature)
+            chunk = torch.exp(scaled - log_norm[at].unsqueeze(-1)).mul_(-grad.unsqueeze(-1))  # -g p
+            chunk.scatter_add_(-1, ids[at].unsqueeze(-1), grad.unsqueeze(-1))  # + g onehot(y)
+            grad_logits[at] = chunk.div_(temperature)
         return grad_logits, None, None, None
 
 
