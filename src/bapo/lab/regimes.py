@@ -20,6 +20,7 @@ that rule chose (docs/LAB_REGIMES.md has the grid's numbers). The filler and pri
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import time
@@ -316,7 +317,12 @@ def entropy_parts(runs: list[CellRun], rollout_steps: int) -> list[tuple[str, ..
 
         def shown(metric: str, arm: Arm = arm) -> str:
             got = values(arm, metric)
-            return format_interval(list(got.values())) if got else "-"
+            if not got:
+                return "-"
+            finite = [v for v in got.values() if math.isfinite(v)]
+            if len(finite) < 2:  # at matched reward: seeds that never reached it are left out
+                return f"{finite[0]:.3f} (1/{len(got)} seeds)" if finite else f"n/a (0/{len(got)} seeds)"
+            return format_interval(finite) + ("" if len(finite) == len(got) else f" ({len(finite)}/{len(got)} seeds)")
 
         rows.append(
             (
@@ -492,7 +498,8 @@ def regimes_markdown(
         f"{base.seeds} seeds, {base.rollout_steps} rollout steps, {base.task.prompts} prompts x "
         f"{base.group_size} responses, V = {base.task.vocab}, budget {base.task.budget} guesses. Cells: "
         "effect [95% interval] over seeds, paired by seed, > 0 = the paper's direction (premise: held); "
-        "held / NOT (held in the other direction) / mixed."
+        "held / NOT (held in the other direction) / mixed; '-' = not computed (fewer than 2 seeds with a "
+        "value in both cells, e.g. a matched reward not reached, or no filler positions)."
     )
     text = ["# bapo lab --regimes", "", header, ""]
     text += ["## Start policy per regime", "", "| regime | lr | start reward | start entropy |", "|---|---|---|---|"]
@@ -516,6 +523,11 @@ def regimes_markdown(
     text += ["", "## BAPO keeps entropy at matched reward, by axis", ""]
     text += axis_summary(regimes, claims, f"4-entropy-at-reward-E={STALE_E}")
     text += ["", "## Entropy: whole response, guess and filler positions, at the end and at matched reward", ""]
+    text += [
+        f"'-' = no filler positions in the regime; at matched reward a seed that never reaches exact reward "
+        f"{MATCHED_REWARD} is left out ('k/N seeds'; 'n/a' when none reached it).",
+        "",
+    ]
     text += ["| regime | " + " | ".join(PART_NAMES) + " |", "|---" * (len(PART_NAMES) + 1) + "|"]
     for r in regimes:
         for row in parts[r.name]:
