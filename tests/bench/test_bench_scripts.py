@@ -31,6 +31,8 @@ SMALL_RUNS = {
             "1",
             "--updates",
             "1",
+            "--repeats",
+            "1",
         ],
         ["setup", "parts", "lean_vs_hf", "update_bf16_vs_fp32", "update_fp32_vs_trl", "skipped"],
     ),

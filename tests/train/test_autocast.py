@@ -7,7 +7,9 @@ bf16 keeps 8 significant bits (unit roundoff 2^-9 ~ 0.002 per rounding), so erro
 are what a correct bf16 forward with float32 log-softmax and float32 accumulation of the loss
 gives. The tolerances are ~3x the largest measured: LOSS_REL_TOL 2e-3, GRAD_REL_TOL 0.025,
 cosine >= 0.999. A log-softmax taken in bf16 instead moves the loss by ~1e-2 and fails.
-bench/real_model.py reports the same three numbers for SmolLM2-135M-Instruct.
+bench/real_model.py reports the same three numbers for SmolLM2-135M-Instruct (30 layers): loss
+1.3e-2, gradient 6.7e-2 relative error, cosine 0.998 - more layers, more bf16 rounding; these
+tolerances are for the tiny model only.
 """
 
 import pytest
