@@ -104,13 +104,13 @@ def _verdict_counts(claims: list[Claim]) -> str:
     return f"{counts['held']} held, {counts['not held']} not held, {counts['mixed']} mixed of {len(claims)} claims"
 
 
-def headline(claims: list[Claim], lab_claims: list[Claim] = ()) -> list[str]:
+def headline(claims: list[Claim], lab_claims: list[Claim] = (), model_label: str = "Tiny LLM") -> list[str]:
     """A few lines of what the runs show: the verdict counts, then one line per headline claim
     (HEADLINE_CLAIMS) with each setting's verdict, effect and 95% interval, and the smallest effect
     the plan detects with 80% power (from the seed spread; the largest over the settings). Printed
     at the end of `bapo demo` and leading report.md."""
     lines = [f"Mechanism lab (exact softmax): {_verdict_counts(list(lab_claims))}."] if lab_claims else []
-    lines.append(f"Tiny LLM: {_verdict_counts(claims)}.")
+    lines.append(f"{model_label}: {_verdict_counts(claims)}.")
     for family in HEADLINE_CLAIMS:
         members = [c for c in claims if c.id == family or c.id.startswith(family + "-")]
         if not members:
@@ -136,16 +136,20 @@ def write_report(
     target_share: float | None,
     header: list[str],
     lab_claims: list[Claim] = (),
+    title: str = "bapo demo report",
+    model_label: str = "Tiny LLM",
+    columns: dict[str, Callable[[Run], float]] = RUN_COLUMNS,
 ) -> Path:
-    """report.md: `header` lines, the claims tables, the plots (relative links), the run table."""
+    """report.md: `header` lines, the claims tables, the plots (relative links), the run table;
+    `title` heads it, `model_label` names the runs' model (bapo study: SmolLM2-135M-Instruct)."""
     path = Path(path)
     verdicts = {v: sum(c.verdict == v for c in claims) for v in ("held", "not held", "mixed")}
     parts = [
-        "# bapo demo report",
+        f"# {title}",
         "",
         "## Summary",
         "",
-        *[f"- {line}" for line in headline(claims, list(lab_claims))],
+        *[f"- {line}" for line in headline(claims, list(lab_claims), model_label)],
         "",
         "Effect > 0 is the direction the paper claims; verdicts from 95% intervals over seeds (details below).",
         "",
@@ -162,7 +166,7 @@ def write_report(
     if lab_claims:
         parts += ["### Mechanism lab (tabular softmax, exact)", "", claims_markdown(lab_claims), ""]
     parts += [
-        "### Tiny LLM",
+        f"### {model_label}",
         "",
         f"{verdicts['held']} held, {verdicts['not held']} not held, {verdicts['mixed']} mixed.",
         "",
@@ -175,6 +179,6 @@ def write_report(
         "",
     ]
     parts += [f"![{p.stem}]({p.relative_to(path.parent).as_posix()})" for p in plots]
-    parts += ["", "## Per-run table", "", markdown_table(summary(runs), start_row(runs)), "", COLUMN_NOTES]
+    parts += ["", "## Per-run table", "", markdown_table(summary(runs, columns), start_row(runs)), "", COLUMN_NOTES]
     path.write_text("\n".join(parts) + "\n")
     return path
