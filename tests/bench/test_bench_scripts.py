@@ -16,6 +16,24 @@ BENCH = Path(__file__).resolve().parents[2] / "bench"
 SMALL_RUNS = {
     "bound_search.py": (["--tokens", "20000", "--repeats", "1"], ["machine", "rows"]),
     "checkpoint_save.py": (["--repeats", "1"], ["checkpoint_mb", "median_ms", "save_overhead"]),
+    "real_model.py": (
+        [
+            "--tiny",
+            "--prompts",
+            "2",
+            "--group",
+            "4",
+            "--new-tokens",
+            "8",
+            "--micro-batch",
+            "4",
+            "--rollouts",
+            "1",
+            "--updates",
+            "1",
+        ],
+        ["setup", "parts", "lean_vs_hf", "update_bf16_vs_fp32", "update_fp32_vs_trl", "skipped"],
+    ),
     "trainer.py": (
         [
             "--prompts",

@@ -335,15 +335,19 @@ def test_peers_leaderboards_rank_every_method_in_every_setting(tmp_path, monkeyp
         "reward at the end",
         "mean reward",
         "entropy at the end",
+        "entropy at matched reward",
         "grad-norm CV",
         "share distance",
     ]
     for metric, _, standings in boards:
         expected = PEER_SHARE_METHODS if metric == "share distance" else methods
         assert sorted((r.setting, r.method) for r in standings) == sorted((s, m) for s in settings for m in expected)
-        assert all(math.isfinite(r.mean) and r.seeds == 2 for r in standings), metric
+        if metric == "entropy at matched reward":  # a seed that never reaches the reward level is left out
+            assert all(r.seeds <= 2 and (r.seeds == 0 or math.isfinite(r.mean)) for r in standings)
+        else:
+            assert all(math.isfinite(r.mean) and r.seeds == 2 for r in standings), metric
         assert all((r.versus is None) == (r.method == "grpo") for r in standings)
-    cv = [r.mean for r in boards[3][2] if r.setting == "E=2"]
+    cv = [r.mean for r in boards[4][2] if r.setting == "E=2"]
     assert cv == sorted(cv)  # lower is better: ranked ascending
 
     from typer.testing import CliRunner
@@ -378,3 +382,45 @@ def test_peers_leaderboards_rank_every_method_in_every_setting(tmp_path, monkeyp
     assert printed.exit_code == 0, printed.output
     assert "bapo lab --peers: leaderboards" in printed.output and "| E=0 | m2po |" in printed.output
     assert (tmp_path / "p" / "leaderboards.md").read_text() in printed.output
+
+
+def test_stale_k_plan_runs_long_with_an_unclipped_surrogate():
+    """`bapo lab --stale-k`: six methods at async delay 4/16/64/256 for 384 rollout steps, 10 seeds;
+    "unclipped" is the plain surrogate -r A (no trust region: extreme ratios pass untouched)."""
+    from bapo.core import policy_loss
+    from bapo.lab.lab import STALE_K_METHODS, plan_for, plan_leaderboards, stale_k_plan
+    from bapo.lab.run import method_loss
+
+    plan = plan_for(stale_k=True)
+    assert plan.methods == STALE_K_METHODS and "unclipped" in plan.methods
+    assert (plan.config.rollout_steps, plan.config.seeds) == (384, 10)
+    assert plan.settings() == ["E=0"] + [f"E=0, async delay {k}" for k in (4, 16, 64, 256)]
+    with pytest.raises(ValueError, match="choose one"):
+        plan_for(peers=True, stale_k=True)
+
+    torch.manual_seed(0)
+    log_prob, old = torch.randn(4, 6), torch.randn(4, 6) * 4  # ratios far outside any clip range
+    advantages, mask = torch.randn(4, 6), torch.ones(4, 6, dtype=torch.bool)
+    name, params = method_loss("unclipped")
+    loss, _ = policy_loss(log_prob, old, advantages, mask, name, **params)
+    assert torch.allclose(loss, -(torch.exp(log_prob - old) * advantages).mean())
+
+    tiny = stale_k_plan(LabConfig(**{**TINY.__dict__, "seeds": 2, "rollout_steps": 8}), delays=(2,))
+    runs = [run_cell(cell, tiny.config) for cell in tiny.cells()]
+    boards = plan_leaderboards(runs, tiny)
+    assert [metric for metric, _, _ in boards] == [
+        "early reward",
+        "reward at the end",
+        "reward drawdown",
+        "entropy at the end",
+        "entropy at matched reward",
+    ]
+    for metric, _, standings in boards:
+        assert sorted((r.setting, r.method) for r in standings) == sorted(
+            (s, m) for s in ("E=0", "E=0, async delay 2") for m in STALE_K_METHODS
+        )
+        matched = metric == "entropy at matched reward"  # seeds that never reach the level are left out
+        assert all((r.seeds <= 2) if matched else (r.seeds == 2 and math.isfinite(r.mean)) for r in standings)
+    unclipped = next(r for r in runs if r.cell.name == "unclipped E=0 delay=2").updates["exact/reward"]
+    grpo = next(r for r in runs if r.cell.name == "grpo E=0 delay=2").updates["exact/reward"]
+    assert not torch.allclose(unclipped, grpo)  # stale ratios: the clip matters

@@ -92,7 +92,38 @@ def engine_gaps(model_path: str, dtype: str = "float32") -> dict:
     engine.sync(model, 1)
     out["gap_v1"], out["tokens_v1"] = _gap(engine, model, tokenizer, contexts)
     out["push_s"] = engine.push_seconds / engine.pushes
+    out["stop"] = _stop_string_check(engine, tokenizer, contexts)
     return out
+
+
+def _stop_string_check(engine, tokenizer, contexts, budget=16) -> dict:
+    """rollout.stop through vLLM: with the commonest character of free samples as the stop string,
+    every row ends at the token that completes it, or at EOS, or at the budget, without it."""
+    from bapo.train.sampling import SamplingParams
+
+    def text(tokens: list[int]) -> str:  # as vLLM matches stop strings: special tokens left out
+        return tokenizer.decode(tokens, skip_special_tokens=True)
+
+    def sample():
+        params = SamplingParams(1.0, 0, 1.0)
+        eos = [tokenizer.eos_token_id]
+        return engine.sample(contexts, [budget] * len(contexts), params, eos, tokenizer.pad_token_id).tokens
+
+    free_text = "".join(text(row) for row in sample().tolist())
+    stop = max(set(free_text.strip()) - {" "}, key=free_text.count)
+    engine.rollout_cfg = engine.rollout_cfg.model_copy(update={"stop": [stop]})
+    rows = [[token for token in row if token != tokenizer.pad_token_id] for row in sample().tolist()]
+
+    def well_ended(row: list[int]) -> bool:
+        if stop in text(row):
+            return stop not in text(row[:-1])  # cut at the token that completes it
+        return len(row) == budget or row[-1] == tokenizer.eos_token_id
+
+    return {
+        "stopped": sum(len(row) < budget and row[-1] != tokenizer.eos_token_id for row in rows),
+        "ok": all(map(well_ended, rows)),
+        "rows": [text(row) for row in rows],
+    }
 
 
 def _engine_gaps_in_a_process(model_path: str) -> dict:
@@ -116,34 +147,10 @@ def test_push_makes_the_engine_equal_to_the_trainer(which, request):
     assert result["tied"] and result["pushed_twice"] == [True, False]
     assert result["tokens_v0"] > 8 and result["gap_v0"] < GAP
     assert result["tokens_v1"] > 8 and result["gap_v1"] < GAP
+    assert result["stop"]["stopped"] > 0 and result["stop"]["ok"], result["stop"]
 
 
-def _train(tmp_path, model_path, *overrides):
-    data = tmp_path / "data.jsonl"
-    data.write_text(
-        "".join(json.dumps({"prompt": f"{a}+{a + 1}=", "answer": str(2 * a + 1)}) + "\n" for a in range(12))
-    )
-    run_dir = tmp_path / "run"
-    args = [
-        f"model.path={model_path}",
-        "model.device=cpu",
-        f"data.path={data}",
-        "data.max_prompt_tokens=32",
-        "rollout.backend=vllm",
-        "rollout.vllm_dtype=float32",
-        "rollout.vllm_enforce_eager=true",
-        "rollout.prompts_per_batch=4",
-        "rollout.group_size=4",
-        "rollout.max_new_tokens=12",
-        "optim.lr=1e-3",
-        "reward.verifier=exact",
-        f"run.output_dir={run_dir}",
-        "run.rollout_steps=3",
-        "run.checkpoint_every=0",
-        "run.progress=false",
-        "run.tensorboard=off",
-        *overrides,
-    ]
+def _bapo_train(args: list[str]) -> None:
     env = {
         **os.environ,
         "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
@@ -153,8 +160,43 @@ def _train(tmp_path, model_path, *overrides):
         [sys.executable, "-m", "bapo.cli.main", "train", *args], env=env, capture_output=True, text=True, timeout=900
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _update_rows(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return [row for row in rows if "update" in row]
+
+
+def _train(tmp_path, model_path, *overrides):
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    data = tmp_path / "data.jsonl"
+    data.write_text(
+        "".join(json.dumps({"prompt": f"{a}+{a + 1}=", "answer": str(2 * a + 1)}) + "\n" for a in range(12))
+    )
+    run_dir = tmp_path / "run"
+    _bapo_train(
+        [
+            f"model.path={model_path}",
+            "model.device=cpu",
+            f"data.path={data}",
+            "data.max_prompt_tokens=32",
+            "rollout.backend=vllm",
+            "rollout.vllm_dtype=float32",
+            "rollout.vllm_enforce_eager=true",
+            "rollout.prompts_per_batch=4",
+            "rollout.group_size=4",
+            "rollout.max_new_tokens=12",
+            "optim.lr=1e-3",
+            "reward.verifier=exact",
+            f"run.output_dir={run_dir}",
+            "run.rollout_steps=3",
+            "run.checkpoint_every=0",
+            "run.progress=false",
+            "run.tensorboard=off",
+            *overrides,
+        ]
+    )
+    return _update_rows(run_dir)
 
 
 def _check_gap(rows, updates):
@@ -182,6 +224,21 @@ def test_bapo_train_with_partial_rollout_and_sequence_mis(tmp_path, tiny_llama):
     )
     _check_gap(rows, 6)
     assert any(row["staleness/max"] > 0 for row in rows)  # responses carried over versions
+
+
+def test_resume_with_vllm_continues_exactly(tmp_path, tiny_llama):
+    """A run stopped after rollout step 2 and resumed (a fresh engine, the checkpoint's weights
+    pushed, the sampling seeds drawn from the checkpointed generator) logs what the uninterrupted
+    run logs, update for update."""
+    settings = ("offpolicy.staleness=1", "run.checkpoint_every=2", "rollout.correction=tis")
+    whole = _train(tmp_path / "whole", tiny_llama, *settings, "run.rollout_steps=4")
+    first = _train(tmp_path / "parted", tiny_llama, *settings, "run.rollout_steps=2")
+    _bapo_train(["--resume", str(tmp_path / "parted" / "run"), "run.rollout_steps=4"])
+    parted = _update_rows(tmp_path / "parted" / "run")
+    assert len(first) == 2 and len(parted) == len(whole) == 4
+    same = ("reward/mean", "loss", "response_length/mean", "rollout/logp_diff/max", "grad_norm")
+    for resumed, straight in zip(parted, whole):
+        assert {key: resumed.get(key) for key in same} == {key: straight.get(key) for key in same}
 
 
 if __name__ == "__main__":

@@ -22,6 +22,10 @@ class FakeEngine:
         self.version = None
         self.pushes, self.push_seconds, self.sample_seconds = 0, 0.0, 0.0
         self.model = None
+        self.closed = False
+
+    def close(self):
+        self.closed = True
 
     def sync(self, model, version):
         self.model = model
@@ -64,3 +68,4 @@ def test_one_push_per_version_and_the_gap_is_logged(tiny_model, tmp_path, monkey
         assert row["rollout/is_ratio/mean"] == pytest.approx(torch.exp(torch.tensor(-OFFSET)).item(), rel=1e-4)
         assert row["rollout/is_weight/mean"] == pytest.approx(row["rollout/is_ratio/mean"], rel=1e-6)
     assert rows[-1]["rollout/vllm_pushes"] == 1  # the last rollout step pushed version 4
+    assert engine.closed and trainer.rollout.engine is None  # the run's end shut the engine down

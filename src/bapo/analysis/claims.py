@@ -295,11 +295,13 @@ def leaderboard_markdown(standings: Sequence[Standing]) -> str:
     lines = ["| setting | method | mean [95% interval] | seeds | vs baseline: effect [95% interval] |"]
     lines.append("|---|---|---|---|---|")
     for row in standings:
-        versus = (
-            f"**{row.versus.verdict}** {row.versus.effect:+.4g} [{row.versus.low:+.4g}, {row.versus.high:+.4g}]"
-            if row.versus is not None
-            else "(baseline)"
-        )
+        if row.versus is None:
+            versus = "(baseline)"
+        elif not math.isfinite(row.versus.effect):  # e.g. at matched reward: no seed pair reached the level
+            versus = "n/a (no seed with a value in both)"
+        else:
+            effect = row.versus
+            versus = f"**{effect.verdict}** {effect.effect:+.4g} [{effect.low:+.4g}, {effect.high:+.4g}]"
         interval = f"{row.mean:.4g} [{row.low:.4g}, {row.high:.4g}]"
         lines.append(f"| {row.setting} | {row.method} | {interval} | {row.seeds} | {versus} |")
     return "\n".join(lines)

@@ -15,7 +15,13 @@ def lab(
         help="every lab-capable method (grpo, clip-higher, dual-clip, bapo, topr, dcpo and the peers of "
         "bapo.core.peers) at E 0/2/4/8 and async delay 2/4/8/16/64, each at its defaults; leaderboards vs grpo",
     ),
-    seeds: int | None = typer.Option(None, "--seeds", help="seeds per cell (default 20)"),
+    stale_k: bool = typer.Option(
+        False,
+        "--stale-k",
+        help="M2PO's stale-k axis run long: grpo, unclipped, m2po, m2po-official, bapo, decoupled-ppo at async "
+        "delay 4/16/64/256 for 384 rollout steps, 10 seeds; leaderboards vs grpo (early reward, end, drawdown)",
+    ),
+    seeds: int | None = typer.Option(None, "--seeds", help="seeds per cell (default 20; --stale-k 10)"),
     out: Path | None = typer.Option(None, "--out", help="output dir (default runs/lab-<timestamp>)"),
     jobs: int | None = typer.Option(None, "--jobs", help="processes (default: one per CPU core)"),
     as_json: bool = typer.Option(False, "--json", help="print the claims table as JSON"),
@@ -26,18 +32,20 @@ def lab(
     from bapo.lab.lab import plan_for, run_lab
 
     try:
-        plan = plan_for(quick, seeds, peers=peers)
+        plan = plan_for(quick, seeds, peers=peers, stale_k=stale_k)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     claims, out_dir = run_lab(out, plan=plan, jobs=jobs, plots=plots)
-    if as_json:  # with --peers, the leaderboards' vs-grpo claims too (claims.json)
-        typer.echo((out_dir / "claims.json").read_text().rstrip("\n") if peers else claims_json(claims))
+    boarded = peers or stale_k
+    if as_json:  # with leaderboards, their vs-grpo claims too (claims.json)
+        typer.echo((out_dir / "claims.json").read_text().rstrip("\n") if boarded else claims_json(claims))
         return
     _print_table(claims)
     boards = out_dir / "leaderboards.md"
-    if peers and boards.exists():
+    if boarded and boards.exists():
         typer.echo(
-            "\nbapo lab --peers: leaderboards (mean [95% interval] over seeds; vs grpo paired by seed, > 0 = better)\n"
+            f"\nbapo lab {'--peers' if peers else '--stale-k'}: leaderboards "
+            "(mean [95% interval] over seeds; vs grpo paired by seed, > 0 = better)\n"
         )
         typer.echo(boards.read_text())
     typer.echo(f"report: {out_dir / 'report.md'}")

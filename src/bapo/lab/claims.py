@@ -14,7 +14,8 @@ Measures (`lab_measures`, all per seed):
   at the end (equal samples): after the last update (every cell saw `rollout_steps` rollout batches);
   at equal updates: after update `rollout_steps` (the last update of E = 0; E > 0 cells have then seen
     rollout_steps / (E + 1) batches).
-  mean reward: the exact reward after each rollout step, averaged over the run (learning speed).
+  mean reward: the exact reward after each rollout step, averaged over the run (learning speed);
+    early reward: the same over the first quarter of the rollout steps.
   reward drawdown: sum of the falls of the exact reward between consecutive points
     (rollout steps at equal samples, updates at equal updates): how much learning was undone.
   grad-norm CV: std / mean of the per-update gradient norm (over the compared updates).
@@ -118,6 +119,7 @@ def lab_measures(runs: list[CellRun], rollout_steps: int) -> dict[str, Measure]:
         "grad-norm CV": lambda run: _cv(run.updates["grad_norm"]),
         "grad-norm CV at equal updates": lambda run: _cv(run.updates["grad_norm"][:, :rollout_steps]),
         "mean reward": lambda run: per_step(run, "reward")[:, 1:].mean(1),
+        "early reward": lambda run: per_step(run, "reward")[:, 1 : 1 + max(1, rollout_steps // 4)].mean(1),
         "first positive share": lambda run: run.updates["positive_share"][:, 0],
         "positive share": lambda run: run.updates["positive_share"].nanmean(1),
         "share distance": lambda run: (run.updates["positive_share"] - TARGET).abs().nanmean(1),

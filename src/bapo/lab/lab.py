@@ -44,6 +44,11 @@ PEER_LEADERBOARDS: tuple[tuple[str, int, str], ...] = (
     ("reward at the end", 1, "exact expected reward after the last update (equal samples)"),
     ("mean reward", 1, "exact reward averaged over the run's rollout steps (learning speed)"),
     ("entropy at the end", 1, "exact on-policy entropy after the last update (equal samples)"),
+    (
+        "entropy at matched reward",
+        1,
+        "exact entropy after the first update whose exact reward reaches 0.4 (seeds: those that reached it)",
+    ),
     ("grad-norm CV", -1, "std / mean of the per-update gradient norm (lower = more stable)"),
     (
         "share distance",
@@ -56,6 +61,19 @@ PEER_SHARE_METHODS = ("grpo", "clip-higher", "dual-clip", "bapo")
 PEER_STALENESS = (0, 2, 4, 8)
 PEER_DELAYS = (2, 8)
 PEER_LONG_DELAYS = (0, 4, 16, 64)  # M2PO's stale-k axis; k = 0 is the E = 0 cell
+# `bapo lab --stale-k`: M2PO's stale-k axis run long enough that every k reaches its steady lag
+# (k rollout steps) for most of the run: grpo, an unclipped surrogate (M2PO's paper: it first beats
+# clipped GRPO on stale data, then collapses), both M2PO variants, bapo and decoupled PPO
+STALE_K_METHODS = ("grpo", "unclipped", "m2po", "m2po-official", "bapo", "decoupled-ppo")
+STALE_K_DELAYS = (4, 16, 64, 256)
+STALE_K_ROLLOUT_STEPS = 384  # k = 256 trains at its steady lag for the last 128 rollout steps
+STALE_K_LEADERBOARDS: tuple[tuple[str, int, str], ...] = (
+    ("early reward", 1, "exact reward averaged over the first quarter of the rollout steps"),
+    ("reward at the end", 1, "exact expected reward after the last update"),
+    ("reward drawdown", -1, "sum of the falls of the exact reward between rollout steps (lower = less undone)"),
+    ("entropy at the end", 1, "exact on-policy entropy after the last update"),
+    ("entropy at matched reward", 1, "exact entropy after the first update whose exact reward reaches 0.4"),
+)
 
 
 @dataclass(frozen=True)
@@ -111,6 +129,23 @@ def peers_plan(
     )
 
 
+def stale_k_plan(config: LabConfig | None = None, seeds: int = 10, delays: tuple[int, ...] = STALE_K_DELAYS) -> LabPlan:
+    """`bapo lab --stale-k`: STALE_K_METHODS at E = 0 and async delay k in `delays`, each for
+    STALE_K_ROLLOUT_STEPS rollout steps (10 seeds: 16x the default run's steps), ranked by
+    STALE_K_LEADERBOARDS against grpo. Each method at its defaults; nothing tuned."""
+    config = config or replace(LabConfig(), rollout_steps=STALE_K_ROLLOUT_STEPS, seeds=seeds)
+    config = replace(config, share_methods=("grpo", "bapo"), check_cells=())
+    return LabPlan(
+        config,
+        methods=STALE_K_METHODS,
+        staleness=(0,),
+        delays=delays,
+        claim2_staleness=(),
+        delay_methods=STALE_K_METHODS,
+        leaderboards=STALE_K_LEADERBOARDS,
+    )
+
+
 def plan_leaderboards(runs: list[CellRun], plan: LabPlan) -> list[tuple[str, str, list[Standing]]]:
     """plan.leaderboards computed from the runs: (measure, what, standings) each, every method of
     plan.methods in every setting (best first), with its paired effect vs grpo (sign: better > 0)."""
@@ -138,12 +173,12 @@ def leaderboards_markdown(boards: list[tuple[str, str, list[Standing]]]) -> str:
     return "\n".join(text)
 
 
-def plan_for(quick: bool = False, seeds: int | None = None, peers: bool = False) -> LabPlan:
+def plan_for(quick: bool = False, seeds: int | None = None, peers: bool = False, stale_k: bool = False) -> LabPlan:
     """The default plan, or --quick: fewer seeds, steps and cells (E 0 and 4, delay 4), or --peers
-    (peers_plan)."""
-    if quick and peers:
-        raise ValueError("--quick and --peers: choose one (--peers --seeds N for a smaller peers run)")
-    plan = peers_plan() if peers else LabPlan()
+    (peers_plan), or --stale-k (stale_k_plan)."""
+    if quick + peers + stale_k > 1:
+        raise ValueError("--quick, --peers and --stale-k: choose one (--seeds N for a smaller run)")
+    plan = peers_plan() if peers else stale_k_plan() if stale_k else LabPlan()
     if quick:
         plan = LabPlan(
             replace(plan.config, seeds=6, rollout_steps=12, check_cells=("grpo E=4",)),

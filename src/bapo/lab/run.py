@@ -65,17 +65,23 @@ if EntropyTargetController is not None:  # rho0 steered so that entropy holds it
     METHODS["bapo-entropy"] = ("bapo", {"bapo": BAPOConfig(target_mode="entropy")})
 
 
+# Methods outside the default plan, by name (`bapo lab --stale-k`): no trust region at all, the
+# surrogate -r A that M2PO's paper compares with clipped GRPO on stale data
+EXTRA_METHODS: dict[str, tuple[str, dict]] = {"unclipped": ("grpo", {"lower": 0.0, "upper": math.inf})}
+
+
 def method_loss(name: str) -> tuple[str, dict]:
-    """A lab method's registered loss and parameters: its METHODS entry, or any other registered
-    loss by its own name with its defaults (e.g. Cell("gspo")), outside the default plan. Decoupled
-    PPO's proximal policy is the one before the first update of each rollout batch, as in `bapo
-    train`."""
-    if name in METHODS:
-        return METHODS[name]
+    """A lab method's registered loss and parameters: its METHODS or EXTRA_METHODS entry, or any
+    other registered loss by its own name with its defaults (e.g. Cell("gspo")), outside the default
+    plan. Decoupled PPO's proximal policy is the one before the first update of each rollout batch,
+    as in `bapo train`."""
+    if name in METHODS or name in EXTRA_METHODS:
+        return {**METHODS, **EXTRA_METHODS}[name]
     if name in POLICY_LOSSES:
         return name, {}
     raise ValueError(
-        f"method: {name!r} is not one of {sorted(METHODS)} nor a registered loss the lab can run "
+        f"method: {name!r} is not one of {sorted(METHODS) + sorted(EXTRA_METHODS)} nor a registered loss "
+        "the lab can run "
         f"({sorted(set(POLICY_LOSSES) - set(METHODS))})"
     )
 

@@ -13,6 +13,7 @@ per step finishes everything and this is plain on-policy GRPO sampling.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, fields
@@ -23,6 +24,7 @@ from torch import Tensor
 from bapo.core import PromptRewardHistory, group_advantages
 from bapo.train.config import TrainConfig
 from bapo.train.data import PromptSampler
+from bapo.train.logits import chosen_log_probs
 from bapo.train.rewards import score
 from bapo.train.sampling import SamplingParams, hf_sample, lean_sample, resolve_sampler
 
@@ -111,6 +113,14 @@ def pad(rows: list[list], value, left: bool, dtype=torch.long) -> tuple[Tensor, 
     return out, mask
 
 
+def forward_autocast(model, autocast: str):
+    """The precision context of the trainer's forwards (model.autocast): torch.autocast to bf16 on
+    the model's device type, or no context for "none"."""
+    if autocast == "none":
+        return contextlib.nullcontext()
+    return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16)
+
+
 def token_log_probs(
     model,
     prompt_ids: Tensor,
@@ -120,11 +130,14 @@ def token_log_probs(
     temperature: float,
     with_entropy: bool = False,
     entropy_grad: bool = False,
+    autocast: str = "none",
 ) -> tuple[Tensor, Tensor | None]:
     """log pi(y_t | prefix) of every response token under logits / T: [N, R] float32, and the
     per-token entropy [N, R] when asked (differentiable only with entropy_grad). One forward over
-    prompt + response; only the last R+1 positions are projected to the vocabulary. Columns that
-    are padding in every row are trimmed first (speed), which does not change any value."""
+    prompt + response (under `autocast`: model.autocast); only the last R+1 positions are
+    projected to the vocabulary, and the log-probs are taken from those logits in float32 chunks
+    (bapo.train.logits). Columns that are padding in every row are trimmed first (speed), which
+    does not change any value."""
     keep_p = prompt_mask.any(0).nonzero()
     start = int(keep_p[0]) if len(keep_p) else prompt_ids.shape[1]
     keep_r = response_mask.any(0).nonzero()
@@ -137,24 +150,15 @@ def token_log_probs(
     attention = torch.cat([prompt_mask, response_mask_t], dim=1).long()
     # positions from the mask, as generate() computes them for left-padded prompts
     position_ids = (attention.cumsum(1) - 1).clamp_min(0)
-    logits = (
-        model(
+    with forward_autocast(model, autocast):
+        logits = model(
             input_ids=input_ids,
             attention_mask=attention,
             position_ids=position_ids,
             logits_to_keep=width_r + 1,
             use_cache=False,
-        )
-        .logits[:, :-1]
-        .float()
-        / temperature
-    )  # [N, R', V]
-    log_norm = torch.logsumexp(logits, dim=-1)
-    log_prob = logits.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1) - log_norm
-    entropy = None
-    if with_entropy:  # a diagnostic unless it is a loss term: no graph for it then
-        with torch.set_grad_enabled(entropy_grad and torch.is_grad_enabled()):
-            entropy = log_norm - (torch.softmax(logits, -1) * logits).sum(-1)
+        ).logits[:, :-1]  # [N, R', V] in the forward's dtype
+    log_prob, entropy = chosen_log_probs(logits, response_ids, temperature, with_entropy, entropy_grad)
     # back to the full response width so callers can keep their own masks
     if width_r < r_full:
         log_prob = torch.nn.functional.pad(log_prob, (0, r_full - width_r))
@@ -163,7 +167,9 @@ def token_log_probs(
 
 
 @torch.no_grad()
-def batched_log_probs(model, prompt_ids, prompt_mask, response_ids, response_mask, temperature, chunk: int) -> Tensor:
+def batched_log_probs(
+    model, prompt_ids, prompt_mask, response_ids, response_mask, temperature, chunk: int, autocast: str = "none"
+) -> Tensor:
     """token_log_probs without grad, `chunk` rows at a time, on the model's device -> [N, R] CPU."""
     device = next(model.parameters()).device
     parts = []
@@ -176,6 +182,7 @@ def batched_log_probs(model, prompt_ids, prompt_mask, response_ids, response_mas
             response_ids[rows].to(device),
             response_mask[rows].to(device),
             temperature,
+            autocast=autocast,
         )
         parts.append(log_prob.cpu())
     return torch.cat(parts) if parts else torch.zeros(response_ids.shape)
@@ -311,9 +318,11 @@ class Rollout:
         new_mask = torch.arange(new.shape[1]) < length[:, None]
         log_prob = sampled.log_prob
         # The sampling pass's log-probs equal a recompute to ~1e-6 in fp32 (tests/train/test_sampling.py);
-        # in half precision the cached decode and the full forward round differently: recompute
-        # (same weights, same temperature, as verl does). vLLM: always the trainer's recompute.
-        if log_prob is None or next(model.parameters()).dtype != torch.float32:
+        # in half precision (weights, or the update's bf16 autocast) the cached decode and the full
+        # forward round differently: recompute in the update's precision (same weights, same
+        # temperature, as verl does), so a fresh batch's ratios are ~1. vLLM: always the trainer's recompute.
+        autocast = self.cfg.model.autocast
+        if log_prob is None or next(model.parameters()).dtype != torch.float32 or autocast != "none":
             log_prob = batched_log_probs(
                 model,
                 ctx_ids,
@@ -322,6 +331,7 @@ class Rollout:
                 new_mask,
                 self.rollout_cfg.temperature,
                 self.rollout_cfg.logprob_batch_size,
+                autocast,
             )
         lengths = length.tolist()
         for row, seq in enumerate(live):
@@ -376,6 +386,12 @@ class Rollout:
 
             self.engine = VLLMEngine(self.cfg, model, self.tokenizer)
         return self.engine
+
+    def close(self) -> None:
+        """Release the vLLM engine, if one was built (a no-op for the in-process samplers)."""
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None
 
     def _segment_ends(self, out: Tensor, width: int, remaining: Tensor) -> tuple[Tensor, Tensor]:
         """Tokens to keep per row [n] and whether the row ended by EOS or a stop string [n]."""

@@ -447,6 +447,7 @@ class Trainer:
                 batch.response_mask,
                 self.cfg.rollout.temperature,
                 self.cfg.rollout.logprob_batch_size,
+                self.cfg.model.autocast,
             )
         metrics["tokens_per_s/rollout"] = metrics["tokens/rollout"] / max(metrics["time/rollout_s"], 1e-9)
         return batch, metrics
@@ -590,7 +591,9 @@ class Trainer:
         set_rng_state(state["rng"])
 
     def close(self) -> None:
-        """Close the metrics log and progress display and release the run directory's lock."""
+        """Shut the rollout engine down, close the metrics log and progress display, and release
+        the run directory's lock."""
+        self.rollout.close()
         if self.log is not None:
             self.log.close()
         if self.progress_arg is True and self.progress is not None:

@@ -47,6 +47,7 @@ def _forward(model, mb: Batch, cfg: TrainConfig):
         cfg.rollout.temperature,
         with_entropy=True,
         entropy_grad=cfg.loss.entropy_coef > 0,
+        autocast=cfg.model.autocast,
     )
 
 
@@ -73,19 +74,36 @@ def importance_weights(mb: Batch, cfg: TrainConfig) -> tuple[torch.Tensor | None
     )
 
 
-def _observe_update(model, micro: list[Batch], cfg: TrainConfig, bapo_step: BAPOStep, fresh: bool) -> None:
+def _observe_update(
+    model, micro: list[Batch], cfg: TrainConfig, bapo_step: BAPOStep, fresh: bool
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """BAPOStep's pre-pass over every micro-batch of the update: ratio 1 without a forward for a
-    batch the current weights just generated (`fresh`), else from a no-grad forward."""
-    for mb in micro:
+    batch the current weights just generated (`fresh`), else from a forward. The weights do not
+    change before the optimizer step, so the first micro-batch's forward is the one its loss
+    needs: it runs with grad and is returned (log_prob, entropy) for that loss (one forward fewer
+    per update, at the memory of one micro-batch's graph during the others' no-grad forwards)."""
+    first = None
+    for index, mb in enumerate(micro):
         ratio = None
         if not fresh:
-            with torch.no_grad():
-                log_prob, _ = token_log_probs(
-                    model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, cfg.rollout.temperature
-                )
+            if index == 0:
+                first = _forward(model, mb, cfg)
+                log_prob = first[0].detach()
+            else:
+                with torch.no_grad():
+                    log_prob, _ = token_log_probs(
+                        model,
+                        mb.prompt_ids,
+                        mb.prompt_mask,
+                        mb.response_ids,
+                        mb.response_mask,
+                        cfg.rollout.temperature,
+                        autocast=cfg.model.autocast,
+                    )
             ratio = token_ratio(log_prob, mb.old_log_prob)
         weights, _ = importance_weights(mb, cfg)
         bapo_step.observe(ratio, mb.advantages, mb.response_mask, weights=weights, behaviour_log_prob=mb.old_log_prob)
+    return first
 
 
 def with_proximal_log_prob(model, batch: Batch, cfg: TrainConfig) -> Batch:
@@ -99,6 +117,7 @@ def with_proximal_log_prob(model, batch: Batch, cfg: TrainConfig) -> Batch:
         batch.response_mask,
         cfg.rollout.temperature,
         cfg.rollout.logprob_batch_size,
+        cfg.model.autocast,
     )
     return dataclasses.replace(batch, proximal_log_prob=proximal.to(batch.old_log_prob.device))
 
@@ -108,13 +127,18 @@ def loss_params(cfg: TrainConfig) -> dict:
     return resolve_loss_params(cfg.loss.method, cfg.loss.params, {"dual_clip": cfg.loss.dual_clip})
 
 
-def _begin_bapo_update(model, micro: list[Batch], cfg: TrainConfig, bapo_step: BAPOStep, fresh: bool) -> None:
+def _begin_bapo_update(
+    model, micro: list[Batch], cfg: TrainConfig, bapo_step: BAPOStep, fresh: bool
+) -> tuple[torch.Tensor, torch.Tensor | None] | None:
     """Start BAPO's update: scope "step" solves the bounds over every micro-batch first (the
-    pre-pass), unless the update's one micro-batch serves from its own forward."""
+    pre-pass), unless the update's one micro-batch serves from its own forward. Returns the
+    first micro-batch's forward when the pre-pass ran it (for its loss), else None."""
     bapo_step.begin(micro_batches=len(micro))
+    first = None
     if bapo_step.needs_pre_pass(fresh):
-        _observe_update(model, micro, cfg, bapo_step, fresh)
+        first = _observe_update(model, micro, cfg, bapo_step, fresh)
         bapo_step.solve()
+    return first
 
 
 def _micro_batch_loss(
@@ -125,15 +149,17 @@ def _micro_batch_loss(
     normalizer: float,
     bapo_step: BAPOStep | None,
     stats: ClipStats,
+    forward: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     digit_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float], dict[str, float], torch.Tensor | None]:
     """One micro-batch's forward and loss: (scalar loss to backward, its terms {loss, kl_loss,
     entropy_loss} as floats, the method's own metrics, the entropy split by token kind as
     bapo.core.token_kind_sums, digit tokens vs the rest, when `digit_ids` [V'] is given).
-    Diagnostics are added into `stats`."""
-    log_prob, entropy = _forward(model, mb, cfg)
+    Diagnostics are added into `stats`.
+    forward: this micro-batch's (log_prob, entropy) when already computed with grad (the pre-pass)."""
+    log_prob, entropy = _forward(model, mb, cfg) if forward is None else forward
     kind_sums = None
-    if digit_ids is not None:
+    if digit_ids is not None and entropy is not None:
         kind_mask = torch.isin(mb.response_ids, digit_ids.to(mb.response_ids.device))
         kind_sums = token_kind_sums(entropy, mb.response_mask, kind_mask)
     weights, _ = importance_weights(mb, cfg)  # the loss and BAPO's search see the same weights
@@ -226,8 +252,9 @@ def optimizer_update(
         bapo_step = None
     elif bapo_step is None:
         bapo_step = BAPOStep(cfg.loss.bapo_config())
+    first_forward = None  # the first micro-batch's forward, when BAPO's pre-pass has run it
     if bapo_step is not None:
-        _begin_bapo_update(model, micro, cfg, bapo_step, behaviour_is_current(batch, version))
+        first_forward = _begin_bapo_update(model, micro, cfg, bapo_step, behaviour_is_current(batch, version))
 
     optimizer.zero_grad(set_to_none=True)
     diagnostic_sums: ClipStats | None = None  # the diagnostics' sums over the finite micro-batches
@@ -235,10 +262,11 @@ def optimizer_update(
     own_metrics: list[dict[str, float]] = []
     kind_total: torch.Tensor | None = None  # token_kind_sums over the finite micro-batches
     finite = True
-    for mb in micro:
+    for index, mb in enumerate(micro):
         mb_stats = ClipStats.empty(mb.response_mask.device)
+        forward = first_forward if index == 0 else None
         loss, terms, metrics, kind_sums = _micro_batch_loss(
-            model, mb, cfg, params, normalizer, bapo_step, mb_stats, digit_ids
+            model, mb, cfg, params, normalizer, bapo_step, mb_stats, forward, digit_ids
         )
         if not math.isfinite(terms["loss"]) or not torch.isfinite(loss):
             finite = False
@@ -279,3 +307,37 @@ def optimizer_update(
         }
     )
     return out
+
+
+def autocast_error(model, batch: Batch, cfg: TrainConfig) -> dict[str, float]:
+    """How far model.autocast=bfloat16 moves one update's loss and gradient on `batch` (one
+    micro-batch, on the model's device) from fp32: {loss_fp32, loss_bf16, loss_rel_err =
+    |bf16 - fp32| / |fp32|, grad_rel_err = ||g_bf16 - g_fp32|| / ||g_fp32|| over the flattened
+    gradient of every parameter, grad_cosine}. The model's .grad is cleared afterwards."""
+    device = next(model.parameters()).device
+    batch = batch.to(device)
+    found: dict[str, tuple[float, torch.Tensor]] = {}
+    for mode in ("none", "bfloat16"):
+        run_cfg = cfg.model_copy(deep=True)
+        run_cfg.model.autocast = mode
+        bapo_step = None
+        if run_cfg.loss.method == "bapo":
+            bapo_step = BAPOStep(run_cfg.loss.bapo_config())
+            bapo_step.begin(micro_batches=1)
+        model.zero_grad(set_to_none=True)
+        stats = ClipStats.empty(device)
+        loss, _, _ = _micro_batch_loss(
+            model, batch, run_cfg, loss_params(run_cfg), _normalizer(run_cfg, batch), bapo_step, stats
+        )
+        loss.backward()
+        grad = torch.cat([p.grad.flatten().double() for p in model.parameters() if p.grad is not None])
+        found[mode] = (float(loss.detach()), grad)
+    model.zero_grad(set_to_none=True)
+    (loss32, grad32), (loss16, grad16) = found["none"], found["bfloat16"]
+    return {
+        "loss_fp32": loss32,
+        "loss_bf16": loss16,
+        "loss_rel_err": abs(loss16 - loss32) / max(abs(loss32), 1e-30),
+        "grad_rel_err": float((grad16 - grad32).norm() / grad32.norm().clamp_min(1e-30)),
+        "grad_cosine": float(torch.nn.functional.cosine_similarity(grad16, grad32, dim=0)),
+    }

