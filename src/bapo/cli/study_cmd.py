@@ -19,6 +19,7 @@ def study(
     methods: str | None = typer.Option(None, "--methods", help="comma-separated methods (default: all six)"),
     staleness: str | None = typer.Option(None, "--staleness", help="comma-separated staleness E values (default 0,4)"),
     delays: str | None = typer.Option(None, "--delays", help="comma-separated async delays k (default 4,16; '' none)"),
+    autocast: str | None = typer.Option(None, "--autocast", help="model.autocast of every run: none | bfloat16"),
     threads: int = typer.Option(2, "--threads", help="torch threads of each run"),
     report_only: bool = typer.Option(False, "--report", help="with --resume: only rewrite the report"),
 ):
@@ -38,7 +39,7 @@ def study(
             raise typer.BadParameter(f"{text!r}: comma-separated integers expected") from None
 
     if resume is not None:
-        if any(v is not None for v in (out, seeds, lr, rollout_steps, methods, staleness, delays)) or quick:
+        if any(v is not None for v in (out, seeds, lr, rollout_steps, methods, staleness, delays, autocast)) or quick:
             raise typer.BadParameter("--resume continues the saved plan: give no other plan option")
         plan, study_dir = load_plan(resume), resume
     else:
@@ -58,6 +59,7 @@ def study(
             methods=chosen,
             staleness_e=ints(staleness),
             async_delays=ints(delays),
+            autocast=autocast,
         )
         study_dir = out or Path("runs") / time.strftime("study-%Y%m%d-%H%M%S")
         if (study_dir / "study.json").exists():
