@@ -151,3 +151,16 @@ def test_tiny_study_writes_report_and_resume_skips_finished_runs(char_model, tmp
     steps = [json.loads(line)["rollout_step"] for line in (unfinished / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1]  # the resumed run trained its second rollout step only (delay 1: one row each)
     assert (unfinished / "done.json").exists()
+
+
+def test_full_plan_trains_the_headline_cells_of_every_seed_first():
+    """A partial study is a useful one: grpo at E=0 and grpo / bapo / bapo-paper at E=4 for all
+    three seeds come first, then the other methods at E=4, then delay 4, then delay 16."""
+    runs = PROFILES["full"].runs()
+    first = [(spec.method, spec.setting, spec.seed) for spec in runs[:12]]
+    assert {cell[:2] for cell in first} == {("grpo", "E=0"), ("grpo", "E=4"), ("bapo", "E=4"), ("bapo-paper", "E=4")}
+    assert sorted(cell[2] for cell in first) == [0] * 4 + [1] * 4 + [2] * 4
+    assert first[:4] == [("grpo", "E=0", 0), ("grpo", "E=4", 0), ("bapo", "E=4", 0), ("bapo-paper", "E=4", 0)]
+    assert {spec.setting for spec in runs[12:21]} == {"E=4"}
+    assert {spec.setting for spec in runs[21:39]} == {"E=0, async delay 4"}
+    assert {spec.setting for spec in runs[39:]} == {"E=0, async delay 16"}
