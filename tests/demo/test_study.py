@@ -125,6 +125,22 @@ def test_tiny_study_writes_report_and_resume_skips_finished_runs(char_model, tmp
     assert (study_dir / "plots" / "entropy_by_kind.png").exists()
     assert load_plan(study_dir) == plan
 
+    # the docs block, through the CLI: --resume DIR --report --results FILE
+    from typer.testing import CliRunner
+
+    from bapo.cli.main import app
+    from bapo.demo.study import TABLES_END, TABLES_START
+
+    results = tmp_path / "RESULTS.md"
+    results.write_text(f"# Results\n{TABLES_START}\nOLD-BLOCK\n{TABLES_END}\nafter\n")
+    done = CliRunner().invoke(app, ["study", "--resume", str(study_dir), "--report", "--results", str(results)])
+    assert done.exit_code == 0, done.output
+    text = results.read_text()
+    assert "OLD-BLOCK" not in text and text.endswith("after\n") and "| setting | method | seeds |" in text
+    assert "SmolLM2-135M-Instruct: " in text and "4-entropy-digit-E=1" in text
+    refused = CliRunner().invoke(app, ["study", "--resume", str(study_dir), "--seeds", "0"])
+    assert refused.exit_code != 0 and "--resume continues the saved plan" in refused.output
+
     # --resume: a finished run is not rerun; a run with a checkpoint and no done.json resumes from it
     import shutil
 

@@ -182,3 +182,13 @@ def write_report(
     parts += ["", "## Per-run table", "", markdown_table(summary(runs, columns), start_row(runs)), "", COLUMN_NOTES]
     path.write_text("\n".join(parts) + "\n")
     return path
+
+
+def replace_block(text: str, start: str, end: str, block: str, where: str = "the file") -> str:
+    """`text` with the part from marker `start` to marker `end` (both included) replaced by
+    `block` (which carries the markers itself); ValueError naming `where` when a marker is missing.
+    Keeps docs tables (docs/RESULTS.md) written by code, from the runs."""
+    if start not in text or end not in text:
+        raise ValueError(f"{where} has no {start} ... {end} block; add the two markers where it goes")
+    before, rest = text.split(start, 1)
+    return before + block + rest.split(end, 1)[1]

@@ -22,6 +22,9 @@ def study(
     autocast: str | None = typer.Option(None, "--autocast", help="model.autocast of every run: none | bfloat16"),
     threads: int = typer.Option(2, "--threads", help="torch threads of each run"),
     report_only: bool = typer.Option(False, "--report", help="with --resume: only rewrite the report"),
+    results: Path | None = typer.Option(
+        None, "--results", help="with --report: also write the tables into this file's STUDY_TABLES block"
+    ),
 ):
     """Does BAPO help a real pretrained model under staleness? SmolLM2-135M-Instruct with vLLM rollout
     on in-house arithmetic: grpo, clip-higher, bapo (default and paper presets), m2po and decoupled
@@ -67,6 +70,16 @@ def study(
     if report_only:
         report = write_study_report(plan, study_dir)
         typer.echo(f"report: {report}" if report else "no finished run yet")
+        if results is not None and report:
+            from bapo.analysis.report import replace_block
+            from bapo.demo.study import TABLES_END, TABLES_START, study_tables
+
+            block = study_tables(plan, study_dir, f"bapo study --resume {study_dir}")
+            try:
+                results.write_text(replace_block(results.read_text(), TABLES_START, TABLES_END, block, str(results)))
+            except ValueError as err:
+                raise typer.BadParameter(str(err)) from None
+            typer.echo(f"wrote the study tables into {results}")
         return
     started = time.time()
     run_study(plan, study_dir, threads=threads, log=lambda line: typer.echo(line))

@@ -382,27 +382,12 @@ def write_study_report(plan: StudyPlan, study_dir: Path) -> Path | None:
     """report.md, claims.json and plots/ from the finished runs (None when none has finished)."""
     from bapo.analysis.claims import claims_json
     from bapo.analysis.plots import FIGURES, plot_runs
-    from bapo.analysis.report import RUN_COLUMNS, headline, write_report
-    from bapo.analysis.run_claims import run_claims
-    from bapo.analysis.runs import find_runs
+    from bapo.analysis.report import headline, write_report
 
-    paths = finished_runs(plan, study_dir)
-    if not paths:
+    if not finished_runs(plan, study_dir):
         return None
-    runs = find_runs(paths)
-    claims = run_claims(
-        runs, BAPO_TARGET, treatments=("bapo", "bapo-paper"), where="SmolLM2-135M, arithmetic", token_kinds=True
-    )
+    runs, claims = _runs_and_claims(plan, study_dir)
     figures = {**FIGURES, **STUDY_FIGURES}
-    STUDY_COLUMNS = {  # noqa: N806
-        **RUN_COLUMNS,
-        "entropy digits": lambda r: r.tail_mean("entropy/digit"),
-        "entropy other": lambda r: r.tail_mean("entropy/other"),
-        "response tokens": lambda r: r.tail_mean("response_length/mean"),
-        "logp gap": lambda r: r.mean("rollout/logp_diff/mean"),
-        "premise pos clipped low": lambda r: r.mean("premise/pos_clipped_low_share"),
-        "premise neg clipped low": lambda r: r.mean("premise/neg_clipped_low_share"),
-    }
     plots = plot_runs(runs, study_dir / "plots", target_share=BAPO_TARGET, figures=figures)
     report = write_report(
         study_dir / "report.md",
@@ -423,6 +408,52 @@ def write_study_report(plan: StudyPlan, study_dir: Path) -> Path | None:
     return report
 
 
+def _columns():
+    from bapo.analysis.report import RUN_COLUMNS
+
+    return {
+        **RUN_COLUMNS,
+        "entropy digits": lambda r: r.tail_mean("entropy/digit"),
+        "entropy other": lambda r: r.tail_mean("entropy/other"),
+        "response tokens": lambda r: r.tail_mean("response_length/mean"),
+        "logp gap": lambda r: r.mean("rollout/logp_diff/mean"),
+        "premise pos clipped low": lambda r: r.mean("premise/pos_clipped_low_share"),
+        "premise neg clipped low": lambda r: r.mean("premise/neg_clipped_low_share"),
+    }
+
+
+TABLES_START, TABLES_END = (
+    "<!-- STUDY_TABLES:START (bapo study --resume DIR --report --results FILE) -->",
+    ("<!-- STUDY_TABLES:END -->"),
+)
+
+
+def study_tables(plan: StudyPlan, study_dir: Path, command: str) -> str:
+    """The block docs/RESULTS.md quotes: the setting, the headline, the claims table and the
+    per-run table, from the finished runs (the same code as report.md)."""
+    from bapo.analysis.claims import claims_markdown
+    from bapo.analysis.report import COLUMN_NOTES, headline, markdown_table, start_row, summary
+
+    runs, claims = _runs_and_claims(plan, study_dir)
+    lines = [TABLES_START, f"Run: `{command}`.", "", *[f"- {line}" for line in header(plan, study_dir)], ""]
+    lines += [f"- {line}" for line in headline(claims, model_label="SmolLM2-135M-Instruct")]
+    lines += ["", claims_markdown(claims), "", markdown_table(summary(runs, STUDY_COLUMNS), start_row(runs))]
+    return "\n".join([*lines, "", COLUMN_NOTES, TABLES_END])
+
+
+def _runs_and_claims(plan: StudyPlan, study_dir: Path):
+    from bapo.analysis.run_claims import run_claims
+    from bapo.analysis.runs import find_runs
+
+    runs = find_runs(finished_runs(plan, study_dir))
+    claims = run_claims(
+        runs, BAPO_TARGET, treatments=("bapo", "bapo-paper"), where="SmolLM2-135M, arithmetic", token_kinds=True
+    )
+    return runs, claims
+
+
+# the per-run table's columns: the demo's, then entropy by token kind, length, the logp gap, the premise
+STUDY_COLUMNS = _columns()
 # the study's extra figures: entropy by token kind, the engine-vs-trainer gap, response length
 STUDY_FIGURES = {
     "entropy_by_kind": (
