@@ -64,6 +64,12 @@ def study(
             async_delays=ints(delays),
             autocast=autocast,
         )
+        if plan.model == "smollm2":
+            from dataclasses import replace
+
+            from bapo.cli.smollm2 import convert
+
+            plan = replace(plan, model=str(convert()))  # the converted folder (cached), saved in study.json
         study_dir = out or Path("runs") / time.strftime("study-%Y%m%d-%H%M%S")
         if (study_dir / "study.json").exists():
             raise typer.BadParameter(f"--out {study_dir} already holds a study: continue it with --resume {study_dir}")

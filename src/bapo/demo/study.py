@@ -75,7 +75,9 @@ class StudyPlan:
     model: str = "smollm2"  # "smollm2" (bapo smollm2's folder) or a path to an HF folder
     backend: str = "vllm"  # rollout.backend; "hf" in the tests (no vLLM there)
     vllm_enforce_eager: bool = False
-    autocast: str | None = None  # model.autocast, when bapo.train has it ("none" | "bfloat16")
+    # model.autocast of the trainer's forwards: bf16 (this CPU has avx512_bf16; weights and optimizer
+    # state stay fp32; tests/train/test_autocast.py); None leaves bapo.train's default
+    autocast: str | None = "bfloat16"
     checkpoint_every: int = 5
     chat: bool = True  # the model's chat template (the tests' tiny model has none)
     task: ArithTaskConfig = field(default_factory=ArithTaskConfig)
@@ -142,10 +144,10 @@ PROFILES = {
 
 
 def model_path(plan: StudyPlan) -> Path:
+    """The plan's model folder; "smollm2" must have been resolved by the caller (the CLI converts
+    it with `bapo smollm2`'s converter, which lives above this layer)."""
     if plan.model == "smollm2":
-        from bapo.cli.smollm2 import convert  # noqa: PLC0415 - the converter is the CLI's; no layer below has it
-
-        return convert()
+        raise ValueError("model='smollm2': pass the folder of `bapo smollm2` (bapo study resolves it)")
     return Path(plan.model)
 
 
@@ -361,7 +363,7 @@ def header(plan: StudyPlan, study_dir: Path) -> list[str]:
         f"chat template, user turn ending {task.suffix!r}, system prompt "
         f"{task.system_prompt or 'the template default'!r}, correct when the reply's last integer is the "
         f"answer; {task.max_new_tokens}-token budget; {task.n_heldout} held-out questions never trained on.",
-        f"Policy: {'SmolLM2-135M-Instruct (bapo smollm2)' if plan.model == 'smollm2' else plan.model}, "
+        f"Policy: {'SmolLM2-135M-Instruct (bapo smollm2)' if 'smollm2' in plan.model else plan.model}, "
         f"rollout backend {plan.backend}.",
         f"RL: {plan.rollout_steps} rollout steps per run, {plan.prompts_per_batch} prompts x {plan.group_size} "
         f"samples at temperature {plan.temperature}, lr {plan.lr}; methods {', '.join(plan.methods)}; staleness E "
