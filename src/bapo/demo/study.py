@@ -230,7 +230,8 @@ def _write_json(path: Path, value) -> None:
 def run_one(plan: StudyPlan, spec: RunSpec, study_dir: Path, threads: int | None = None) -> dict:
     """Train (or resume) one run into study_dir/spec.name; writes done.json and removes the
     run's checkpoints when it finishes (a SmolLM2 checkpoint is ~1.6 GB). Returns done.json's
-    content: wall and CPU seconds of this sitting, rollout tokens/s."""
+    content: wall and CPU seconds of this sitting (this process; vLLM runs in it) and whether it
+    resumed from a checkpoint."""
     import torch
 
     from bapo.demo.arith import verify
