@@ -60,6 +60,13 @@ def test_full_plan_shares_the_on_policy_run_and_has_every_cell():
     assert [(spec.method, spec.setting) for spec in quick] == [("grpo", "E=4"), ("bapo", "E=4")]
 
 
+def test_a_plan_whose_batch_e_plus_1_does_not_divide_fails_at_once():
+    with pytest.raises(ValueError, match="staleness E=4: E\\+1 optimizer updates must divide the rollout batch of 32"):
+        replace(PROFILES["full"], prompts_per_batch=4)
+    for plan in PROFILES.values():
+        assert all(plan.prompts_per_batch * plan.group_size % (e + 1) == 0 for e in plan.staleness_e)
+
+
 def test_task_split_is_disjoint_and_the_verifier_reads_the_last_integer():
     train, heldout = make_split(replace(TASK, n_heldout=20))
     assert not {row["prompt"] for row in train} & {row["prompt"] for row in heldout}

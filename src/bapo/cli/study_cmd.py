@@ -54,16 +54,19 @@ def study(
         unknown = [m for m in chosen or () if m not in METHODS]
         if unknown:
             raise typer.BadParameter(f"--methods: {', '.join(unknown)} not among {', '.join(METHODS)}")
-        plan = plan_for(
-            "quick" if quick else "full",
-            seeds=ints(seeds),
-            lr=lr,
-            rollout_steps=rollout_steps,
-            methods=chosen,
-            staleness_e=ints(staleness),
-            async_delays=ints(delays),
-            autocast=autocast,
-        )
+        try:
+            plan = plan_for(
+                "quick" if quick else "full",
+                seeds=ints(seeds),
+                lr=lr,
+                rollout_steps=rollout_steps,
+                methods=chosen,
+                staleness_e=ints(staleness),
+                async_delays=ints(delays),
+                autocast=autocast,
+            )
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from None
         if plan.model == "smollm2":
             from dataclasses import replace
 

@@ -59,9 +59,9 @@ class StudyPlan:
     async_delays: tuple[int, ...] = (4, 16)
     seeds: tuple[int, ...] = (0, 1, 2)
     rollout_steps: int = 20
-    # 4 x 8 = 32 responses per rollout step (E=4: 5 mini-batches of 6-7): on the shared 2-core
-    # machine 8 x 8 cost 71 s per rollout step (vLLM sampling 25 tokens/s, update 16 tokens/s)
-    prompts_per_batch: int = 4
+    # 5 x 8 = 40 responses per rollout step (E=4: 5 mini-batches of 8; bapo train requires E+1 to
+    # divide the batch); on the loaded 2-core machine 8 x 8 cost 71 s per rollout step
+    prompts_per_batch: int = 5
     group_size: int = 8
     lr: float = 1e-5
     # rollout and held-out sampling: at 1.0 SmolLM2 (from the Q4_1 GGUF) answers 6% of the task
@@ -83,6 +83,18 @@ class StudyPlan:
     task: ArithTaskConfig = field(default_factory=ArithTaskConfig)
     # on-policy, every method gives grpo's gradient: one grpo run per seed at E=0 (no delay)
     on_policy_shared: bool = True
+
+    def __post_init__(self):
+        batch = self.prompts_per_batch * self.group_size
+        for staleness_e in self.staleness_e:
+            if batch % (staleness_e + 1):
+                raise ValueError(
+                    f"staleness E={staleness_e}: E+1 optimizer updates must divide the rollout batch of "
+                    f"{batch} responses (prompts_per_batch x group_size); change prompts_per_batch"
+                )
+        unknown = [method for method in self.methods if method not in METHODS]
+        if unknown:
+            raise ValueError(f"methods: {', '.join(unknown)} not among {', '.join(METHODS)}")
 
     @property
     def max_new_tokens(self) -> int:
