@@ -77,7 +77,7 @@ def study(
         if (study_dir / "study.json").exists():
             raise typer.BadParameter(f"--out {study_dir} already holds a study: continue it with --resume {study_dir}")
     if report_only:
-        report = write_study_report(plan, study_dir)
+        report = write_study_report(plan, study_dir, record_headline=False)  # a running study owns study.json
         typer.echo(f"report: {report}" if report else "no finished run yet")
         if results is not None and report:
             from bapo.analysis.report import replace_block

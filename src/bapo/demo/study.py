@@ -235,7 +235,7 @@ def _write_json(path: Path, value) -> None:
     """Written under a temporary name and renamed: a kill never leaves half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(value))
+    tmp.write_text(json.dumps(value, indent=2))
     os.replace(tmp, path)
 
 
@@ -357,7 +357,7 @@ def _record(study_dir: Path, spec: RunSpec, done: dict) -> None:
     info_path = study_dir / "study.json"
     info = json.loads(info_path.read_text())
     info["runs"][spec.name] = done
-    info_path.write_text(json.dumps(info, indent=2))
+    _write_json(info_path, info)
 
 
 def finished_runs(plan: StudyPlan, study_dir: Path) -> list[Path]:
@@ -393,8 +393,10 @@ def header(plan: StudyPlan, study_dir: Path) -> list[str]:
     ]
 
 
-def write_study_report(plan: StudyPlan, study_dir: Path) -> Path | None:
-    """report.md, claims.json and plots/ from the finished runs (None when none has finished)."""
+def write_study_report(plan: StudyPlan, study_dir: Path, record_headline: bool = True) -> Path | None:
+    """report.md, claims.json and plots/ from the finished runs (None when none has finished);
+    record_headline: also keep the headline in study.json (off for `--report` beside a running
+    study, which owns study.json)."""
     from bapo.analysis.claims import claims_json
     from bapo.analysis.plots import FIGURES, plot_runs
     from bapo.analysis.report import headline, write_report
@@ -416,10 +418,11 @@ def write_study_report(plan: StudyPlan, study_dir: Path) -> Path | None:
         columns=STUDY_COLUMNS,
     )
     (study_dir / "claims.json").write_text(claims_json(claims) + "\n")
-    info_path = study_dir / "study.json"
-    info = json.loads(info_path.read_text())
-    info["headline"] = headline(claims, model_label="SmolLM2-135M-Instruct")
-    info_path.write_text(json.dumps(info, indent=2))
+    if record_headline:
+        info_path = study_dir / "study.json"
+        info = json.loads(info_path.read_text())
+        info["headline"] = headline(claims, model_label="SmolLM2-135M-Instruct")
+        _write_json(info_path, info)
     return report
 
 
