@@ -139,6 +139,7 @@ def write_report(
     title: str = "bapo demo report",
     model_label: str = "Tiny LLM",
     columns: dict[str, Callable[[Run], float]] = RUN_COLUMNS,
+    notes: str = COLUMN_NOTES,
 ) -> Path:
     """report.md: `header` lines, the claims tables, the plots (relative links), the run table;
     `title` heads it, `model_label` names the runs' model (bapo study: SmolLM2-135M-Instruct)."""
@@ -179,7 +180,7 @@ def write_report(
         "",
     ]
     parts += [f"![{p.stem}]({p.relative_to(path.parent).as_posix()})" for p in plots]
-    parts += ["", "## Per-run table", "", markdown_table(summary(runs, columns), start_row(runs)), "", COLUMN_NOTES]
+    parts += ["", "## Per-run table", "", markdown_table(summary(runs, columns), start_row(runs)), "", notes]
     path.write_text("\n".join(parts) + "\n")
     return path
 

@@ -416,6 +416,7 @@ def write_study_report(plan: StudyPlan, study_dir: Path, record_headline: bool =
         title="bapo study report",
         model_label="SmolLM2-135M-Instruct",
         columns=STUDY_COLUMNS,
+        notes=column_notes(plan),
     )
     (study_dir / "claims.json").write_text(claims_json(claims) + "\n")
     if record_headline:
@@ -450,13 +451,27 @@ def study_tables(plan: StudyPlan, study_dir: Path, command: str) -> str:
     """The block docs/RESULTS.md quotes: the setting, the headline, the claims table and the
     per-run table, from the finished runs (the same code as report.md)."""
     from bapo.analysis.claims import claims_markdown
-    from bapo.analysis.report import COLUMN_NOTES, headline, markdown_table, start_row, summary
+    from bapo.analysis.report import headline, markdown_table, start_row, summary
 
     runs, claims = _runs_and_claims(plan, study_dir)
     lines = [TABLES_START, f"Run: `{command}`.", "", *[f"- {line}" for line in header(plan, study_dir)], ""]
     lines += [f"- {line}" for line in headline(claims, model_label="SmolLM2-135M-Instruct")]
     lines += ["", claims_markdown(claims), "", markdown_table(summary(runs, STUDY_COLUMNS), start_row(runs))]
-    return "\n".join([*lines, "", COLUMN_NOTES, TABLES_END])
+    return "\n".join([*lines, "", column_notes(plan), TABLES_END])
+
+
+def column_notes(plan: StudyPlan) -> str:
+    """The demo's notes under the per-run table, at the study's temperature, plus its own columns."""
+    from bapo.analysis.report import COLUMN_NOTES
+
+    return (
+        COLUMN_NOTES.replace("at temperature 1;", f"at temperature {plan.temperature};")
+        + " entropy digits / other: the entropy of the tokens that hold a digit / of the others (last 20%"
+        " of updates); response tokens: last 20%; logp gap: mean |trainer - engine| log-prob over all"
+        " updates; premise pos / neg clipped low: share of low-probability tokens among the clipped"
+        " positive / negative tokens (premise/*), mean over all updates; the start policy row is"
+        " SmolLM2-135M-Instruct itself (labelled sft)."
+    )
 
 
 def _runs_and_claims(plan: StudyPlan, study_dir: Path):
