@@ -168,6 +168,14 @@ def test_tiny_study_writes_report_and_resume_skips_finished_runs(char_model, tmp
         return real_train(cfg, *args, resume=resume, **kwargs)
 
     monkeypatch.setattr(bapo.train, "train", spy)
+    from bapo.train.config import ConfigError
+    from bapo.train.rundir import RunLock
+
+    held = RunLock(study_dir)  # another study process on this folder: refused, nothing trained
+    with pytest.raises(ConfigError, match="in use by another bapo process"):
+        run_study(load_plan(study_dir), study_dir, threads=1, in_process=True, log=lambda line: None)
+    held.release()
+    assert calls == []
     run_study(load_plan(study_dir), study_dir, threads=1, in_process=True, log=lambda line: None)
     assert calls == [(str(unfinished), unfinished)]
     assert (study_dir / names[0] / "metrics.jsonl").read_text() == metrics_before

@@ -332,8 +332,19 @@ def run_study(
     """Train every unfinished run of `plan` into study_dir (finished ones are skipped), and
     rewrite the report after each. in_process: runs in this process (the tests' tiny model);
     else each run in a spawned process."""
+    from bapo.train.rundir import RunLock
+
     study_dir = Path(study_dir)
     prepare(plan, study_dir)
+    lock = RunLock(study_dir)  # one study process per folder (a second --resume fails in one line)
+    try:
+        _train_todo(plan, study_dir, threads, in_process, log)
+    finally:
+        lock.release()
+    return study_dir
+
+
+def _train_todo(plan: StudyPlan, study_dir: Path, threads: int, in_process: bool, log) -> None:
     specs = plan.runs()
     todo = [spec for spec in specs if not is_done(study_dir / spec.name)]
     log(f"study {study_dir}: {len(specs) - len(todo)} of {len(specs)} runs done, {len(todo)} to go")
@@ -350,7 +361,6 @@ def run_study(
         write_study_report(plan, study_dir)
     if not todo:
         write_study_report(plan, study_dir)
-    return study_dir
 
 
 def _record(study_dir: Path, spec: RunSpec, done: dict) -> None:
