@@ -17,7 +17,7 @@ import subprocess
 from pathlib import Path
 
 from bapo.analysis.claims import claims_markdown
-from bapo.analysis.report import COLUMN_NOTES, headline, markdown_table, start_row, summary
+from bapo.analysis.report import COLUMN_NOTES, headline, markdown_table, replace_block, start_row, summary
 from bapo.analysis.run_claims import run_claims
 from bapo.analysis.runs import find_runs
 
@@ -63,12 +63,10 @@ def main() -> None:
     if not args.write:
         print(block)
         return
-    text = args.write.read_text()
-    if START not in text or END not in text:
-        raise SystemExit(f"error: {args.write} has no {START} ... {END} block; add the two markers where it goes")
-    before, rest = text.split(START, 1)
-    after = rest.split(END, 1)[1]
-    args.write.write_text(before + block + after)
+    try:
+        args.write.write_text(replace_block(args.write.read_text(), START, END, block, str(args.write)))
+    except ValueError as err:
+        raise SystemExit(f"error: {err}") from None
     print(f"wrote the demo tables into {args.write}")
 
 

@@ -259,3 +259,23 @@ def test_clip_stats_pack_named_sums_in_field_order():
     # a micro-batch's statistics name every field they fill
     batch = clip_statistics(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), 0.8, 1.2).named()
     assert batch["tokens"] == 2.0 and batch["positive"] == 2.0 and batch["upper_max"] == 1.2
+
+
+def test_entropy_by_token_kind_by_hand():
+    """Two rows, one padded token: digits {1.0, 3.0} -> 2.0, other {2.0} -> 2.0 ... and the sums add
+    across micro-batches (split the rows, add, same metrics)."""
+    import torch
+
+    from bapo.core import token_kind_metrics, token_kind_sums
+
+    entropy = torch.tensor([[1.0, 2.0, 9.0], [3.0, 4.0, 5.0]])
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    digit = torch.tensor([[True, False, True], [True, False, False]])  # the padded 9.0 never counts
+    sums = token_kind_sums(entropy, mask, digit)
+    assert sums.tolist() == [4.0, 2.0, 11.0, 3.0]
+    metrics = token_kind_metrics(sums)
+    assert metrics == {"entropy/digit": 2.0, "entropy/other": 11.0 / 3, "tokens/digit_share": 0.4}
+    split = token_kind_sums(entropy[:1], mask[:1], digit[:1]) + token_kind_sums(entropy[1:], mask[1:], digit[1:])
+    assert token_kind_metrics(split) == metrics
+    empty = token_kind_metrics(token_kind_sums(entropy, mask, torch.zeros_like(digit)))
+    assert empty["entropy/digit"] != empty["entropy/digit"] and empty["tokens/digit_share"] == 0.0  # NaN: no digit

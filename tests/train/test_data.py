@@ -35,3 +35,12 @@ def test_prompt_sampler_covers_each_epoch_and_resumes():
     again = PromptSampler(size=5, seed=3)
     again.load_state_dict(state)
     assert again.take(7) == ahead and sorted(ahead[:5]) == list(range(5)) and ahead[:5] != first
+
+
+def test_digit_token_ids_are_the_tokens_that_hold_a_digit():
+    from bapo.train.data import digit_token_ids
+    from bapo.train.tiny import build_tokenizer
+
+    tokenizer = build_tokenizer()
+    ids = digit_token_ids(tokenizer)
+    assert sorted(tokenizer.convert_ids_to_tokens(ids)) == list("0123456789")

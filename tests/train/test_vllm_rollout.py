@@ -69,3 +69,23 @@ def test_one_push_per_version_and_the_gap_is_logged(tiny_model, tmp_path, monkey
         assert row["rollout/is_weight/mean"] == pytest.approx(row["rollout/is_ratio/mean"], rel=1e-6)
     assert rows[-1]["rollout/vllm_pushes"] == 1  # the last rollout step pushed version 4
     assert engine.closed and trainer.rollout.engine is None  # the run's end shut the engine down
+
+
+def test_sample_texts_draws_from_the_engine_at_the_current_version_and_leaves_rng_alone(
+    tiny_model, tmp_path, monkeypatch
+):
+    """Held-out scoring (bapo study) samples with the run's engine: the current weights pushed
+    once, one decoded string per (prompt, sample), the same texts for the same seed, and no RNG
+    of the run moved (evaluating must not change training)."""
+    engine = FakeEngine()
+    monkeypatch.setattr(Rollout, "_vllm_engine", lambda self, model: setattr(self, "engine", engine) or engine)
+    cfg = make_config(tiny_model, tmp_path / "run", **{"rollout.backend": "vllm"})
+    trainer = Trainer(cfg, examples=arithmetic_examples(), verifier=digit_share)
+    before = torch.get_rng_state()
+    texts = trainer.sample_texts(["1+2=", "3+4=", "5+6="], 4, seed=7)
+    assert torch.equal(torch.get_rng_state(), before)
+    assert [len(group) for group in texts] == [4, 4, 4] and all(isinstance(t, str) for g in texts for t in g)
+    assert engine.synced == [0]
+    assert trainer.sample_texts(["1+2=", "3+4=", "5+6="], 4, seed=7) == texts
+    assert engine.synced == [0]  # same version: nothing pushed again
+    trainer.close()

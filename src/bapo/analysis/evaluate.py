@@ -107,6 +107,15 @@ def evaluate(
         top_k,
         system_prompt,
     )
+    return score_samples(samples, rows, verifier, k, tokenizer)
+
+
+def score_samples(
+    samples: list[list[str]], rows: list[dict], verifier: Verifier, k: int, tokenizer
+) -> dict[str, float]:
+    """Score k decoded samples per row (samples [len(rows)][k]) with `verifier`: the keys of
+    `evaluate`. Shared by `evaluate` (HF generate) and any other sampler (bapo study scores
+    with the run's own rollout engine, Trainer.sample_texts)."""
     correct = [sum(verifier(s, r) > 0.5 for s in group) for group, r in zip(samples, rows)]
     lengths = [len(s) for group in samples for s in group]
     return {

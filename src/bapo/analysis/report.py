@@ -104,13 +104,13 @@ def _verdict_counts(claims: list[Claim]) -> str:
     return f"{counts['held']} held, {counts['not held']} not held, {counts['mixed']} mixed of {len(claims)} claims"
 
 
-def headline(claims: list[Claim], lab_claims: list[Claim] = ()) -> list[str]:
+def headline(claims: list[Claim], lab_claims: list[Claim] = (), model_label: str = "Tiny LLM") -> list[str]:
     """A few lines of what the runs show: the verdict counts, then one line per headline claim
     (HEADLINE_CLAIMS) with each setting's verdict, effect and 95% interval, and the smallest effect
     the plan detects with 80% power (from the seed spread; the largest over the settings). Printed
     at the end of `bapo demo` and leading report.md."""
     lines = [f"Mechanism lab (exact softmax): {_verdict_counts(list(lab_claims))}."] if lab_claims else []
-    lines.append(f"Tiny LLM: {_verdict_counts(claims)}.")
+    lines.append(f"{model_label}: {_verdict_counts(claims)}.")
     for family in HEADLINE_CLAIMS:
         members = [c for c in claims if c.id == family or c.id.startswith(family + "-")]
         if not members:
@@ -136,16 +136,21 @@ def write_report(
     target_share: float | None,
     header: list[str],
     lab_claims: list[Claim] = (),
+    title: str = "bapo demo report",
+    model_label: str = "Tiny LLM",
+    columns: dict[str, Callable[[Run], float]] = RUN_COLUMNS,
+    notes: str = COLUMN_NOTES,
 ) -> Path:
-    """report.md: `header` lines, the claims tables, the plots (relative links), the run table."""
+    """report.md: `header` lines, the claims tables, the plots (relative links), the run table;
+    `title` heads it, `model_label` names the runs' model (bapo study: SmolLM2-135M-Instruct)."""
     path = Path(path)
     verdicts = {v: sum(c.verdict == v for c in claims) for v in ("held", "not held", "mixed")}
     parts = [
-        "# bapo demo report",
+        f"# {title}",
         "",
         "## Summary",
         "",
-        *[f"- {line}" for line in headline(claims, list(lab_claims))],
+        *[f"- {line}" for line in headline(claims, list(lab_claims), model_label)],
         "",
         "Effect > 0 is the direction the paper claims; verdicts from 95% intervals over seeds (details below).",
         "",
@@ -162,7 +167,7 @@ def write_report(
     if lab_claims:
         parts += ["### Mechanism lab (tabular softmax, exact)", "", claims_markdown(lab_claims), ""]
     parts += [
-        "### Tiny LLM",
+        f"### {model_label}",
         "",
         f"{verdicts['held']} held, {verdicts['not held']} not held, {verdicts['mixed']} mixed.",
         "",
@@ -175,6 +180,16 @@ def write_report(
         "",
     ]
     parts += [f"![{p.stem}]({p.relative_to(path.parent).as_posix()})" for p in plots]
-    parts += ["", "## Per-run table", "", markdown_table(summary(runs), start_row(runs)), "", COLUMN_NOTES]
+    parts += ["", "## Per-run table", "", markdown_table(summary(runs, columns), start_row(runs)), "", notes]
     path.write_text("\n".join(parts) + "\n")
     return path
+
+
+def replace_block(text: str, start: str, end: str, block: str, where: str = "the file") -> str:
+    """`text` with the part from marker `start` to marker `end` (both included) replaced by
+    `block` (which carries the markers itself); ValueError naming `where` when a marker is missing.
+    Keeps docs tables (docs/RESULTS.md) written by code, from the runs."""
+    if start not in text or end not in text:
+        raise ValueError(f"{where} has no {start} ... {end} block; add the two markers where it goes")
+    before, rest = text.split(start, 1)
+    return before + block + rest.split(end, 1)[1]

@@ -58,6 +58,9 @@ def run_measures(target: float) -> dict[str, Callable[[Run], float]]:
         "positive share": lambda run: run.mean("positive_share"),
         "first positive share": lambda run: run.head_mean("positive_share"),
         "share distance": lambda run: abs(run.mean("positive_share") - target),
+        # the entropy split by token kind (bapo.core.token_kind_sums): digits vs the other tokens
+        "entropy of digits": lambda run: run.tail_mean("entropy/digit"),
+        "entropy of other tokens": lambda run: run.tail_mean("entropy/other"),
     }
 
 
@@ -78,9 +81,19 @@ def _e(setting: str) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def run_claim_specs(settings: dict[str, list[str]], target: float, k: int | str = "k") -> list[ClaimSpec]:
+def run_claim_specs(
+    settings: dict[str, list[str]],
+    target: float,
+    k: int | str = "k",
+    treatments: tuple[str, ...] = ("bapo",),
+    where_prefix: str = WHERE,
+    token_kinds: bool = False,
+) -> list[ClaimSpec]:
     """Every claim of the runs' settings ({setting: methods present}), claims 0-4 in order;
-    k: the held-out samples per prompt (avg@k in claim 0's text)."""
+    k: the held-out samples per prompt (avg@k in claim 0's text); treatments: the methods that
+    claim 4 compares with GRPO (ids 4-<what>-<setting> for "bapo", 4-<what>-<method>@<setting>
+    for another, e.g. bapo-paper); where_prefix: the model and task named in each claim's "where";
+    token_kinds: claim 4's entropy also on digit tokens and on the others (entropy/digit, entropy/other)."""
     base = Arm("grpo", "E=0")
     has_base = "grpo" in settings.get("E=0", ())
     specs: list[ClaimSpec] = []
@@ -89,7 +102,7 @@ def run_claim_specs(settings: dict[str, list[str]], target: float, k: int | str 
             ClaimSpec(
                 "0-rl-improves",
                 f"on-policy GRPO raises held-out avg@{k} over the start policy",
-                f"{WHERE}, E=0",
+                f"{where_prefix}, E=0",
                 "held-out gain",
                 base,
                 detail=f"avg@{k} start {{start}} -> {{final}}",
@@ -99,7 +112,7 @@ def run_claim_specs(settings: dict[str, list[str]], target: float, k: int | str 
     for e, setting in sorted((e, s) for s in settings if (e := _e(s)) is not None):
         if not e or not has_base:
             continue  # 1. growing E: GRPO's entropy falls faster; held-out lower; gradient norm less steady
-        stale, where = Arm("grpo", setting), f"{WHERE}, equal samples, E=0 vs E={e}"
+        stale, where = Arm("grpo", setting), f"{where_prefix}, equal samples, E=0 vs E={e}"
         specs += [
             ClaimSpec(
                 f"1-entropy-E{e}-samples",
@@ -133,7 +146,7 @@ def run_claim_specs(settings: dict[str, list[str]], target: float, k: int | str 
     for setting, methods in settings.items():
         if "grpo" not in methods or _e(setting) == 0:
             continue
-        grpo, bapo, where = Arm("grpo", setting), Arm("bapo", setting), f"{WHERE}, {setting}"
+        grpo, bapo, where = Arm("grpo", setting), Arm("bapo", setting), f"{where_prefix}, {setting}"
         # 2. raising c_high (clip-higher: 1.28 vs grpo's 1.2) slows the entropy fall
         specs.append(
             ClaimSpec(
@@ -147,43 +160,61 @@ def run_claim_specs(settings: dict[str, list[str]], target: float, k: int | str 
             )
         )
         # 4. BAPO: share nearer its target, more entropy, better held-out accuracy than GRPO
-        specs += [
-            ClaimSpec(
-                f"4-share-{setting}",
-                f"BAPO holds the positive share nearer its target {target} than GRPO",
-                where,
-                "share distance",
-                bapo,
-                grpo,
-                sign=-1,
-                detail="share BAPO {bapo} vs GRPO {grpo}",
-                shows=(("bapo", bapo, "positive share"), ("grpo", grpo, "positive share")),
-            ),
-            ClaimSpec(
-                f"4-entropy-{setting}",
-                "BAPO keeps more entropy than GRPO",
-                where,
-                "entropy",
-                bapo,
-                grpo,
-                detail="entropy BAPO {treatment} vs GRPO {baseline}",
-            ),
-            ClaimSpec(
-                f"4-heldout-{setting}",
-                "BAPO beats GRPO on held-out accuracy",
-                where,
-                "held-out",
-                bapo,
-                grpo,
-                detail="avg@k BAPO {treatment} vs GRPO {baseline}",
-            ),
-        ]
+        for method in treatments:
+            if method not in methods:
+                continue
+            bapo, tag = Arm(method, setting), setting if method == "bapo" else f"{method}@{setting}"
+            name = "BAPO" if method == "bapo" else method
+            specs += [
+                ClaimSpec(
+                    f"4-share-{tag}",
+                    f"BAPO holds the positive share nearer its target {target} than GRPO",
+                    where,
+                    "share distance",
+                    bapo,
+                    grpo,
+                    sign=-1,
+                    detail=f"share {name} {{bapo}} vs GRPO {{grpo}}",
+                    shows=(("bapo", bapo, "positive share"), ("grpo", grpo, "positive share")),
+                ),
+                ClaimSpec(
+                    f"4-entropy-{tag}",
+                    "BAPO keeps more entropy than GRPO",
+                    where,
+                    "entropy",
+                    bapo,
+                    grpo,
+                    detail=f"entropy {name} {{treatment}} vs GRPO {{baseline}}",
+                ),
+                *(
+                    ClaimSpec(
+                        f"4-entropy-{kind}-{tag}",
+                        f"BAPO keeps more entropy than GRPO on {measure.removeprefix('entropy of ')}",
+                        where,
+                        measure,
+                        bapo,
+                        grpo,
+                        detail=f"entropy {name} {{treatment}} vs GRPO {{baseline}}",
+                    )
+                    for kind, measure in (("digit", "entropy of digits"), ("other", "entropy of other tokens"))
+                    if token_kinds
+                ),
+                ClaimSpec(
+                    f"4-heldout-{tag}",
+                    "BAPO beats GRPO on held-out accuracy",
+                    where,
+                    "held-out",
+                    bapo,
+                    grpo,
+                    detail=f"avg@k {name} {{treatment}} vs GRPO {{baseline}}",
+                ),
+            ]
     if has_base:  # 3. negative tokens dominate the loss early (positive share < 0.5 on the first updates)
         specs.append(
             ClaimSpec(
                 "3-negative-dominate",
                 "negative tokens dominate the loss early (positive share < 0.5)",
-                f"{WHERE}, first 10% of updates, on-policy GRPO",
+                f"{where_prefix}, first 10% of updates, on-policy GRPO",
                 "first positive share",
                 base,
                 sign=-1,
@@ -195,10 +226,19 @@ def run_claim_specs(settings: dict[str, list[str]], target: float, k: int | str 
     return sorted(specs, key=lambda spec: order.get(spec.id[0], 9))
 
 
-def run_claims(runs: list[Run], target: float) -> list[Claim]:
-    """Every claim whose runs are present; `target` is bapo's positive-share target."""
+def run_claims(
+    runs: list[Run],
+    target: float,
+    treatments: tuple[str, ...] = ("bapo",),
+    where: str = WHERE,
+    token_kinds: bool = False,
+) -> list[Claim]:
+    """Every claim whose runs are present; `target` is bapo's positive-share target; treatments
+    and where: as run_claim_specs."""
     groups = group_runs(runs)
     base = groups.get("E=0", {}).get("grpo")
     k = base[0].final.get("k", "k") if base else "k"
-    specs = run_claim_specs({setting: list(methods) for setting, methods in groups.items()}, target, k)
+    specs = run_claim_specs(
+        {setting: list(methods) for setting, methods in groups.items()}, target, k, treatments, where, token_kinds
+    )
     return evaluate_claims(specs, run_values(runs, run_measures(target)), fmt=format_mean)

@@ -5,7 +5,7 @@ import os
 
 import typer
 
-from bapo.cli import demo_cmd, eval_cmd, lab_cmd, smollm2, train_cmd
+from bapo.cli import demo_cmd, eval_cmd, lab_cmd, smollm2, study_cmd, train_cmd
 from bapo.cli.errors import DEBUG_ENV
 
 HELP = """Stable off-policy RL for language models: GRPO with BAPO's adaptive
@@ -17,6 +17,7 @@ clipping (arXiv 2510.18927) and the baselines it is compared with.
   bapo eval --model RUN_DIR --data F  avg@k / pass@k, prompts as in training
   bapo demo [--quick]                 the staleness experiment, offline
   bapo lab [--quick]                  the Entropy-Clip mechanism on a tabular softmax policy
+  bapo study [--quick|--resume DIR]   SmolLM2-135M + vLLM: does BAPO help under staleness?
   bapo plot | compare RUN_DIR ...     figures and tables from metrics.jsonl
   bapo smollm2                        SmolLM2-135M as a local HF folder
 
@@ -36,6 +37,7 @@ demo_cmd.register(app)
 lab_cmd.register(app)
 eval_cmd.register(app)
 smollm2.register(app)
+study_cmd.register(app)
 
 if __name__ == "__main__":
     app()

@@ -1,7 +1,16 @@
 """bapo.core: clipped policy losses, the BAPO bound search and its diagnostics (torch only, no I/O)."""
 
 from bapo.core.advantages import PromptRewardHistory, group_advantages, smooth_advantages
-from bapo.core.diagnostics import ClipStats, clip_diagnostics, clip_statistics, entropy_from_logits, k3_kl, token_ratio
+from bapo.core.diagnostics import (
+    ClipStats,
+    clip_diagnostics,
+    clip_statistics,
+    entropy_from_logits,
+    k3_kl,
+    token_kind_metrics,
+    token_kind_sums,
+    token_ratio,
+)
 from bapo.core.losses import (
     LOSS_AGG_MODES,
     PAPER_AGG_MODES,
@@ -58,6 +67,8 @@ __all__ = [
     "register_policy_loss",
     "search_bounds",
     "search_metrics",
+    "token_kind_metrics",
+    "token_kind_sums",
     "smooth_advantages",
     "token_contributions",
     "token_mean_over_ranks",

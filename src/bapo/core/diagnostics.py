@@ -370,3 +370,33 @@ def clip_diagnostics(*args: Any, **kwargs: Any) -> dict[str, float]:
     fractions per side, positive share, Entropy-Clip quadrants, entropy-change estimate (see
     ClipStats.finalize for the keys). One host sync."""
     return clip_statistics(*args, **kwargs).finalize()
+
+
+# Slots of token_kind_sums, added across micro-batches and ranks like ClipStats.sums.
+TOKEN_KIND_FIELDS = ("kind_entropy", "kind_tokens", "other_entropy", "other_tokens")
+
+
+def token_kind_sums(entropy: Tensor, response_mask: Tensor, kind_mask: Tensor) -> Tensor:
+    """The sums behind entropy split by token kind, float64 [4] in TOKEN_KIND_FIELDS' order:
+    the entropy summed over the masked tokens of the kind and their count, then the same over the
+    other masked tokens. entropy [B, T] float, response_mask [B, T] bool, kind_mask [B, T] bool
+    (e.g. the tokens that spell digits: the answer of an arithmetic task, against the words
+    around it). Additive, so micro-batches and ranks add up before token_kind_metrics."""
+    entropy = entropy.detach().to(torch.float64)
+    kind = kind_mask & response_mask
+    other = ~kind_mask & response_mask
+    return torch.stack(
+        [(entropy * kind).sum(), kind.sum().to(torch.float64), (entropy * other).sum(), other.sum().to(torch.float64)]
+    )
+
+
+def token_kind_metrics(sums: Tensor, kind: str = "digit") -> dict[str, float]:
+    """entropy/<kind> and entropy/other (mean per-token entropy of each kind, NaN when it has no
+    token) and tokens/<kind>_share (the kind's share of the masked tokens) from token_kind_sums."""
+    kind_entropy, kind_tokens, other_entropy, other_tokens = sums.tolist()
+    total = kind_tokens + other_tokens
+    return {
+        f"entropy/{kind}": kind_entropy / kind_tokens if kind_tokens else float("nan"),
+        "entropy/other": other_entropy / other_tokens if other_tokens else float("nan"),
+        f"tokens/{kind}_share": kind_tokens / total if total else float("nan"),
+    }

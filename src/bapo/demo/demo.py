@@ -143,34 +143,64 @@ PROFILES = {
 }
 
 
-def train_config(plan: DemoPlan, spec: RunSpec, model_path: Path, data_path: Path, run_dir: Path):
-    """The bapo.train config of one run (the same schema `bapo train` reads from YAML)."""
-    from bapo.train import load_config
-
-    overrides = {
-        # cpu even where a GPU exists: for 0.4M parameters kernel launches cost more than math
+def common_overrides(
+    spec: RunSpec,
+    *,
+    model_path: Path,
+    data_path: Path,
+    run_dir: Path,
+    prompts_per_batch: int,
+    group_size: int,
+    max_new_tokens: int,
+    lr: float,
+    rollout_steps: int,
+    verifier: str,
+) -> dict:
+    """The bapo.train overrides every demo and study run shares: the model and data, the rollout
+    size at temperature 1, the method and its off-policy setting (E+1 mini-batches, FIFO delay),
+    the seed and a quiet run folder (no tensorboard, no progress bar, no checkpoints)."""
+    return {
         "model.path": str(model_path),
         "model.device": "cpu",
         "data.path": str(data_path),
-        "rollout.prompts_per_batch": plan.prompts_per_batch,
-        "rollout.group_size": plan.group_size,
-        "rollout.max_new_tokens": plan.max_new_tokens,
+        "rollout.prompts_per_batch": prompts_per_batch,
+        "rollout.group_size": group_size,
+        "rollout.max_new_tokens": max_new_tokens,
         "rollout.temperature": 1.0,
-        "reward.verifier": VERIFIER,
+        "reward.verifier": verifier,
         "loss.method": spec.method,
-        "loss.bapo.target": plan.bapo_target,
         "offpolicy.mini_batches": spec.staleness_e + 1,
         "offpolicy.staleness": spec.async_delay,
-        "optim.lr": plan.lr,
-        "optim.micro_batch_size": plan.prompts_per_batch * plan.group_size,
+        "optim.lr": lr,
+        "optim.micro_batch_size": prompts_per_batch * group_size,
         "run.output_dir": str(run_dir),
-        "run.rollout_steps": plan.rollout_steps,
+        "run.rollout_steps": rollout_steps,
         "run.seed": spec.seed,
         "run.checkpoint_every": 0,
         "run.keep_checkpoints": 1,
         "run.tensorboard": "off",
         "run.progress": False,
     }
+
+
+def train_config(plan: DemoPlan, spec: RunSpec, model_path: Path, data_path: Path, run_dir: Path):
+    """The bapo.train config of one run (the same schema `bapo train` reads from YAML)."""
+    from bapo.train import load_config
+
+    # cpu even where a GPU exists: for 0.4M parameters kernel launches cost more than math
+    overrides = common_overrides(
+        spec,
+        model_path=model_path,
+        data_path=data_path,
+        run_dir=run_dir,
+        prompts_per_batch=plan.prompts_per_batch,
+        group_size=plan.group_size,
+        max_new_tokens=plan.max_new_tokens,
+        lr=plan.lr,
+        rollout_steps=plan.rollout_steps,
+        verifier=VERIFIER,
+    )
+    overrides["loss.bapo.target"] = plan.bapo_target
     if spec.partial_rollout:
         overrides["rollout.segment_tokens"] = plan.segment_tokens
     return load_config(None, [f"{key}={json.dumps(value)}" for key, value in overrides.items()])
@@ -180,34 +210,42 @@ class HeldOutHook:
     """on_update for bapo.train, called after each rollout step's updates. It writes into that
     step's metrics row: the start policy's held-out scores on the first row
     (heldout/start/avg@k, pass@k), held-out accuracy every `eval_every` rollout steps
-    (heldout/accuracy), and the final held-out heldout/avg@k, heldout/pass@k on the last row,
-    so that a run's metrics.jsonl alone carries everything the report needs."""
+    (heldout/accuracy = avg@eval_k_during, heldout/pass = pass@eval_k_during), and the final
+    held-out heldout/avg@k, heldout/pass@k on the last row, so that a run's metrics.jsonl alone
+    carries everything the report needs.
 
-    def __init__(self, plan: DemoPlan, heldout: list[dict], updates_per_batch: int, start: dict):
-        self.plan, self.heldout, self.per_batch, self.start = plan, heldout, updates_per_batch, start
+    `plan`: anything with eval_every, rollout_steps, eval_prompts, eval_k_during, final_k and
+    max_new_tokens (a DemoPlan, a StudyPlan). Samples come from HF generate on the hook's model
+    (bapo.analysis.evaluate), or from `sampler(prompts, k) -> [len(prompts)][k] texts` when set
+    (bapo study: the run's own vLLM engine, Trainer.sample_texts)."""
 
-    def __call__(self, update: int, model, tokenizer) -> dict[str, float]:
-        from bapo.analysis.evaluate import evaluate
+    def __init__(self, plan, heldout: list[dict], updates_per_batch: int, start: dict, verifier=None, sampler=None):
         from bapo.demo.task import verify
 
+        self.plan, self.heldout, self.per_batch, self.start = plan, heldout, updates_per_batch, start
+        self.verifier, self.sampler = verifier or verify, sampler
+
+    def _score(self, model, tokenizer, rows: list[dict], k: int) -> dict:
+        from bapo.analysis.evaluate import evaluate, score_samples
+
+        if self.sampler is not None:
+            return score_samples(self.sampler([row["prompt"] for row in rows], k), rows, self.verifier, k, tokenizer)
+        return evaluate(model, tokenizer, rows, self.verifier, k=k, max_new_tokens=self.plan.max_new_tokens)
+
+    def __call__(self, update: int, model, tokenizer) -> dict[str, float]:
         plan, out = self.plan, {}
         rollout_steps_done = update // self.per_batch  # update: optimizer updates done
         if rollout_steps_done == 1:
             out.update({f"heldout/start/{key}": value for key, value in self.start.items() if "@" in key})
         if rollout_steps_done % plan.eval_every == 0 and rollout_steps_done < plan.rollout_steps:
-            scores = evaluate(
-                model,
-                tokenizer,
-                self.heldout[: plan.eval_prompts],
-                verify,
-                k=plan.eval_k_during,
-                max_new_tokens=plan.max_new_tokens,
-            )
-            out["heldout/accuracy"] = scores[f"avg@{plan.eval_k_during}"]
+            k = plan.eval_k_during
+            scores = self._score(model, tokenizer, self.heldout[: plan.eval_prompts], k)
+            out["heldout/accuracy"], out["heldout/pass"] = scores[f"avg@{k}"], scores[f"pass@{k}"]
         if rollout_steps_done == plan.rollout_steps:
-            final = evaluate(model, tokenizer, self.heldout, verify, k=plan.final_k, max_new_tokens=plan.max_new_tokens)
+            final = self._score(model, tokenizer, self.heldout, plan.final_k)
             out.update({f"heldout/{key}": value for key, value in final.items() if "@" in key})
             out["heldout/accuracy"] = final[f"avg@{plan.final_k}"]
+            out["heldout/pass"] = final[f"pass@{plan.final_k}"]
         return out
 
 

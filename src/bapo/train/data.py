@@ -181,3 +181,16 @@ def special_token_warnings(tokenizer, generation_config) -> list[str]:
             f"pad_token_id={pad}; padding is masked out either way, but check the model folder"
         )
     return messages
+
+
+def digit_token_ids(tokenizer) -> list[int]:
+    """Ids of the tokens whose text holds a decimal digit ("7", "Ġ12", ...; special tokens
+    excluded): the answer tokens of an arithmetic task, for the entropy split by token kind
+    (bapo.core.token_kind_sums). One pass over the vocabulary."""
+    special = set(tokenizer.all_special_ids)
+    vocab = tokenizer.get_vocab()
+    return sorted(
+        token_id
+        for token, token_id in vocab.items()
+        if token_id not in special and any(char.isdigit() and char.isascii() for char in token)
+    )

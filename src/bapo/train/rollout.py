@@ -347,6 +347,38 @@ class Rollout:
                 seq["done"], seq["truncated"] = True, not bool(ended[row])
         return int(length.sum())
 
+    @torch.no_grad()
+    def sample_texts(self, model, version: int, prompts: list[list[int]], n: int, chunk: int = 512) -> list[list[str]]:
+        """n decoded responses per tokenized prompt -> [len(prompts)][n] strings (specials dropped),
+        drawn like the rollout (its backend, temperature, top-k / top-p, max_new_tokens, EOS) but
+        outside it: no group, no reward, the rollout's state untouched (held-out evaluation with
+        the engine that trains, so a vLLM run is scored at vLLM's speed). The caller seeds torch's
+        generator (the vLLM engine draws its request seeds from it)."""
+        rows = [prompt for prompt in prompts for _ in range(n)]
+        params = SamplingParams(self.rollout_cfg.temperature, self.rollout_cfg.top_k, self.rollout_cfg.top_p)
+        budget, eos = self.rollout_cfg.max_new_tokens, self.eos_ids.tolist()
+        was_training = model.training
+        model.eval()
+        texts: list[str] = []
+        for start in range(0, len(rows), chunk):
+            part = rows[start : start + chunk]
+            if self.rollout_cfg.backend == "vllm":
+                engine = self._vllm_engine(model)
+                engine.sync(model, version)
+                tokens = engine.sample(part, [budget] * len(part), params, eos, self.pad_id).tokens
+            else:
+                ctx_ids, ctx_mask = pad(part, self.pad_id, left=True)
+                common = (model, ctx_ids, ctx_mask, budget, params, eos, self.pad_id)
+                if resolve_sampler(self.rollout_cfg.sampler, model) == "lean":
+                    tokens = lean_sample(*common, row_budget=torch.full((len(part),), budget)).tokens
+                else:
+                    tokens = hf_sample(*common, tokenizer=self.tokenizer).tokens
+            for row in tokens.tolist():
+                ends = [col for col, token in enumerate(row) if token in eos]
+                texts.append(self.tokenizer.decode(row[: ends[0]] if ends else row, skip_special_tokens=True))
+        model.train(was_training)
+        return [texts[i * n : (i + 1) * n] for i in range(len(prompts))]
+
     def _vllm_engine(self, model):
         """The colocated vLLM engine (imported and built at the first vLLM pass only)."""
         if self.engine is None:

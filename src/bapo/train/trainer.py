@@ -35,7 +35,14 @@ from bapo.train.checkpoint import (
     verify_checkpoint,
 )
 from bapo.train.config import ConfigError, TrainConfig, check_model_path
-from bapo.train.data import PromptSampler, check_rows, load_examples, special_token_warnings, tokenize_prompts
+from bapo.train.data import (
+    PromptSampler,
+    check_rows,
+    digit_token_ids,
+    load_examples,
+    special_token_warnings,
+    tokenize_prompts,
+)
 from bapo.train.metrics import MetricsLog, NoSignalWarning, ProgressFn, make_progress
 from bapo.train.rewards import resolve_verifier
 from bapo.train.rollout import Batch, Rollout, batched_log_probs
@@ -262,6 +269,9 @@ class Trainer:
             [token_id for token_id in eos_ids if token_id is not None],
         )
         self.buffer = BatchBuffer(cfg, self.rollout.pad_id)
+        # entropy/digit vs entropy/other every update: digits carry an arithmetic answer, the
+        # words around them do not (the entropy mechanism may live on either kind)
+        self.digit_ids = torch.tensor(digit_token_ids(self.tokenizer), dtype=torch.long)
         self.rollout_steps_done = 0
         self.version = 0  # optimizer updates done = version of the current policy
         self.nonfinite_streak = 0
@@ -469,7 +479,14 @@ class Trainer:
             mini = batch.select(rows_idx)
             staleness = (self.version - mini.versions[mini.response_mask]).float()
             metrics = optimizer_update(
-                self.model, self.optimizer, self.scheduler, mini.to(device), self.cfg, self.bapo_step, self.version
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                mini.to(device),
+                self.cfg,
+                self.bapo_step,
+                self.version,
+                digit_ids=self.digit_ids,
             )
             if self.bapo_step:  # the next update's rho0 from this update's entropy
                 self.bapo_step.end(metrics.get("entropy", float("nan")))
@@ -504,6 +521,24 @@ class Trainer:
             set_rng_state(state)
             self.model.train(self.cfg.model.gradient_checkpointing)
         return dict(out)
+
+    def sample_texts(self, prompts: list[str], n: int, seed: int = 0) -> list[list[str]]:
+        """n responses per prompt text -> [len(prompts)][n] decoded strings, from the current
+        policy exactly as the rollout samples (prompt format of data.*, the rollout backend and
+        sampling settings; Rollout.sample_texts). Draws with torch seeded by `seed` and leaves
+        every RNG as it found it, so evaluating never changes the run."""
+        ids = tokenize_prompts([{self.cfg.data.prompt_key: p} for p in prompts], self.tokenizer, self.cfg.data)[1]
+        if len(ids) != len(prompts):
+            raise ConfigError(
+                f"data.max_prompt_tokens={self.cfg.data.max_prompt_tokens}: an evaluation prompt is longer"
+            )
+        state = rng_state()
+        try:
+            torch.manual_seed(seed)
+            return self.rollout.sample_texts(self.model, self.version, ids, n)
+        finally:
+            set_rng_state(state)
+            self.model.train(self.cfg.model.gradient_checkpointing)
 
     # -- checkpoints --------------------------------------------------------------------------
     def save(self) -> Path:
@@ -576,6 +611,7 @@ def train(
     verifier: Callable[[str, dict], float] | None = None,
     progress: ProgressFn | bool | None = None,
     resume: str | Path | None = None,
+    on_start: Callable[[Trainer], None] | None = None,
 ) -> Path:
     """Train with `cfg`; returns the run directory (metrics.jsonl, checkpoints/, config.yaml).
 
@@ -584,10 +620,18 @@ def train(
     examples: rows {"prompt", "answer", ...} instead of data.path; verifier: a callable instead
       of reward.verifier; progress: True/False (rich bar or nothing) or fn(update, total, row)
       (optimizer updates done, total updates, the update's metrics row);
-      resume: a run directory to continue exactly from its latest checkpoint.
+      resume: a run directory to continue exactly from its latest checkpoint;
+      on_start(trainer): called once the trainer is built (model loaded or resumed), before the
+      first rollout, e.g. to hand an on_update hook the trainer's sampler (Trainer.sample_texts).
     """
     trainer = Trainer(cfg, examples=examples, verifier=verifier, on_update=on_update, progress=progress, resume=resume)
     with _signals_finish_the_step(trainer):
+        if on_start is not None:
+            try:
+                on_start(trainer)
+            except BaseException:
+                trainer.close()
+                raise
         return trainer.fit()
 
 

@@ -10,7 +10,16 @@ import time
 
 import torch
 
-from bapo.core import BAPOStep, ClipStats, aggregate_loss, k3_kl, policy_loss, token_ratio
+from bapo.core import (
+    BAPOStep,
+    ClipStats,
+    aggregate_loss,
+    k3_kl,
+    policy_loss,
+    token_kind_metrics,
+    token_kind_sums,
+    token_ratio,
+)
 from bapo.core.losses import PROXIMAL_METHODS, resolve_loss_params
 from bapo.train.config import TrainConfig
 from bapo.train.correction import correction_weights, mismatch_metrics
@@ -134,11 +143,18 @@ def _micro_batch_loss(
     bapo_step: BAPOStep | None,
     stats: ClipStats,
     forward: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-) -> tuple[torch.Tensor, dict[str, float], dict[str, float]]:
+    digit_ids: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float], dict[str, float], torch.Tensor | None]:
     """One micro-batch's forward and loss: (scalar loss to backward, its terms {loss, kl_loss,
-    entropy_loss} as floats, the method's own metrics). Diagnostics are added into `stats`.
+    entropy_loss} as floats, the method's own metrics, the entropy split by token kind as
+    bapo.core.token_kind_sums, digit tokens vs the rest, when `digit_ids` [V'] is given).
+    Diagnostics are added into `stats`.
     forward: this micro-batch's (log_prob, entropy) when already computed with grad (the pre-pass)."""
     log_prob, entropy = _forward(model, mb, cfg) if forward is None else forward
+    kind_sums = None
+    if digit_ids is not None and entropy is not None:
+        kind_mask = torch.isin(mb.response_ids, digit_ids.to(mb.response_ids.device))
+        kind_sums = token_kind_sums(entropy, mb.response_mask, kind_mask)
     weights, _ = importance_weights(mb, cfg)  # the loss and BAPO's search see the same weights
     if bapo_step is not None:
         found = bapo_step.bounds_for(
@@ -173,7 +189,7 @@ def _micro_batch_loss(
         bonus = aggregate_loss(entropy, mb.response_mask, mode, normalizer)
         loss = loss - cfg.loss.entropy_coef * bonus
         terms["entropy_loss"] = float(bonus.detach())
-    return loss, terms, metrics
+    return loss, terms, metrics, kind_sums
 
 
 def _step_optimizer(model, optimizer, scheduler, cfg: TrainConfig, finite: bool) -> dict:
@@ -199,6 +215,7 @@ def optimizer_update(
     cfg: TrainConfig,
     bapo_step: BAPOStep | None = None,
     version: int | None = None,
+    digit_ids: torch.Tensor | None = None,
 ) -> dict:
     """Forward+backward over micro-batches of `batch` (on the model's device), then one step.
 
@@ -210,7 +227,10 @@ def optimizer_update(
     the trainer passes its run-long one and calls its `end` after the update; None = a fresh
     BAPOStep of cfg.loss.bapo for this update alone. version: the policy version of the current
     weights; when every token of `batch` has it (just generated, first update), the step-scope
-    search needs no extra forward.
+    search needs no extra forward. digit_ids: the token ids that spell a digit
+    (bapo.train.data.digit_token_ids); given, the metrics add entropy/digit, entropy/other and
+    tokens/digit_share (bapo.core.token_kind_metrics: the answer tokens of an arithmetic task
+    vs the words around them).
     """
     start = time.perf_counter()
     if cfg.loss.method in PROXIMAL_METHODS and batch.proximal_log_prob is None:
@@ -233,15 +253,20 @@ def optimizer_update(
     diagnostic_sums: ClipStats | None = None  # the diagnostics' sums over the finite micro-batches
     losses: dict[str, float] = {}  # each term uses the update's normalizer, so micro-batch values add up
     own_metrics: list[dict[str, float]] = []
+    kind_total: torch.Tensor | None = None  # token_kind_sums over the finite micro-batches
     finite = True
     for index, mb in enumerate(micro):
         mb_stats = ClipStats.empty(mb.response_mask.device)
         forward = first_forward if index == 0 else None
-        loss, terms, metrics = _micro_batch_loss(model, mb, cfg, params, normalizer, bapo_step, mb_stats, forward)
+        loss, terms, metrics, kind_sums = _micro_batch_loss(
+            model, mb, cfg, params, normalizer, bapo_step, mb_stats, forward, digit_ids
+        )
         if not math.isfinite(terms["loss"]) or not torch.isfinite(loss):
             finite = False
             break
         loss.backward()
+        if kind_sums is not None:
+            kind_total = kind_sums if kind_total is None else kind_total + kind_sums
         diagnostic_sums = mb_stats if diagnostic_sums is None else diagnostic_sums.add_(mb_stats)
         for name, value in terms.items():
             losses[name] = losses.get(name, 0.0) + value
@@ -253,6 +278,8 @@ def optimizer_update(
         out[name] = sum(metrics[name] for metrics in own_metrics) / len(own_metrics)
     if bapo_step is not None:
         out.update(bapo_step.metrics())
+    if kind_total is not None:
+        out.update(token_kind_metrics(kind_total, "digit"))
     if batch.engine_log_prob is not None:  # the engine-vs-trainer gap of this update's tokens
         weights, ratio = importance_weights(batch, cfg)
         out.update(

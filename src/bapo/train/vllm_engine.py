@@ -139,9 +139,16 @@ class VLLMEngine:
             for budget, seed in zip(budgets, seeds)
         ]
         started = time.perf_counter()
-        outputs = self.llm.generate(
-            [TokensPrompt(prompt_token_ids=context) for context in contexts], requests, use_tqdm=False
-        )
+        outputs = []
+        # vLLM on CPU cannot rewind a seeded request's generator (set_offset), which it does when a
+        # prefill is split across scheduler steps (chunked prefill): send at most as many requests
+        # at once as the first step prefills whole
+        for start in range(0, len(contexts), rows := self._rows_per_call(contexts)):
+            outputs += self.llm.generate(
+                [TokensPrompt(prompt_token_ids=context) for context in contexts[start : start + rows]],
+                requests[start : start + rows],
+                use_tqdm=False,
+            )
         self.sample_seconds += time.perf_counter() - started
         width = max(budgets, default=0)
         tokens = torch.full((len(contexts), width), pad_id, dtype=torch.long)
@@ -153,6 +160,15 @@ class VLLMEngine:
             for col, (token, entry) in enumerate(zip(ids, completion.logprobs or [])):
                 log_prob[row, col] = float(entry[token].logprob)
         return Sampled(tokens, log_prob)
+
+    def _rows_per_call(self, contexts: list[list[int]]) -> int:
+        """Requests one generate call may take so that the scheduler's first step prefills each whole:
+        the token budget of a step over the longest context, and at most max_num_seqs."""
+        scheduler = getattr(getattr(self.llm.llm_engine, "vllm_config", None), "scheduler_config", None)
+        if scheduler is None:  # another vLLM layout: its defaults (CPU: 4096 tokens, 256 sequences)
+            return max(1, min(256, 4096 // max(max((len(c) for c in contexts), default=1), 1)))
+        longest = max((len(context) for context in contexts), default=1)
+        return max(1, min(scheduler.max_num_seqs, scheduler.max_num_batched_tokens // max(longest, 1)))
 
 
 def push_weights(llm, weights: list[tuple[str, torch.Tensor]], tied: bool) -> None:

@@ -1,0 +1,78 @@
+"""`bapo study`'s task: small arithmetic questions in chat form, generated in-house, checked exactly.
+
+    user:      "What is 7 + 15? Answer with just the number."   (in the model's chat template)
+    assistant: "22"                           correct when the last integer of the reply is 22
+
+Every problem of the space (a op b, a and b in their ranges, every op of `ops`) is listed once,
+shuffled by `seed`, and cut in two: the first `n_heldout` are the held-out set, the rest the
+training rows, so no held-out question is ever trained on. Answers are short (a number), so a
+response is a few tokens and almost all of its digits are the answer: the entropy split by token
+kind (entropy/digit vs entropy/other) separates the answer from the words around it.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+from dataclasses import dataclass
+
+_INTEGER = re.compile(r"-?\d+")
+_OPS = {"+": lambda a, b: a + b, "-": lambda a, b: a - b, "*": lambda a, b: a * b}
+_WORDS = {"+": "+", "-": "-", "*": "times"}
+
+
+@dataclass(frozen=True)
+class ArithTaskConfig:
+    """Which questions exist ("What is a op b?", a in [a_min, a_max], b in [b_min, b_max]; "-"
+    only where a >= b) and how they are split."""
+
+    ops: tuple[str, ...] = ("+",)
+    a_min: int = 2
+    a_max: int = 19
+    b_min: int = 2
+    b_max: int = 29
+    n_heldout: int = 200
+    n_train: int = 2000  # at most; fewer when the space is smaller (here 504 - 200 = 304)
+    seed: int = 0
+    suffix: str = " Answer with just the number."  # after the question, in the user turn
+    system_prompt: str | None = None  # None: the chat template's own (SmolLM2's default system turn)
+    max_new_tokens: int = 10
+
+    def __post_init__(self):
+        unknown = [op for op in self.ops if op not in _OPS]
+        if unknown or not self.ops:
+            raise ValueError(f"ops={self.ops!r}: each must be one of {tuple(_OPS)}")
+        if not (self.a_min <= self.a_max and self.b_min <= self.b_max):
+            raise ValueError("a_min <= a_max and b_min <= b_max are required")
+
+
+def question(a: int, op: str, b: int, suffix: str = "") -> str:
+    return f"What is {a} {_WORDS[op]} {b}?{suffix}"
+
+
+def problems(cfg: ArithTaskConfig) -> list[dict]:
+    """Every question of the space once, as rows {"prompt", "answer"} (answer a string)."""
+    rows = []
+    for op in cfg.ops:
+        for a in range(cfg.a_min, cfg.a_max + 1):
+            for b in range(cfg.b_min, cfg.b_max + 1):
+                if op == "-" and a < b:
+                    continue
+                rows.append({"prompt": question(a, op, b, cfg.suffix), "answer": str(_OPS[op](a, b))})
+    return rows
+
+
+def make_split(cfg: ArithTaskConfig) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows), disjoint: the space shuffled by cfg.seed, the first n_heldout
+    held out. ValueError when the space has no room for training rows."""
+    rows = problems(cfg)
+    random.Random(cfg.seed).shuffle(rows)
+    if len(rows) <= cfg.n_heldout:
+        raise ValueError(f"n_heldout={cfg.n_heldout}: the task has only {len(rows)} questions; widen the ranges")
+    return rows[cfg.n_heldout : cfg.n_heldout + cfg.n_train], rows[: cfg.n_heldout]
+
+
+def verify(response: str, row: dict) -> float:
+    """1.0 when the last integer in the response (thousands commas ignored) equals the answer."""
+    found = _INTEGER.findall(response.replace(",", ""))
+    return 1.0 if found and found[-1] == str(int(row["answer"])) else 0.0

@@ -1,0 +1,514 @@
+"""`bapo study`: does BAPO help a real pretrained model under staleness?
+
+SmolLM2-135M-Instruct (`bapo smollm2`, offline) learns the in-house arithmetic task of
+bapo.demo.arith in chat form, with rollout.backend=vllm (the colocated vLLM engine samples;
+held-out checks use the same engine, Trainer.sample_texts). One bapo.train run per
+(method, setting, seed), judged by the demo's machinery: the claims engine with 95% intervals
+(bapo.analysis.run_claims), plots with seed bands, report.md, claims.json.
+
+Methods: grpo, clip-higher, bapo (bapo's default preset), bapo-paper (loss.bapo.preset=paper),
+m2po, decoupled-ppo. Settings: staleness E = 0 and 4 (the paper's axis: E+1 optimizer updates
+per rollout batch) and async delay k = 4 and 16 (a FIFO delay, the axis of M2PO's and AReaL's
+staleness tables). On-policy (E=0, no delay) every ratio is exactly 1, and all six losses then
+give GRPO's gradient (tests/demo/test_study.py checks it), so E=0 is one run per seed, grpo.
+
+Every run checkpoints; the study folder holds:
+    study.json                       the plan (what --resume continues), timings, CPU seconds
+    data/{train,heldout}.jsonl       the task split
+    start.json                       the start policy's held-out scores (computed once)
+    <method>-<setting>-seed<s>/      metrics.jsonl, config.yaml, demo_run.json, done.json
+    plots/, report.md, claims.json   rewritten after every finished run (partial studies too)
+A run is finished when its done.json exists; `bapo study --resume DIR` skips those and resumes
+a started run from its last checkpoint (bapo train's exact resume).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from dataclasses import asdict, dataclass, field, fields, replace
+from pathlib import Path
+
+from bapo.demo.arith import ArithTaskConfig, make_split
+from bapo.demo.demo import HeldOutHook, RunSpec, common_overrides
+from bapo.demo.task import read_jsonl, write_jsonl
+
+VERIFIER = "bapo.demo.arith:verify"
+# study method -> the bapo.train overrides that make it
+METHODS: dict[str, dict[str, object]] = {
+    "grpo": {"loss.method": "grpo"},
+    "clip-higher": {"loss.method": "clip-higher"},
+    "bapo": {"loss.method": "bapo", "loss.bapo.preset": "default"},
+    "bapo-paper": {"loss.method": "bapo", "loss.bapo.preset": "paper"},
+    "m2po": {"loss.method": "m2po"},
+    "decoupled-ppo": {"loss.method": "decoupled-ppo"},
+}
+# trained first on each axis: the paper's comparison (grpo vs bapo, both presets)
+HEADLINE_METHODS = ("grpo", "bapo", "bapo-paper")
+BAPO_TARGET = 0.4  # rho0 of both bapo presets (the paper's); not tuned here
+
+
+@dataclass(frozen=True)
+class StudyPlan:
+    """What a study runs. Sizes: docs/STUDY.md (measured per-run cost, the lr choice)."""
+
+    methods: tuple[str, ...] = tuple(METHODS)
+    staleness_e: tuple[int, ...] = (0, 4)
+    async_delays: tuple[int, ...] = (4, 16)
+    seeds: tuple[int, ...] = (0, 1, 2)
+    rollout_steps: int = 20
+    # 5 x 8 = 40 responses per rollout step (E=4: 5 mini-batches of 8; bapo train requires E+1 to
+    # divide the batch); on the loaded 2-core machine 8 x 8 cost 71 s per rollout step
+    prompts_per_batch: int = 5
+    group_size: int = 8
+    lr: float = 1e-5
+    # rollout and held-out sampling: at 1.0 SmolLM2 (from the Q4_1 GGUF) answers 6% of the task
+    # (below the issue's 10-60% window), at 0.7 15% (docs/STUDY.md)
+    temperature: float = 0.7
+    eval_every: int = 10  # rollout steps between held-out checks (avg@eval_k_during, pass@...)
+    eval_prompts: int = 200
+    eval_k_during: int = 2
+    # vLLM on 2 shared cores samples ~50-150 tokens/s: 200 x 4 samples cost ~2-4 min per run
+    final_k: int = 4
+    model: str = "smollm2"  # "smollm2" (bapo smollm2's folder) or a path to an HF folder
+    backend: str = "vllm"  # rollout.backend; "hf" in the tests (no vLLM there)
+    vllm_enforce_eager: bool = False
+    # model.autocast of the trainer's forwards: bf16 (this CPU has avx512_bf16; weights and optimizer
+    # state stay fp32; tests/train/test_autocast.py); None leaves bapo.train's default
+    autocast: str | None = "bfloat16"
+    checkpoint_every: int = 5
+    chat: bool = True  # the model's chat template (the tests' tiny model has none)
+    task: ArithTaskConfig = field(default_factory=ArithTaskConfig)
+    # on-policy, every method gives grpo's gradient: one grpo run per seed at E=0 (no delay)
+    on_policy_shared: bool = True
+
+    def __post_init__(self):
+        batch = self.prompts_per_batch * self.group_size
+        for staleness_e in self.staleness_e:
+            if batch % (staleness_e + 1):
+                raise ValueError(
+                    f"staleness E={staleness_e}: E+1 optimizer updates must divide the rollout batch of "
+                    f"{batch} responses (prompts_per_batch x group_size); change prompts_per_batch"
+                )
+        unknown = [method for method in self.methods if method not in METHODS]
+        if unknown:
+            raise ValueError(f"methods: {', '.join(unknown)} not among {', '.join(METHODS)}")
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.task.max_new_tokens
+
+    def runs(self) -> list[RunSpec]:
+        """Every run, in the order the study trains them (so that a partial study is a useful
+        one): the paper's axis first (E), its headline methods (HEADLINE_METHODS) before the
+        others, then each async delay k in turn; within each block seed by seed, so a block
+        finishes with all its seeds before the next starts."""
+        specs: list[RunSpec] = []
+        for staleness_e in self.staleness_e:
+            shared = staleness_e == 0 and self.on_policy_shared
+            methods = self.methods[:1] if shared else self.methods
+            specs += [RunSpec(method, staleness_e, 0, False, seed) for seed in self.seeds for method in methods]
+        for delay in self.async_delays:
+            specs += [RunSpec(method, 0, delay, False, seed) for seed in self.seeds for method in self.methods]
+        block = {(spec.staleness_e, spec.async_delay): index for index, spec in enumerate(specs)}
+
+        def order(spec: RunSpec):
+            axis = 0 if not spec.async_delay else 1 + self.async_delays.index(spec.async_delay)
+            headline = spec.method in HEADLINE_METHODS
+            return (
+                axis,
+                not headline,
+                spec.seed,
+                block[(spec.staleness_e, spec.async_delay)],
+                self.methods.index(spec.method),
+            )
+
+        return sorted(specs, key=order)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> StudyPlan:
+        known = {spec.name for spec in fields(cls)}
+        values = {name: value for name, value in data.items() if name in known}
+        values["task"] = ArithTaskConfig(**{**values.get("task", {}), "ops": tuple(values.get("task", {})["ops"])})
+        for name in ("methods", "staleness_e", "async_delays", "seeds"):
+            values[name] = tuple(values[name])
+        return cls(**values)
+
+
+PROFILES = {
+    "full": StudyPlan(),
+    # one seed, two cells (grpo and bapo at E=4, the paper's headline comparison), shorter
+    "quick": StudyPlan(
+        methods=("grpo", "bapo"),
+        staleness_e=(4,),
+        async_delays=(),
+        seeds=(0,),
+        rollout_steps=5,
+        eval_every=5,
+        final_k=2,
+    ),
+}
+
+
+def model_path(plan: StudyPlan) -> Path:
+    """The plan's model folder; "smollm2" must have been resolved by the caller (the CLI converts
+    it with `bapo smollm2`'s converter, which lives above this layer)."""
+    if plan.model == "smollm2":
+        raise ValueError("model='smollm2': pass the folder of `bapo smollm2` (bapo study resolves it)")
+    return Path(plan.model)
+
+
+def train_config(plan: StudyPlan, spec: RunSpec, model: Path, study_dir: Path, run_dir: Path):
+    """The bapo.train config of one study run (the same schema `bapo train` reads from YAML)."""
+    from bapo.train import load_config
+
+    overrides = common_overrides(
+        spec,
+        model_path=model,
+        data_path=study_dir / "data" / "train.jsonl",
+        run_dir=run_dir,
+        prompts_per_batch=plan.prompts_per_batch,
+        group_size=plan.group_size,
+        max_new_tokens=plan.max_new_tokens,
+        lr=plan.lr,
+        rollout_steps=plan.rollout_steps,
+        verifier=VERIFIER,
+    )
+    overrides.update(METHODS[spec.method])
+    overrides.update(
+        {
+            "rollout.temperature": plan.temperature,
+            "data.chat_template": plan.chat,
+            "data.system_prompt": plan.task.system_prompt,
+            "data.max_prompt_tokens": 64,
+            "rollout.backend": plan.backend,
+            "optim.micro_batch_size": 16,
+            "optim.warmup_updates": 0,
+            "run.checkpoint_every": plan.checkpoint_every,
+            "run.keep_checkpoints": 1,
+        }
+    )
+    if plan.backend == "vllm":
+        overrides["rollout.vllm_enforce_eager"] = plan.vllm_enforce_eager
+    if plan.autocast is not None:
+        overrides["model.autocast"] = plan.autocast
+    return load_config(None, [f"{key}={json.dumps(value)}" for key, value in overrides.items()])
+
+
+def is_done(run_dir: Path) -> bool:
+    return (run_dir / "done.json").exists()
+
+
+def _start_scores(trainer, plan: StudyPlan, heldout: list[dict], path: Path) -> dict:
+    """The start policy's held-out scores, computed once (before any update, with the run's own
+    sampler) and kept in the study's start.json. The same model, held-out set, k, budget,
+    temperature and backend give the same draw (seeded), so they are also kept in
+    $BAPO_CACHE/study-start/<key>.json and a new study with them reuses the score."""
+    import hashlib
+
+    from bapo.analysis.evaluate import score_samples
+    from bapo.demo.arith import verify
+    from bapo.demo.warmstart import cache_root
+
+    if path.exists():
+        return json.loads(path.read_text())
+    key = json.dumps(
+        [str(model_path(plan)), heldout, plan.final_k, plan.max_new_tokens, plan.temperature, plan.backend, plan.chat]
+    )
+    cached = cache_root() / "study-start" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if cached.exists():
+        scores = json.loads(cached.read_text())
+    else:
+        samples = trainer.sample_texts([row["prompt"] for row in heldout], plan.final_k)
+        scores = score_samples(samples, heldout, verify, plan.final_k, trainer.tokenizer)
+        _write_json(cached, scores)
+    _write_json(path, scores)
+    return scores
+
+
+def _write_json(path: Path, value) -> None:
+    """Written under a temporary name and renamed: a kill never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    tmp.write_text(json.dumps(value, indent=2))
+    os.replace(tmp, path)
+
+
+def run_one(plan: StudyPlan, spec: RunSpec, study_dir: Path, threads: int | None = None) -> dict:
+    """Train (or resume) one run into study_dir/spec.name; writes done.json and removes the
+    run's checkpoints when it finishes (a SmolLM2 checkpoint is ~1.6 GB). Returns done.json's
+    content: wall and CPU seconds of this sitting (this process; vLLM runs in it) and whether it
+    resumed from a checkpoint."""
+    import torch
+
+    from bapo.demo.arith import verify
+    from bapo.train import train
+    from bapo.train.checkpoint import checkpoints
+
+    if threads:
+        torch.set_num_threads(threads)
+    wall, cpu = time.time(), time.process_time()
+    run_dir = study_dir / spec.name
+    resume = run_dir if run_dir.is_dir() and checkpoints(run_dir) else None
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "demo_run.json").write_text(
+        json.dumps({"method": spec.method, "setting": spec.setting, "seed": spec.seed, **asdict(spec)})
+    )
+    cfg = train_config(plan, spec, model_path(plan), study_dir, run_dir)
+    if resume is None:  # a run killed before its first checkpoint starts over
+        cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"overwrite": True})})
+    heldout = read_jsonl(study_dir / "data" / "heldout.jsonl")
+    hook = HeldOutHook(plan, heldout, cfg.updates_per_batch, {}, verifier=verify)
+
+    def bind(trainer) -> None:
+        hook.sampler = lambda prompts, k: trainer.sample_texts(prompts, k)
+        hook.start = _start_scores(trainer, plan, heldout, study_dir / "start.json")
+
+    train(cfg, on_update=hook, progress=False, resume=resume, on_start=bind)
+    done = {"wall_s": time.time() - wall, "cpu_s": time.process_time() - cpu, "resumed": resume is not None}
+    drop_checkpoints(run_dir)
+    (run_dir / "done.json").write_text(json.dumps(done))
+    return done
+
+
+def drop_checkpoints(run_dir: Path) -> None:
+    """A finished run's checkpoints go (its metrics.jsonl has everything the report reads)."""
+    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
+
+
+def _child(args) -> None:
+    plan, spec, study_dir, threads = args
+    from bapo.demo.demo import _quiet_hf
+
+    _quiet_hf()
+    run_one(plan, spec, study_dir, threads)
+
+
+def _run_in_child(plan: StudyPlan, spec: RunSpec, study_dir: Path, threads: int) -> None:
+    """One run in a fresh spawned process: each run's colocated vLLM engine dies with it."""
+    import multiprocessing as mp
+
+    process = mp.get_context("spawn").Process(target=_child, args=((plan, spec, study_dir, threads),))
+    process.start()
+    process.join()
+    if process.exitcode != 0:
+        raise RuntimeError(
+            f"run {spec.name} failed (exit code {process.exitcode}); its folder keeps the last "
+            f"checkpoint: bapo study --resume {study_dir}"
+        )
+
+
+def prepare(plan: StudyPlan, study_dir: Path) -> None:
+    """The study folder's plan and task split (written once; a resume keeps them)."""
+    study_dir.mkdir(parents=True, exist_ok=True)
+    train_rows, heldout = make_split(plan.task)
+    if not (study_dir / "data" / "heldout.jsonl").exists():
+        write_jsonl(train_rows, study_dir / "data" / "train.jsonl")
+        write_jsonl(heldout, study_dir / "data" / "heldout.jsonl")
+    info = study_dir / "study.json"
+    if not info.exists():
+        info.write_text(json.dumps({"plan": plan.to_json(), "runs": {}}, indent=2))
+
+
+def load_plan(study_dir: Path) -> StudyPlan:
+    info = Path(study_dir) / "study.json"
+    if not info.exists():
+        raise FileNotFoundError(f"--resume {study_dir}: no study.json there (not a bapo study folder)")
+    return StudyPlan.from_json(json.loads(info.read_text())["plan"])
+
+
+def run_study(
+    plan: StudyPlan,
+    study_dir: Path,
+    threads: int = 2,
+    in_process: bool = False,
+    log=print,
+) -> Path:
+    """Train every unfinished run of `plan` into study_dir (finished ones are skipped), and
+    rewrite the report after each. in_process: runs in this process (the tests' tiny model);
+    else each run in a spawned process."""
+    from bapo.train.rundir import RunLock
+
+    study_dir = Path(study_dir)
+    prepare(plan, study_dir)
+    lock = RunLock(study_dir)  # one study process per folder (a second --resume fails in one line)
+    try:
+        _train_todo(plan, study_dir, threads, in_process, log)
+    finally:
+        lock.release()
+    return study_dir
+
+
+def _train_todo(plan: StudyPlan, study_dir: Path, threads: int, in_process: bool, log) -> None:
+    specs = plan.runs()
+    todo = [spec for spec in specs if not is_done(study_dir / spec.name)]
+    log(f"study {study_dir}: {len(specs) - len(todo)} of {len(specs)} runs done, {len(todo)} to go")
+    for index, spec in enumerate(todo, 1):
+        started = time.time()
+        log(f"[{index}/{len(todo)}] {spec.name} ...")
+        if in_process:
+            run_one(plan, spec, study_dir, threads)
+        else:
+            _run_in_child(plan, spec, study_dir, threads)
+        done = json.loads((study_dir / spec.name / "done.json").read_text())
+        _record(study_dir, spec, done)
+        log(f"[{index}/{len(todo)}] {spec.name} done in {time.time() - started:.0f} s")
+        write_study_report(plan, study_dir)
+    if not todo:
+        write_study_report(plan, study_dir)
+
+
+def _record(study_dir: Path, spec: RunSpec, done: dict) -> None:
+    info_path = study_dir / "study.json"
+    info = json.loads(info_path.read_text())
+    info["runs"][spec.name] = done
+    _write_json(info_path, info)
+
+
+def finished_runs(plan: StudyPlan, study_dir: Path) -> list[Path]:
+    return [study_dir / spec.name for spec in plan.runs() if is_done(study_dir / spec.name)]
+
+
+def header(plan: StudyPlan, study_dir: Path) -> list[str]:
+    """The report's setting lines: task, model, plan, cost, what is finished."""
+    task = plan.task
+    info = json.loads((study_dir / "study.json").read_text())
+    done, total = len(finished_runs(plan, study_dir)), len(plan.runs())
+    wall = [run["wall_s"] for run in info["runs"].values()]
+    ops = ", ".join(task.ops)
+    return [
+        f"Task: 'What is a op b?' (op {ops}; a in {task.a_min}-{task.a_max}, b in {task.b_min}-{task.b_max}), "
+        f"chat template, user turn ending {task.suffix!r}, system prompt "
+        f"{task.system_prompt or 'the template default'!r}, correct when the reply's last integer is the "
+        f"answer; {task.max_new_tokens}-token budget; {task.n_heldout} held-out questions never trained on.",
+        f"Policy: {'SmolLM2-135M-Instruct (bapo smollm2)' if 'smollm2' in plan.model else plan.model}, "
+        f"rollout backend {plan.backend}.",
+        f"RL: {plan.rollout_steps} rollout steps per run, {plan.prompts_per_batch} prompts x {plan.group_size} "
+        f"samples at temperature {plan.temperature}, lr {plan.lr}; methods {', '.join(plan.methods)}; staleness E "
+        f"{', '.join(map(str, plan.staleness_e))}"
+        + (f"; async delay {', '.join(map(str, plan.async_delays))}" if plan.async_delays else "")
+        + f"; seeds {', '.join(map(str, plan.seeds))}; bapo target share {BAPO_TARGET}. At E=0 without delay every "
+        "ratio is 1 and every method gives GRPO's gradient, so E=0 is one run (listed as grpo).",
+        f"Held-out: avg@{plan.eval_k_during} / pass@{plan.eval_k_during} on {plan.eval_prompts} questions every "
+        f"{plan.eval_every} rollout steps, avg@{plan.final_k} / pass@{plan.final_k} on all at the end.",
+        f"Runs finished: {done} of {total}"
+        + (" (PARTIAL study)" if done < total else "")
+        + "; "
+        + (f"wall time per run {min(wall):.0f}-{max(wall):.0f} s, {sum(wall):.0f} s summed." if wall else ""),
+    ]
+
+
+def write_study_report(plan: StudyPlan, study_dir: Path, record_headline: bool = True) -> Path | None:
+    """report.md, claims.json and plots/ from the finished runs (None when none has finished);
+    record_headline: also keep the headline in study.json (off for `--report` beside a running
+    study, which owns study.json)."""
+    from bapo.analysis.claims import claims_json
+    from bapo.analysis.plots import FIGURES, plot_runs
+    from bapo.analysis.report import headline, write_report
+
+    if not finished_runs(plan, study_dir):
+        return None
+    runs, claims = _runs_and_claims(plan, study_dir)
+    figures = {**FIGURES, **STUDY_FIGURES}
+    plots = plot_runs(runs, study_dir / "plots", target_share=BAPO_TARGET, figures=figures)
+    report = write_report(
+        study_dir / "report.md",
+        runs,
+        claims,
+        plots,
+        BAPO_TARGET,
+        header(plan, study_dir),
+        title="bapo study report",
+        model_label="SmolLM2-135M-Instruct",
+        columns=STUDY_COLUMNS,
+        notes=column_notes(plan),
+    )
+    (study_dir / "claims.json").write_text(claims_json(claims) + "\n")
+    if record_headline:
+        info_path = study_dir / "study.json"
+        info = json.loads(info_path.read_text())
+        info["headline"] = headline(claims, model_label="SmolLM2-135M-Instruct")
+        _write_json(info_path, info)
+    return report
+
+
+def _columns():
+    from bapo.analysis.report import RUN_COLUMNS
+
+    return {
+        **RUN_COLUMNS,
+        "entropy digits": lambda r: r.tail_mean("entropy/digit"),
+        "entropy other": lambda r: r.tail_mean("entropy/other"),
+        "response tokens": lambda r: r.tail_mean("response_length/mean"),
+        "logp gap": lambda r: r.mean("rollout/logp_diff/mean"),
+        "premise pos clipped low": lambda r: r.mean("premise/pos_clipped_low_share"),
+        "premise neg clipped low": lambda r: r.mean("premise/neg_clipped_low_share"),
+    }
+
+
+TABLES_START, TABLES_END = (
+    "<!-- STUDY_TABLES:START (bapo study --resume DIR --report --results FILE) -->",
+    ("<!-- STUDY_TABLES:END -->"),
+)
+
+
+def study_tables(plan: StudyPlan, study_dir: Path, command: str) -> str:
+    """The block docs/RESULTS.md quotes: the setting, the headline, the claims table and the
+    per-run table, from the finished runs (the same code as report.md)."""
+    from bapo.analysis.claims import claims_markdown
+    from bapo.analysis.report import headline, markdown_table, start_row, summary
+
+    runs, claims = _runs_and_claims(plan, study_dir)
+    lines = [TABLES_START, f"Run: `{command}`.", "", *[f"- {line}" for line in header(plan, study_dir)], ""]
+    lines += [f"- {line}" for line in headline(claims, model_label="SmolLM2-135M-Instruct")]
+    lines += ["", claims_markdown(claims), "", markdown_table(summary(runs, STUDY_COLUMNS), start_row(runs))]
+    return "\n".join([*lines, "", column_notes(plan), TABLES_END])
+
+
+def column_notes(plan: StudyPlan) -> str:
+    """The demo's notes under the per-run table, at the study's temperature, plus its own columns."""
+    from bapo.analysis.report import COLUMN_NOTES
+
+    return (
+        COLUMN_NOTES.replace("at temperature 1;", f"at temperature {plan.temperature};")
+        + " entropy digits / other: the entropy of the tokens that hold a digit / of the others (last 20%"
+        " of updates); response tokens: last 20%; logp gap: mean |trainer - engine| log-prob over all"
+        " updates; premise pos / neg clipped low: share of low-probability tokens among the clipped"
+        " positive / negative tokens (premise/*), mean over all updates; the start policy row is"
+        " SmolLM2-135M-Instruct itself (labelled sft)."
+    )
+
+
+def _runs_and_claims(plan: StudyPlan, study_dir: Path):
+    from bapo.analysis.run_claims import run_claims
+    from bapo.analysis.runs import find_runs
+
+    runs = find_runs(finished_runs(plan, study_dir))
+    claims = run_claims(
+        runs, BAPO_TARGET, treatments=("bapo", "bapo-paper"), where="SmolLM2-135M, arithmetic", token_kinds=True
+    )
+    return runs, claims
+
+
+# the per-run table's columns: the demo's, then entropy by token kind, length, the logp gap, the premise
+STUDY_COLUMNS = _columns()
+# the study's extra figures: entropy by token kind, the engine-vs-trainer gap, response length
+STUDY_FIGURES = {
+    "entropy_by_kind": (
+        "entropy by token kind: digits (solid), other tokens (dashed)",
+        [("entropy/digit", "-"), ("entropy/other", "--")],
+    ),
+    "heldout_pass": ("held-out pass@k during training", [("heldout/pass", "-")]),
+    "response_length": ("response length (tokens)", [("response_length/mean", "-")]),
+    "logp_gap": ("engine-vs-trainer log-prob gap (mean |diff|)", [("rollout/logp_diff/abs_mean", "-")]),
+}
+
+
+def plan_for(profile: str, **changes) -> StudyPlan:
+    """A profile with some fields replaced (None values are ignored)."""
+    return replace(PROFILES[profile], **{name: value for name, value in changes.items() if value is not None})

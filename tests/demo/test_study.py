@@ -1,0 +1,197 @@
+"""`bapo study` without vLLM: the plan, the on-policy sharing it relies on, a whole tiny study
+(report, claims, token-kind entropy, start scores), and --resume (finished runs are not rerun, a
+started run resumes from its checkpoint)."""
+
+import copy
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from bapo.demo.arith import ArithTaskConfig, make_split, problems, verify
+from bapo.demo.study import METHODS, PROFILES, StudyPlan, load_plan, run_study
+from bapo.train.tiny import ModelConfig, save_tiny_model
+
+TASK = ArithTaskConfig(a_min=2, a_max=9, b_min=2, b_max=9, n_heldout=6, n_train=40, system_prompt="", max_new_tokens=4)
+
+
+@pytest.fixture(scope="module")
+def char_model(tmp_path_factory):
+    """The built-in character-level Llama (digits are tokens of their own), random init."""
+    return save_tiny_model(
+        tmp_path_factory.mktemp("char_model"), ModelConfig(hidden_size=16, layers=1, heads=2, intermediate_size=32)
+    )
+
+
+def tiny_plan(model, **changes) -> StudyPlan:
+    plan = StudyPlan(
+        methods=("grpo", "bapo"),
+        staleness_e=(0, 1),
+        async_delays=(1,),
+        seeds=(0,),
+        rollout_steps=2,
+        prompts_per_batch=2,
+        group_size=2,
+        lr=1e-3,
+        eval_every=1,
+        eval_prompts=4,
+        eval_k_during=2,
+        final_k=2,
+        model=str(model),
+        backend="hf",
+        checkpoint_every=1,
+        chat=False,
+        task=TASK,
+    )
+    return replace(plan, **changes)
+
+
+def test_full_plan_shares_the_on_policy_run_and_has_every_cell():
+    plan = PROFILES["full"]
+    runs = plan.runs()
+    per_seed = 1 + len(METHODS) * 3  # grpo at E=0, every method at E=4, k=4, k=16
+    assert len(runs) == per_seed * len(plan.seeds) == 57
+    assert {spec.method for spec in runs if spec.setting == "E=0"} == {"grpo"}
+    for setting in ("E=4", "E=0, async delay 4", "E=0, async delay 16"):
+        assert {spec.method for spec in runs if spec.setting == setting} == set(METHODS)
+    assert len({spec.name for spec in runs}) == len(runs)
+    quick = PROFILES["quick"].runs()
+    assert [(spec.method, spec.setting) for spec in quick] == [("grpo", "E=4"), ("bapo", "E=4")]
+
+
+def test_a_plan_whose_batch_e_plus_1_does_not_divide_fails_at_once():
+    with pytest.raises(ValueError, match="staleness E=4: E\\+1 optimizer updates must divide the rollout batch of 32"):
+        replace(PROFILES["full"], prompts_per_batch=4)
+    for plan in PROFILES.values():
+        assert all(plan.prompts_per_batch * plan.group_size % (e + 1) == 0 for e in plan.staleness_e)
+
+
+def test_task_split_is_disjoint_and_the_verifier_reads_the_last_integer():
+    train, heldout = make_split(replace(TASK, n_heldout=20))
+    assert not {row["prompt"] for row in train} & {row["prompt"] for row in heldout}
+    assert len(problems(TASK)) == 64 and len(heldout) == 20
+    row = {"prompt": "What is 7 + 15?", "answer": "22"}
+    assert verify("The answer is 22.", row) == 1.0
+    assert verify("7 + 15 = 22, so the answer is 23", row) == 0.0
+    assert verify("no number", row) == 0.0
+    with pytest.raises(ValueError, match="n_heldout"):
+        make_split(replace(TASK, n_heldout=64))
+
+
+def test_every_study_method_gives_grpos_update_on_policy(char_model, tmp_path):
+    """The reason E=0 is one run per seed: with every ratio 1 (a batch the current weights just
+    generated), each of the six losses moves the weights exactly as grpo does."""
+    from bapo.demo.study import train_config
+    from bapo.train import Trainer
+    from bapo.train.update import optimizer_update
+
+    plan = tiny_plan(char_model, prompts_per_batch=4, group_size=4)
+    spec_cfg = {}
+    from bapo.demo.demo import RunSpec
+    from bapo.demo.study import prepare
+
+    prepare(plan, tmp_path / "study")
+    for method in METHODS:
+        spec_cfg[method] = train_config(plan, RunSpec(method), char_model, tmp_path / "study", tmp_path / method)
+    trainer = Trainer(spec_cfg["grpo"], verifier=lambda response, row: float(len(response) % 2))
+    batch, _ = trainer.rollout_step()
+    trainer.close()
+    assert batch.advantages.abs().sum() > 0
+    deltas = {}
+    for method, cfg in spec_cfg.items():
+        model = copy.deepcopy(trainer.model)
+        before = [p.detach().clone() for p in model.parameters()]
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        optimizer_update(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), batch, cfg, version=0)
+        deltas[method] = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
+    assert deltas["grpo"].abs().max() > 0
+    for method, delta in deltas.items():
+        torch.testing.assert_close(delta, deltas["grpo"], rtol=1e-5, atol=1e-7, msg=method)
+
+
+def test_tiny_study_writes_report_and_resume_skips_finished_runs(char_model, tmp_path, monkeypatch):
+    study_dir = tmp_path / "study"
+    plan = tiny_plan(char_model)
+    run_study(plan, study_dir, threads=1, in_process=True, log=lambda line: None)
+    names = [spec.name for spec in plan.runs()]
+    assert len(names) == 5  # grpo E=0, grpo and bapo at E=1 and at delay 1
+    for name in names:
+        assert (study_dir / name / "done.json").exists()
+        assert not (study_dir / name / "checkpoints").exists()  # removed once finished
+    rows = [json.loads(line) for line in (study_dir / names[1] / "metrics.jsonl").read_text().splitlines()]
+    assert all({"entropy/digit", "entropy/other", "tokens/digit_share", "grad_norm"} <= set(row) for row in rows)
+    assert {"heldout/start/avg@2", "heldout/accuracy", "heldout/pass"} <= set(rows[1])  # E=1: 2 rows per step
+    assert {"heldout/avg@2", "heldout/pass@2"} <= set(rows[-1])
+    assert json.loads((study_dir / "start.json").read_text())["n"] == TASK.n_heldout
+    report = (study_dir / "report.md").read_text()
+    assert report.startswith("# bapo study report") and "## Per-run table" in report
+    assert "Runs finished: 5 of 5;" in report and "entropy digits" in report
+    claim_ids = {claim["id"] for claim in json.loads((study_dir / "claims.json").read_text())}
+    assert {"0-rl-improves", "4-heldout-E=1", "4-entropy-digit-E=1", "4-entropy-other-E=1"} <= claim_ids
+    assert (study_dir / "plots" / "entropy_by_kind.png").exists()
+    assert load_plan(study_dir) == plan
+
+    # the docs block, through the CLI: --resume DIR --report --results FILE
+    from typer.testing import CliRunner
+
+    from bapo.cli.main import app
+    from bapo.demo.study import TABLES_END, TABLES_START
+
+    results = tmp_path / "RESULTS.md"
+    results.write_text(f"# Results\n{TABLES_START}\nOLD-BLOCK\n{TABLES_END}\nafter\n")
+    done = CliRunner().invoke(app, ["study", "--resume", str(study_dir), "--report", "--results", str(results)])
+    assert done.exit_code == 0, done.output
+    text = results.read_text()
+    assert "OLD-BLOCK" not in text and text.endswith("after\n") and "| setting | method | seeds |" in text
+    assert "SmolLM2-135M-Instruct: " in text and "4-entropy-digit-E=1" in text
+    refused = CliRunner().invoke(app, ["study", "--resume", str(study_dir), "--seeds", "0"])
+    assert refused.exit_code != 0 and "--resume continues the saved plan" in refused.output
+
+    # --resume: a finished run is not rerun; a run with a checkpoint and no done.json resumes from it
+    import shutil
+
+    import bapo.demo.study as study
+    import bapo.train
+
+    unfinished, spec = study_dir / names[-1], plan.runs()[-1]
+    shutil.rmtree(unfinished)  # interrupted after its first rollout step: a checkpoint, no done.json
+    monkeypatch.setattr(study, "drop_checkpoints", lambda run_dir: None)
+    study.run_one(replace(plan, rollout_steps=1), spec, study_dir, threads=1)
+    (unfinished / "done.json").unlink()
+    assert (unfinished / "checkpoints").is_dir()
+    metrics_before = (study_dir / names[0] / "metrics.jsonl").read_text()
+    calls, real_train = [], bapo.train.train
+
+    def spy(cfg, *args, resume=None, **kwargs):
+        calls.append((cfg.run.output_dir, resume))
+        return real_train(cfg, *args, resume=resume, **kwargs)
+
+    monkeypatch.setattr(bapo.train, "train", spy)
+    from bapo.train.config import ConfigError
+    from bapo.train.rundir import RunLock
+
+    held = RunLock(study_dir)  # another study process on this folder: refused, nothing trained
+    with pytest.raises(ConfigError, match="in use by another bapo process"):
+        run_study(load_plan(study_dir), study_dir, threads=1, in_process=True, log=lambda line: None)
+    held.release()
+    assert calls == []
+    run_study(load_plan(study_dir), study_dir, threads=1, in_process=True, log=lambda line: None)
+    assert calls == [(str(unfinished), unfinished)]
+    assert (study_dir / names[0] / "metrics.jsonl").read_text() == metrics_before
+    steps = [json.loads(line)["rollout_step"] for line in (unfinished / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [0, 1]  # the resumed run trained its second rollout step only (delay 1: one row each)
+    assert (unfinished / "done.json").exists()
+
+
+def test_full_plan_trains_the_headline_cells_of_every_seed_first():
+    """A partial study is a useful one: grpo at E=0 and grpo / bapo / bapo-paper at E=4 for all
+    three seeds come first, then the other methods at E=4, then delay 4, then delay 16."""
+    runs = PROFILES["full"].runs()
+    first = [(spec.method, spec.setting, spec.seed) for spec in runs[:12]]
+    assert {cell[:2] for cell in first} == {("grpo", "E=0"), ("grpo", "E=4"), ("bapo", "E=4"), ("bapo-paper", "E=4")}
+    assert sorted(cell[2] for cell in first) == [0] * 4 + [1] * 4 + [2] * 4
+    assert first[:4] == [("grpo", "E=0", 0), ("grpo", "E=4", 0), ("bapo", "E=4", 0), ("bapo-paper", "E=4", 0)]
+    assert {spec.setting for spec in runs[12:21]} == {"E=4"}
+    assert {spec.setting for spec in runs[21:39]} == {"E=0, async delay 4"}
+    assert {spec.setting for spec in runs[39:]} == {"E=0, async delay 16"}
