@@ -50,7 +50,7 @@ import torch
 if __package__ in (None, ""):  # run as a script: bench/ is not a package on sys.path then
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.trainer import LEARNING_RATE, timed_trl_trainer  # noqa: E402
+from bench.trainer import LEARNING_RATE, timed_trl_trainer, trl_grpo_kwargs  # noqa: E402
 
 #: Goals of issue 18 part 5 (ratios; bench/README.md).
 GOALS = {
@@ -140,28 +140,9 @@ def bench_trl_vllm(options, workdir: Path) -> dict:
 
     steps_per_generation = options.prompts * options.group // options.micro_batch
     args = GRPOConfig(
-        output_dir=str(workdir / "trl-vllm"),
+        **trl_grpo_kwargs(options, workdir / "trl-vllm", steps_per_generation),
         use_cpu=True,
-        bf16=False,
         gradient_checkpointing=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=10**6,
-        disable_tqdm=True,
-        seed=0,
-        beta=0.0,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        num_generations=options.group,
-        max_completion_length=options.new_tokens,
-        per_device_train_batch_size=options.micro_batch,
-        steps_per_generation=steps_per_generation,
-        gradient_accumulation_steps=max(steps_per_generation // 2, 1),
-        learning_rate=LEARNING_RATE,
-        max_grad_norm=1.0,
-        max_steps=2 * (options.rollouts + 1),
-        dataloader_num_workers=0,
         use_vllm=True,
         vllm_mode="colocate",
         vllm_max_model_length=128 + options.new_tokens,

@@ -117,6 +117,34 @@ def bench_bapo(model_dir: Path, rows: list[dict], options, workdir: Path, method
     return result
 
 
+def trl_grpo_kwargs(options, output_dir: Path, steps_per_generation: int) -> dict:
+    """The GRPOConfig arguments every TRL system of the benchmarks shares: no logging or saving,
+    greedy-free sampling at T=1, no KL, `options`' batch shape, half a generation's steps per
+    optimizer step, bapo's learning rate and clip, 2 x (rollouts + 1) steps."""
+    return {
+        "output_dir": str(output_dir),
+        "bf16": False,
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_steps": 10**6,
+        "disable_tqdm": True,
+        "seed": 0,
+        "beta": 0.0,
+        "temperature": 1.0,
+        "top_k": 0,
+        "top_p": 1.0,
+        "num_generations": options.group,
+        "max_completion_length": options.new_tokens,
+        "per_device_train_batch_size": options.micro_batch,
+        "steps_per_generation": steps_per_generation,
+        "gradient_accumulation_steps": max(steps_per_generation // 2, 1),
+        "learning_rate": LEARNING_RATE,
+        "max_grad_norm": 1.0,
+        "max_steps": 2 * (options.rollouts + 1),
+        "dataloader_num_workers": 0,
+    }
+
+
 def timed_trl_trainer(base):
     """`base` (a GRPOTrainer class) that records generation time/tokens and trained tokens per optimizer step."""
     from transformers import TrainerCallback
@@ -174,29 +202,10 @@ def bench_trl(model_dir: Path, rows: list[dict], options, workdir: Path, bapo_sc
     config_class, trainer_class = (BAPOGRPOConfig, BAPOGRPOTrainer) if bapo else (GRPOConfig, GRPOTrainer)
     extra = {"bapo_method": "bapo", "bapo_scope": bapo_scope} if bapo else {}
     args = config_class(
-        output_dir=str(workdir / (f"trl-bapo-{bapo_scope}" if bapo else "trl")),
+        **trl_grpo_kwargs(options, workdir / (f"trl-bapo-{bapo_scope}" if bapo else "trl"), steps_per_generation),
         use_cpu=options.device == "cpu",
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        logging_steps=10**6,
-        disable_tqdm=True,
-        seed=0,
-        beta=0.0,
-        temperature=1.0,
-        top_k=0,
-        top_p=1.0,
-        num_generations=options.group,
-        max_completion_length=options.new_tokens,
-        per_device_train_batch_size=options.micro_batch,
-        steps_per_generation=steps_per_generation,
-        gradient_accumulation_steps=steps_per_generation // 2,
         num_iterations=1,
-        learning_rate=LEARNING_RATE,
-        max_grad_norm=1.0,
         lr_scheduler_type="constant",
-        max_steps=2 * (options.rollouts + 1),
-        dataloader_num_workers=0,
         **extra,
     )
     trainer = timed_trl_trainer(trainer_class)(

@@ -319,7 +319,7 @@ def autocast_error(model, batch: Batch, cfg: TrainConfig) -> dict[str, float]:
             bapo_step.begin(micro_batches=1)
         model.zero_grad(set_to_none=True)
         stats = ClipStats.empty(device)
-        loss, _, _ = _micro_batch_loss(
+        loss, *_ = _micro_batch_loss(
             model, batch, run_cfg, loss_params(run_cfg), _normalizer(run_cfg, batch), bapo_step, stats
         )
         loss.backward()
