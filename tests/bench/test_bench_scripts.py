@@ -11,46 +11,20 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
+# the trainer benchmarks' smallest batch: 2 prompts x 4 responses of <= 8 tokens, one timed rollout
+SMALL_BATCH = ["--prompts", "2", "--group", "4", "--new-tokens", "8", "--micro-batch", "4", "--rollouts", "1"]
+
 # Small sizes per script, and the keys its JSON must carry. A new script without an entry fails
 # test_every_bench_script_has_a_smoke_size, so it gets one.
 SMALL_RUNS = {
     "bound_search.py": (["--tokens", "20000", "--repeats", "1"], ["machine", "rows"]),
     "checkpoint_save.py": (["--repeats", "1"], ["checkpoint_mb", "median_ms", "save_overhead"]),
     "real_model.py": (
-        [
-            "--tiny",
-            "--prompts",
-            "2",
-            "--group",
-            "4",
-            "--new-tokens",
-            "8",
-            "--micro-batch",
-            "4",
-            "--rollouts",
-            "1",
-            "--updates",
-            "1",
-            "--repeats",
-            "1",
-        ],
+        ["--tiny", *SMALL_BATCH, "--updates", "1", "--repeats", "1"],
         ["setup", "parts", "lean_vs_hf", "update_bf16_vs_fp32", "update_fp32_vs_trl", "skipped"],
     ),
     "trainer.py": (
-        [
-            "--prompts",
-            "2",
-            "--group",
-            "4",
-            "--new-tokens",
-            "8",
-            "--micro-batch",
-            "4",
-            "--rollouts",
-            "1",
-            "--repeats",
-            "1",
-        ],
+        [*SMALL_BATCH, "--repeats", "1"],
         ["setup", "systems", "rollout_vs_trl", "update_vs_trl", "bapo_step_overhead", "trl_bapo_step_overhead"],
     ),
 }
