@@ -67,6 +67,22 @@ def test_a_plan_whose_batch_e_plus_1_does_not_divide_fails_at_once():
         assert all(plan.prompts_per_batch * plan.group_size % (e + 1) == 0 for e in plan.staleness_e)
 
 
+def test_autocast_auto_is_resolved_when_the_plan_is_made_and_kept_on_resume(monkeypatch):
+    """A study made on a bf16 machine keeps bf16 when resumed on an AVX2-only one, and vice versa:
+    study.json holds the resolved value, never "auto"."""
+    import bapo.demo.study as study
+
+    for native, expected in ((True, "bfloat16"), (False, "none")):
+        monkeypatch.setattr(study, "native_bf16", lambda native=native: native)
+        plan = StudyPlan()
+        assert plan.autocast == expected
+        saved = json.loads(json.dumps(plan.to_json()))
+        monkeypatch.setattr(study, "native_bf16", lambda native=native: not native)
+        assert StudyPlan.from_json(saved).autocast == expected
+    with pytest.raises(ValueError, match="autocast='fp16'"):
+        StudyPlan(autocast="fp16")
+
+
 def test_task_split_is_disjoint_and_the_verifier_reads_the_last_integer():
     train, heldout = make_split(replace(TASK, n_heldout=20))
     assert not {row["prompt"] for row in train} & {row["prompt"] for row in heldout}

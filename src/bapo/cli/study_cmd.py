@@ -19,7 +19,9 @@ def study(
     methods: str | None = typer.Option(None, "--methods", help="comma-separated methods (default: all six)"),
     staleness: str | None = typer.Option(None, "--staleness", help="comma-separated staleness E values (default 0,4)"),
     delays: str | None = typer.Option(None, "--delays", help="comma-separated async delays k (default 4,16; '' none)"),
-    autocast: str | None = typer.Option(None, "--autocast", help="model.autocast of every run: none | bfloat16"),
+    autocast: str | None = typer.Option(
+        None, "--autocast", help="model.autocast of every run: none | bfloat16 | auto (default: bfloat16 where native)"
+    ),
     threads: int = typer.Option(2, "--threads", help="torch threads of each run"),
     report_only: bool = typer.Option(False, "--report", help="with --resume: only rewrite the report"),
     results: Path | None = typer.Option(

@@ -50,6 +50,16 @@ HEADLINE_METHODS = ("grpo", "bapo", "bapo-paper")
 BAPO_TARGET = 0.4  # rho0 of both bapo presets (the paper's); not tuned here
 
 
+def native_bf16() -> bool:
+    """Whether the trainer's device computes bf16 natively: a CUDA device with bf16, or a CPU whose
+    oneDNN has bf16 kernels (AVX512-BF16 / AMX); elsewhere bf16 autocast is emulated, and slow."""
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.cuda.is_bf16_supported()
+    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
 @dataclass(frozen=True)
 class StudyPlan:
     """What a study runs. Sizes: docs/STUDY.md (measured per-run cost, the lr choice)."""
@@ -75,9 +85,11 @@ class StudyPlan:
     model: str = "smollm2"  # "smollm2" (bapo smollm2's folder) or a path to an HF folder
     backend: str = "vllm"  # rollout.backend; "hf" in the tests (no vLLM there)
     vllm_enforce_eager: bool = False
-    # model.autocast of the trainer's forwards: bf16 (this CPU has avx512_bf16; weights and optimizer
-    # state stay fp32; tests/train/test_autocast.py); None leaves bapo.train's default
-    autocast: str | None = "bfloat16"
+    # model.autocast of the trainer's forwards: "auto" is resolved when the plan is made (and saved
+    # so, so a resumed study keeps it): bfloat16 where the machine computes bf16 natively (weights and
+    # optimizer state stay fp32; tests/train/test_autocast.py), else "none": on an AVX2-only CPU a
+    # bf16 Linear runs ~9x slower than fp32 (docs/STUDY.md). None leaves bapo.train's default
+    autocast: str | None = "auto"
     checkpoint_every: int = 5
     chat: bool = True  # the model's chat template (the tests' tiny model has none)
     task: ArithTaskConfig = field(default_factory=ArithTaskConfig)
@@ -85,6 +97,10 @@ class StudyPlan:
     on_policy_shared: bool = True
 
     def __post_init__(self):
+        if self.autocast == "auto":
+            object.__setattr__(self, "autocast", "bfloat16" if native_bf16() else "none")
+        if self.autocast not in (None, "none", "bfloat16"):
+            raise ValueError(f"autocast={self.autocast!r}: use none, bfloat16 or auto")
         batch = self.prompts_per_batch * self.group_size
         for staleness_e in self.staleness_e:
             if batch % (staleness_e + 1):
