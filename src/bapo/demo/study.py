@@ -403,7 +403,8 @@ def header(plan: StudyPlan, study_dir: Path) -> list[str]:
         f"{task.system_prompt or 'the template default'!r}, correct when the reply's last integer is the "
         f"answer; {task.max_new_tokens}-token budget; {task.n_heldout} held-out questions never trained on.",
         f"Policy: {'SmolLM2-135M-Instruct (bapo smollm2)' if 'smollm2' in plan.model else plan.model}, "
-        f"rollout backend {plan.backend}.",
+        f"rollout backend {plan.backend}; trainer forwards "
+        + ("under bf16 autocast (fp32 weights)." if plan.autocast == "bfloat16" else "in fp32."),
         f"RL: {plan.rollout_steps} rollout steps per run, {plan.prompts_per_batch} prompts x {plan.group_size} "
         f"samples at temperature {plan.temperature}, lr {plan.lr}; methods {', '.join(plan.methods)}; staleness E "
         f"{', '.join(map(str, plan.staleness_e))}"
