@@ -126,6 +126,33 @@ def test_every_study_method_gives_grpos_update_on_policy(char_model, tmp_path):
         torch.testing.assert_close(delta, deltas["grpo"], rtol=1e-5, atol=1e-7, msg=method)
 
 
+def test_decoupled_ppo_trains_as_grpo_at_staleness_e_without_delay(char_model, tmp_path):
+    """Why the study's report lists decoupled-ppo and grpo at E=4 as identical: without an async
+    delay the proximal policy (the weights before a batch's first update) is the behaviour policy,
+    so its weight pi_prox/mu is 1 and its ratio is grpo's, over every mini-batch update."""
+    from bapo.demo.demo import RunSpec
+    from bapo.demo.study import prepare, train_config
+    from bapo.train import Trainer
+
+    plan = tiny_plan(char_model, prompts_per_batch=4, group_size=4)
+    prepare(plan, tmp_path / "study")
+    weights, losses = {}, {}
+    for method in ("grpo", "decoupled-ppo"):
+        cfg = train_config(plan, RunSpec(method, 1), char_model, tmp_path / "study", tmp_path / method)
+        trainer = Trainer(cfg, verifier=lambda response, row: float(len(response) % 2))
+        rows = []
+        for _ in range(2):
+            batch, _ = trainer.rollout_step()
+            rows += trainer.update_step(batch)
+        trainer.close()
+        assert len(rows) == 4  # E+1 = 2 updates per rollout step
+        losses[method] = [row["loss"] for row in rows]
+        weights[method] = torch.cat([p.detach().flatten() for p in trainer.model.parameters()])
+    assert any(loss != 0 for loss in losses["grpo"])
+    assert losses["decoupled-ppo"] == losses["grpo"]
+    assert torch.equal(weights["decoupled-ppo"], weights["grpo"])
+
+
 def test_tiny_study_writes_report_and_resume_skips_finished_runs(char_model, tmp_path, monkeypatch):
     study_dir = tmp_path / "study"
     plan = tiny_plan(char_model)

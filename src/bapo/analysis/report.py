@@ -3,7 +3,8 @@
 Order of report.md: a few-line summary (`headline`), the setting, the claims table (computed
 from the runs, bapo.analysis.run_claims; the lab's first when given), the plots (one panel per
 setting, shaded 95% intervals over seeds), then the per-run table (mean [95% interval] over seeds
-per setting and method).
+per setting and method), then what the updates did (bapo.analysis.mechanics: methods that
+trained identically, BAPO's search outcomes).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from bapo.analysis.claims import Claim, claims_markdown, detectable_effect, mean_interval
+from bapo.analysis.mechanics import mechanics_section
 from bapo.analysis.run_claims import grad_spike
 from bapo.analysis.runs import Run, group_runs
 
@@ -181,6 +183,9 @@ def write_report(
     ]
     parts += [f"![{p.stem}]({p.relative_to(path.parent).as_posix()})" for p in plots]
     parts += ["", "## Per-run table", "", markdown_table(summary(runs, columns), start_row(runs)), "", notes]
+    mechanics = mechanics_section(runs)
+    if mechanics:
+        parts += ["", "## What the updates did", "", *mechanics]
     path.write_text("\n".join(parts) + "\n")
     return path
 

@@ -464,7 +464,9 @@ def _columns():
         "response tokens": lambda r: r.tail_mean("response_length/mean"),
         "logp gap": lambda r: r.mean("rollout/logp_diff/mean"),
         "premise pos clipped low": lambda r: r.mean("premise/pos_clipped_low_share"),
+        "premise pos kept low": lambda r: r.mean("premise/pos_kept_low_share"),
         "premise neg clipped low": lambda r: r.mean("premise/neg_clipped_low_share"),
+        "premise neg kept low": lambda r: r.mean("premise/neg_kept_low_share"),
     }
 
 
@@ -495,8 +497,10 @@ def column_notes(plan: StudyPlan) -> str:
         COLUMN_NOTES.replace("at temperature 1;", f"at temperature {plan.temperature};")
         + " entropy digits / other: the entropy of the tokens that hold a digit / of the others (last 20%"
         " of updates); response tokens: last 20%; logp gap: mean |trainer - engine| log-prob over all"
-        " updates; premise pos / neg clipped low: share of low-probability tokens among the clipped"
-        " positive / negative tokens (premise/*), mean over all updates; the start policy row is"
+        " updates; premise pos / neg clipped / kept low: share of low-probability tokens (log pi < -H of"
+        " their state) among the positive / negative tokens the clip removed / kept (premise/*), mean"
+        " over all updates: the Entropy-Clip Rule's premise is clipped > kept for positive tokens; the"
+        " start policy row is"
         " SmolLM2-135M-Instruct itself (labelled sft)."
     )
 
@@ -522,7 +526,7 @@ STUDY_FIGURES = {
     ),
     "heldout_pass": ("held-out pass@k during training", [("heldout/pass", "-")]),
     "response_length": ("response length (tokens)", [("response_length/mean", "-")]),
-    "logp_gap": ("engine-vs-trainer log-prob gap (mean |diff|)", [("rollout/logp_diff/abs_mean", "-")]),
+    "logp_gap": ("engine-vs-trainer log-prob gap (mean |diff|)", [("rollout/logp_diff/mean", "-")]),
 }
 
 

@@ -1,0 +1,113 @@
+"""What the runs' updates actually did, read from metrics.jsonl: which methods trained identically,
+and how often BAPO's bound search met its target.
+
+Both answer a reader's first question about a comparison that shows no difference: did the two
+methods differ at all in this setting? Two methods whose every update logged the same loss and
+gradient norm for every shared seed trained the same weights (e.g. decoupled PPO and GRPO without
+an async delay, where the proximal policy is the behaviour policy; or BAPO's two presets where the
+search never left their common start bounds); a BAPO run whose search met the target at its start
+bounds in most updates is a fixed clip at those bounds.
+"""
+
+from __future__ import annotations
+
+import math
+
+from bapo.analysis.runs import Run, group_runs
+
+# the per-update values that decide whether two runs trained the same weights
+IDENTITY_KEYS = ("loss", "grad_norm")
+# a search outcome per update (bapo/search/* of bapo.core.search_metrics)
+OUTCOMES = ("no signal", "met at start bounds", "met after moving", "not met")
+
+
+def _trained_alike(a: Run, b: Run, keys=IDENTITY_KEYS) -> bool:
+    """Every update of `a` and `b` logged exactly the same `keys` (and they have the same updates)."""
+    if len(a.rows) != len(b.rows) or not a.rows:
+        return False
+    compared = 0
+    for row_a, row_b in zip(a.rows, b.rows, strict=True):
+        for key in keys:
+            value_a, value_b = row_a.get(key), row_b.get(key)
+            if value_a is None and value_b is None:
+                continue
+            if not isinstance(value_a, (int, float)) or not isinstance(value_b, (int, float)):
+                return False
+            if not (value_a == value_b or (math.isnan(value_a) and math.isnan(value_b))):
+                return False
+            compared += 1
+    return compared > 0
+
+
+def identical_methods(runs: list[Run]) -> list[tuple[str, str, str, int]]:
+    """(setting, method, other method, seeds) for every pair of methods that trained alike in every
+    seed they share (at least one), in group_runs' order; each pair once."""
+    pairs = []
+    for setting, by_method in group_runs(runs).items():
+        methods = list(by_method)
+        for i, method in enumerate(methods):
+            for other in methods[i + 1 :]:
+                seeds = {run.seed: run for run in by_method[method]}
+                shared = [(seeds[run.seed], run) for run in by_method[other] if run.seed in seeds]
+                if shared and all(_trained_alike(a, b) for a, b in shared):
+                    pairs.append((setting, method, other, len(shared)))
+    return pairs
+
+
+def _outcome(row: dict) -> str | None:
+    """One update's search outcome, or None when the row has no search (another method)."""
+    reached = row.get("bapo/search/reached")
+    if isinstance(reached, str):  # metrics.jsonl writes NaN as "nan"
+        reached = float(reached) if reached.lower() in ("nan", "inf", "-inf") else None
+    if not isinstance(reached, (int, float)):
+        return None
+    if row.get("bapo/search/no_signal", 0.0) >= 0.5 or math.isnan(reached):
+        return "no signal"
+    if reached < 0.5:
+        return "not met"
+    return "met after moving" if row.get("bapo/search/steps", 0.0) > 0 else "met at start bounds"
+
+
+def search_outcomes(runs: list[Run]) -> list[dict]:
+    """One row per (setting, method) whose runs searched bounds: the share of its updates (all
+    seeds pooled) in each of OUTCOMES, and the number of updates."""
+    table = []
+    for setting, by_method in group_runs(runs).items():
+        for method, group in by_method.items():
+            outcomes = [outcome for run in group for outcome in map(_outcome, run.rows) if outcome]
+            if outcomes:
+                shares = {name: outcomes.count(name) / len(outcomes) for name in OUTCOMES}
+                table.append({"setting": setting, "method": method, "updates": len(outcomes), **shares})
+    return table
+
+
+def mechanics_section(runs: list[Run]) -> list[str]:
+    """report.md's lines on what the updates did ([] when there is nothing to say)."""
+    lines: list[str] = []
+    pairs = identical_methods(runs)
+    if pairs:
+        lines += [
+            "Methods that trained identically (every update logged the same loss and gradient norm, "
+            "in every seed both ran): their comparison in that setting is no comparison.",
+            "",
+        ]
+        lines += [f"- {setting}: {a} and {b} ({seeds} seed{'s' * (seeds != 1)})" for setting, a, b, seeds in pairs]
+        lines.append("")
+    outcomes = search_outcomes(runs)
+    if outcomes:
+        lines += [
+            "BAPO's bound search, share of optimizer updates by outcome (seeds pooled): met at the "
+            "start bounds (the update is a fixed clip at them), met after moving the bounds, not met "
+            "(the bounds end at their maxima), no signal (no token with a non-zero advantage).",
+            "",
+            "| setting | method | updates | " + " | ".join(OUTCOMES) + " |",
+            "|---|---|---|" + "---|" * len(OUTCOMES),
+        ]
+        lines += [
+            f"| {row['setting']} | {row['method']} | {row['updates']} | "
+            + " | ".join(f"{row[name]:.2f}" for name in OUTCOMES)
+            + " |"
+            for row in outcomes
+        ]
+        lines.append("")
+    return lines
