@@ -25,7 +25,12 @@ from trl import GRPOTrainer  # noqa: E402
 from bapo.core import BAPOConfig, clip_statistics, policy_loss, search_bounds, token_ratio  # noqa: E402
 from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer  # noqa: E402
 from bapo.integrations.trl.config import BAPO_DUAL_CLIP  # noqa: E402
-from bapo.integrations.trl.tiny import addition_prompts, build_tiny_model, digit_match_reward  # noqa: E402
+from bapo.integrations.trl.tiny import (  # noqa: E402
+    addition_prompts,
+    build_tiny_model,
+    cpu_grpo_args,
+    digit_match_reward,
+)
 from bapo.integrations.trl.trainer import starts_optimizer_step  # noqa: E402
 
 GROUP = 4
@@ -40,26 +45,15 @@ def tiny_model_dir(tmp_path_factory):
 
 
 def make_args(tmp_path, **overrides) -> BAPOGRPOConfig:
-    settings = dict(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        beta=0.0,
-        temperature=1.0,
+    settings = cpu_grpo_args(
+        tmp_path / "out",
         num_generations=GROUP,
         per_device_train_batch_size=MICRO_BATCH,
         gradient_accumulation_steps=ACCUMULATION,
         steps_per_generation=STEPS_PER_GENERATION,
         max_completion_length=8,
-        learning_rate=3e-3,
-        logging_steps=1,
-        seed=0,
-        dataloader_num_workers=0,
     )
-    settings.update(overrides)
-    return BAPOGRPOConfig(**settings)
+    return BAPOGRPOConfig(**{**settings, **overrides})
 
 
 def make_trainer(tiny_model_dir, tmp_path, trainer_class=BAPOGRPOTrainer, **overrides) -> BAPOGRPOTrainer:

@@ -30,31 +30,24 @@ def run(work: str) -> list[dict]:
     from datasets import Dataset
 
     from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer
-    from bapo.integrations.trl.tiny import addition_prompts, digit_match_reward
+    from bapo.integrations.trl.tiny import addition_prompts, cpu_grpo_args, digit_match_reward
     from bapo.train.tiny import ModelConfig, save_tiny_model
 
     model = save_tiny_model(Path(work) / "model", ModelConfig(hidden_size=256, heads=4, intermediate_size=512))
     args = BAPOGRPOConfig(
-        output_dir=str(Path(work) / "out"),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        beta=0.0,
-        num_generations=4,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=2,
-        steps_per_generation=4,
-        max_completion_length=8,
-        learning_rate=3e-3,
-        logging_steps=1,
-        seed=0,
-        dataloader_num_workers=0,
-        max_steps=3,
-        use_vllm=True,
-        vllm_mode="colocate",
-        vllm_max_model_length=64,
-        vllm_importance_sampling_correction=True,
+        **cpu_grpo_args(
+            Path(work) / "out",
+            num_generations=4,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=2,
+            steps_per_generation=4,
+            max_completion_length=8,
+            max_steps=3,
+            use_vllm=True,
+            vllm_mode="colocate",
+            vllm_max_model_length=64,
+            vllm_importance_sampling_correction=True,
+        )
     )
     trainer = BAPOGRPOTrainer(
         model=str(model),

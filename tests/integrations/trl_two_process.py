@@ -29,31 +29,20 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer
-from bapo.integrations.trl.tiny import addition_prompts, digit_match_reward
+from bapo.integrations.trl.tiny import addition_prompts, cpu_grpo_args, digit_match_reward
 
 GLOBAL_ROWS, GROUP, COMPLETION = 8, 4, 6
 
 
 def make_trainer(model_dir: str, out: Path, per_device: int, **overrides) -> BAPOGRPOTrainer:
-    settings = dict(
-        output_dir=str(out / "trl"),
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        beta=0.0,
-        temperature=1.0,
+    settings = cpu_grpo_args(
+        out / "trl",
         num_generations=GROUP,
         per_device_train_batch_size=per_device,
         gradient_accumulation_steps=1,
         steps_per_generation=2,
         num_iterations=1,
         max_completion_length=8,
-        learning_rate=3e-3,
-        logging_steps=1,
-        seed=0,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
         bapo_target=0.55,
     )
     settings.update(overrides)

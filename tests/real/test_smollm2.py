@@ -148,6 +148,7 @@ def test_bapo_grpo_trainer_two_off_policy_steps_on_the_real_model(smollm2_dir, t
     from datasets import Dataset
 
     from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer
+    from bapo.integrations.trl.tiny import cpu_grpo_args
 
     system = "Start your reply with 'The answer is' and the number."
     rows = [json.loads(line) for line in DATA.read_text().splitlines()]
@@ -161,27 +162,19 @@ def test_bapo_grpo_trainer_two_off_policy_steps_on_the_real_model(smollm2_dir, t
         ]
     )
     args = BAPOGRPOConfig(
-        output_dir=str(tmp_path / "trl"),
-        bapo_method="bapo",
-        bapo_target=0.4,
-        use_cpu=True,
-        bf16=False,
-        report_to="none",
-        save_strategy="no",
-        beta=0.0,
-        temperature=1.0,
-        num_generations=4,
-        per_device_train_batch_size=4,
-        gradient_accumulation_steps=1,
-        steps_per_generation=2,  # 2 > 1: stale
-        num_iterations=1,
-        max_completion_length=12,
-        learning_rate=2e-6,
-        max_steps=2,
-        logging_steps=1,
-        seed=0,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+        **cpu_grpo_args(
+            tmp_path / "trl",
+            bapo_method="bapo",
+            bapo_target=0.4,
+            num_generations=4,
+            per_device_train_batch_size=4,
+            gradient_accumulation_steps=1,
+            steps_per_generation=2,  # 2 > 1: stale
+            num_iterations=1,
+            max_completion_length=12,
+            learning_rate=2e-6,
+            max_steps=2,
+        )
     )
     trainer = BAPOGRPOTrainer(model=str(smollm2_dir), reward_funcs=math_reward, args=args, train_dataset=dataset)
     trainer.train()
