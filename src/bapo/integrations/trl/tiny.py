@@ -57,7 +57,8 @@ def digit_match_reward(completions: list[str], answer: list[str], **_) -> list[f
 def cpu_grpo_args(output_dir: str | Path, **fields) -> dict:
     """The GRPOConfig / BAPOGRPOConfig fields of a quiet, seeded CPU run (no saving, no reporting,
     no KL, T=1, a learning rate a random-init tiny model moves at), with `fields` on top: what the
-    tests and the example share; a caller names its batch shape in `fields`."""
+    TRL tests share (examples/trl/bapo_grpo.py spells its fields out for the reader); a caller names
+    its batch shape in `fields`."""
     return {
         "output_dir": str(output_dir),
         "use_cpu": True,
