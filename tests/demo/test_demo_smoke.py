@@ -82,10 +82,12 @@ def test_demo_produces_every_file_and_ends_with_its_headline(tmp_path, monkeypat
         < report.index("## Claims")
         < report.index("## Plots")
         < report.index("## Per-run table")
+        < report.index("## What the updates did")  # bapo's search outcomes at least
     )
     summary = report[report.index("## Summary") : report.index("## Setting")]
     assert "- Tiny LLM: " in summary and "- on-policy GRPO raises held-out avg@2" in summary
-    assert "| start policy | sft |" in report and report.count("| E=1 |") == 2
+    run_table = report[report.index("## Per-run table") : report.index("## What the updates did")]
+    assert "| start policy | sft |" in run_table and run_table.count("| E=1 |") == 2
     assert all(f"plots/{fig}.png" in report for fig in FIGURES)
     claims = read_json(out / "claims.json")
     assert {"0-rl-improves", "3-negative-dominate", "4-entropy-E=1"} <= {c["id"] for c in claims}

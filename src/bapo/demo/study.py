@@ -477,16 +477,18 @@ TABLES_START, TABLES_END = (
 
 
 def study_tables(plan: StudyPlan, study_dir: Path, command: str) -> str:
-    """The block docs/RESULTS.md quotes: the setting, the headline, the claims table and the
-    per-run table, from the finished runs (the same code as report.md)."""
+    """The block docs/RESULTS.md quotes: the setting, the headline, the claims table, the per-run
+    table and what the updates did, from the finished runs (the same code as report.md)."""
     from bapo.analysis.claims import claims_markdown
+    from bapo.analysis.mechanics import mechanics_section
     from bapo.analysis.report import headline, markdown_table, start_row, summary
 
     runs, claims = _runs_and_claims(plan, study_dir)
     lines = [TABLES_START, f"Run: `{command}`.", "", *[f"- {line}" for line in header(plan, study_dir)], ""]
     lines += [f"- {line}" for line in headline(claims, model_label="SmolLM2-135M-Instruct")]
     lines += ["", claims_markdown(claims), "", markdown_table(summary(runs, STUDY_COLUMNS), start_row(runs))]
-    return "\n".join([*lines, "", column_notes(plan), TABLES_END])
+    lines += ["", column_notes(plan), "", *mechanics_section(runs)]
+    return "\n".join([*lines, TABLES_END])
 
 
 def column_notes(plan: StudyPlan) -> str:
