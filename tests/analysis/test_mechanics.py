@@ -9,8 +9,11 @@ from bapo.analysis.report import write_report
 from bapo.analysis.runs import Run
 
 
-def _run(method: str, seed: int, losses, setting: str = "E=4", extra=None) -> Run:
-    rows = [{"update": i + 1, "loss": loss, "grad_norm": 2.0 * loss} for i, loss in enumerate(losses)]
+def _run(method: str, seed: int, losses, setting: str = "E=4", extra=None, grad_norms=None) -> Run:
+    grad_norms = grad_norms or [1.0] * len(losses)
+    rows = [
+        {"update": i + 1, "loss": loss, "grad_norm": norm} for i, (loss, norm) in enumerate(zip(losses, grad_norms))
+    ]
     for row, more in zip(rows, extra or [], strict=False):
         row.update(more)
     return Run(Path(f"{method}-{setting}-{seed}"), method, setting, seed, rows)
@@ -28,10 +31,22 @@ def test_methods_identical_in_every_shared_seed_are_reported_once():
     assert identical_methods(runs) == [("E=4", "grpo", "decoupled-ppo", 2)]
 
 
-def test_identical_needs_the_same_updates_and_nan_matches_nan():
-    nan = float("nan")
-    assert identical_methods([_run("grpo", 0, [0.5, nan]), _run("bapo", 0, [0.5, nan])]) == [("E=4", "grpo", "bapo", 1)]
+def test_identical_needs_the_same_updates_both_keys_and_nan_matches_nan():
+    # metrics.jsonl writes NaN as the string "nan" (read_metrics keeps it so)
+    for nan in (float("nan"), "nan"):
+        assert identical_methods([_run("grpo", 0, [0.5, nan]), _run("bapo", 0, [0.5, nan])]) == [
+            ("E=4", "grpo", "bapo", 1)
+        ]
+    assert identical_methods([_run("grpo", 0, [0.5, "nan"]), _run("bapo", 0, [0.5, 0.4])]) == []
     assert identical_methods([_run("grpo", 0, [0.5, 0.4]), _run("bapo", 0, [0.5])]) == []
+    # the same losses with another gradient norm are another training
+    assert identical_methods([_run("grpo", 0, [0.5, 0.4]), _run("bapo", 0, [0.5, 0.4], grad_norms=[1.0, 1.5])]) == []
+    # a key logged by one run only differs; rows with neither key prove nothing
+    one_sided = _run("bapo", 0, [0.5])
+    del one_sided.rows[0]["grad_norm"]
+    assert identical_methods([_run("grpo", 0, [0.5]), one_sided]) == []
+    empty = [Run(Path(m), m, "E=4", 0, [{"update": 1}]) for m in ("grpo", "bapo")]
+    assert identical_methods(empty) == []
     # different settings never pair, and no shared seed is no evidence
     assert identical_methods([_run("grpo", 0, [0.5]), _run("bapo", 0, [0.5], setting="E=2")]) == []
     assert identical_methods([_run("grpo", 0, [0.5]), _run("bapo", 1, [0.5])]) == []
@@ -42,7 +57,7 @@ def test_search_outcomes_count_each_update_once():
         {"bapo/search/reached": 1.0, "bapo/search/steps": 0.0, "bapo/search/no_signal": 0.0},
         {"bapo/search/reached": 1.0, "bapo/search/steps": 3.0, "bapo/search/no_signal": 0.0},
         {"bapo/search/reached": 0.0, "bapo/search/steps": 51.0, "bapo/search/no_signal": 0.0},
-        {"bapo/search/reached": "nan", "bapo/search/steps": 0.0, "bapo/search/no_signal": 1.0},
+        {"bapo/search/reached": "nan", "bapo/search/steps": "nan", "bapo/search/no_signal": 1.0},
     ]
     runs = [_run("bapo", 0, [0.1] * 4, extra=search), _run("grpo", 0, [0.2] * 4)]
     (row,) = search_outcomes(runs)  # grpo has no search: no row
@@ -63,3 +78,9 @@ def test_report_gets_the_section_only_when_there_is_something_to_say(tmp_path):
     alike = [_run("grpo", 0, [0.5, 0.4]), _run("decoupled-ppo", 0, [0.5, 0.4])]
     text = write_report(tmp_path / "b.md", alike, [], [], 0.4, []).read_text()
     assert "## What the updates did" in text and "- E=4: grpo and decoupled-ppo (1 seed)" in text
+    assert "BAPO's bound search" not in text  # no run searched
+    search = [{"bapo/search/reached": 1.0, "bapo/search/steps": 0.0, "bapo/search/no_signal": 0.0}] * 2
+    searched = [_run("grpo", 0, [0.5, 0.4]), _run("bapo", 0, [0.5, 0.3], extra=search)]
+    text = write_report(tmp_path / "c.md", searched, [], [], 0.4, []).read_text()
+    assert "identically" not in text
+    assert "| E=4 | bapo | 2 | 0.00 | 1.00 | 0.00 | 0.00 |" in text

@@ -2,11 +2,14 @@
 and how often BAPO's bound search met its target.
 
 Both answer a reader's first question about a comparison that shows no difference: did the two
-methods differ at all in this setting? Two methods whose every update logged the same loss and
-gradient norm for every shared seed trained the same weights (e.g. decoupled PPO and GRPO without
-an async delay, where the proximal policy is the behaviour policy; or BAPO's two presets where the
-search never left their common start bounds); a BAPO run whose search met the target at its start
-bounds in most updates is a fixed clip at those bounds.
+methods differ at all in this setting? Two methods whose every update logged exactly the same loss
+and gradient norm, in every shared seed, almost surely trained the same weights: equal logs are
+necessary for identical training, not proof of it (e.g. decoupled PPO and GRPO without an async
+delay, where the proximal policy is the behaviour policy, which tests/demo/test_study.py checks
+weight for weight; or BAPO's two presets where the search never left their common start bounds).
+Exact equality: on a non-deterministic device identical methods may not be found. A BAPO run
+whose search met the target at its start bounds in most updates is a fixed clip at those bounds.
+metrics.jsonl writes NaN and infinities as strings ("nan"); they are read back as floats here.
 """
 
 from __future__ import annotations
@@ -21,17 +24,29 @@ IDENTITY_KEYS = ("loss", "grad_norm")
 OUTCOMES = ("no signal", "met at start bounds", "met after moving", "not met")
 
 
+def _number(value) -> float | None:
+    """A logged number as a float ("nan", "inf", "-inf" as metrics.jsonl writes them), else None."""
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):
+        return float(value)
+    if isinstance(value, str) and value.lower() in ("nan", "inf", "-inf"):
+        return float(value)
+    return None
+
+
 def _trained_alike(a: Run, b: Run, keys=IDENTITY_KEYS) -> bool:
-    """Every update of `a` and `b` logged exactly the same `keys` (and they have the same updates)."""
+    """Every update of `a` and `b` logged exactly the same `keys` (and they have the same updates);
+    a key neither logged is skipped, one logged by only one of them differs."""
     if len(a.rows) != len(b.rows) or not a.rows:
         return False
     compared = 0
     for row_a, row_b in zip(a.rows, b.rows, strict=True):
         for key in keys:
-            value_a, value_b = row_a.get(key), row_b.get(key)
-            if value_a is None and value_b is None:
+            if key not in row_a and key not in row_b:
                 continue
-            if not isinstance(value_a, (int, float)) or not isinstance(value_b, (int, float)):
+            value_a, value_b = _number(row_a.get(key)), _number(row_b.get(key))
+            if value_a is None or value_b is None:
                 return False
             if not (value_a == value_b or (math.isnan(value_a) and math.isnan(value_b))):
                 return False
@@ -55,17 +70,20 @@ def identical_methods(runs: list[Run]) -> list[tuple[str, str, str, int]]:
 
 
 def _outcome(row: dict) -> str | None:
-    """One update's search outcome, or None when the row has no search (another method)."""
-    reached = row.get("bapo/search/reached")
-    if isinstance(reached, str):  # metrics.jsonl writes NaN as "nan"
-        reached = float(reached) if reached.lower() in ("nan", "inf", "-inf") else None
-    if not isinstance(reached, (int, float)):
+    """One update's search outcome, or None when the row has no search (another method). With
+    BAPOConfig.scope "micro_batch" the row holds means over the update's searches: the update
+    counts as "no signal" when half of them had none or `reached` is NaN (then some had none), as
+    "not met" when fewer than half met the target, and as "met after moving" when any moved."""
+    reached = _number(row.get("bapo/search/reached"))
+    if reached is None:
         return None
-    if row.get("bapo/search/no_signal", 0.0) >= 0.5 or math.isnan(reached):
+    no_signal = _number(row.get("bapo/search/no_signal")) or 0.0
+    if no_signal >= 0.5 or math.isnan(reached):
         return "no signal"
     if reached < 0.5:
         return "not met"
-    return "met after moving" if row.get("bapo/search/steps", 0.0) > 0 else "met at start bounds"
+    steps = _number(row.get("bapo/search/steps")) or 0.0
+    return "met after moving" if steps > 0 else "met at start bounds"
 
 
 def search_outcomes(runs: list[Run]) -> list[dict]:

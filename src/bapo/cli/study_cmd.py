@@ -12,7 +12,7 @@ def study(
     resume: Path | None = typer.Option(
         None, "--resume", help="continue the study in this folder with its saved plan (finished runs are skipped)"
     ),
-    quick: bool = typer.Option(False, "--quick", help="a check: one seed, grpo and bapo at E=4, 10 rollout steps"),
+    quick: bool = typer.Option(False, "--quick", help="a check: one seed, grpo and bapo at E=4, 5 rollout steps"),
     seeds: str | None = typer.Option(None, "--seeds", help="comma-separated seeds (default 0,1,2)"),
     lr: float | None = typer.Option(None, "--lr", help="RL learning rate (the plan's default: docs/STUDY.md)"),
     rollout_steps: int | None = typer.Option(None, "--rollout-steps", help="rollout steps per run"),
