@@ -83,7 +83,8 @@ class StudyPlan:
     # vLLM on 2 shared cores samples ~50-150 tokens/s: 200 x 4 samples cost ~2-4 min per run
     final_k: int = 4
     model: str = "smollm2"  # "smollm2" (bapo smollm2's folder) or a path to an HF folder
-    backend: str = "vllm"  # rollout.backend; "hf" in the tests (no vLLM there)
+    backend: str = "vllm"  # rollout.backend; "hf" in the tests (no vLLM there) and on a GPU without vLLM
+    device: str = "cpu"  # model.device of every run ("cuda" in the gpu profile)
     vllm_enforce_eager: bool = False
     # model.autocast of the trainer's forwards: "auto" is resolved when the plan is made (and saved
     # so, so a resumed study keeps it): bfloat16 where the machine computes bf16 natively (weights and
@@ -168,6 +169,20 @@ PROFILES = {
         eval_every=5,
         final_k=2,
     ),
+    # scripts/gpu_study.sh: the same cells on one CUDA device with HF rollout (its machine has no
+    # vLLM), 3x the batch (15 x 8 = 120 responses: E+1 = 5 divides it), 5 seeds, 40 rollout steps,
+    # final avg@8. fp32 like the CPU study, so the two differ in size alone; lr kept (the loss is a
+    # per-token mean, so a larger batch lowers the gradient's noise, not its scale).
+    "gpu": StudyPlan(
+        seeds=(0, 1, 2, 3, 4),
+        rollout_steps=40,
+        prompts_per_batch=15,
+        final_k=8,
+        backend="hf",
+        device="cuda",
+        autocast="none",
+        checkpoint_every=10,
+    ),
 }
 
 
@@ -203,6 +218,7 @@ def train_config(plan: StudyPlan, spec: RunSpec, model: Path, study_dir: Path, r
             "data.system_prompt": plan.task.system_prompt,
             "data.max_prompt_tokens": 64,
             "rollout.backend": plan.backend,
+            "model.device": plan.device,
             "optim.micro_batch_size": 16,
             "optim.warmup_updates": 0,
             "run.checkpoint_every": plan.checkpoint_every,
