@@ -16,7 +16,7 @@ def study(
     gpu: bool = typer.Option(
         False, "--gpu", help="the plan on a CUDA device: HF rollout, 15x8 batch, 5 seeds, 40 steps (gpu_study.sh)"
     ),
-    seeds: str | None = typer.Option(None, "--seeds", help="comma-separated seeds (default 0,1,2)"),
+    seeds: str | None = typer.Option(None, "--seeds", help="comma-separated seeds (default 0,1,2; --gpu: 0-4)"),
     lr: float | None = typer.Option(None, "--lr", help="RL learning rate (the plan's default: docs/STUDY.md)"),
     rollout_steps: int | None = typer.Option(None, "--rollout-steps", help="rollout steps per run"),
     methods: str | None = typer.Option(None, "--methods", help="comma-separated methods (default: all six)"),
@@ -33,7 +33,8 @@ def study(
 ):
     """Does BAPO help a real pretrained model under staleness? SmolLM2-135M-Instruct with vLLM rollout
     on in-house arithmetic: grpo, clip-higher, bapo (default and paper presets), m2po and decoupled
-    PPO at staleness E = 0, 4 and async delay k = 4, 16, 3 seeds; claims with 95% intervals."""
+    PPO at staleness E = 0, 4 and async delay k = 4, 16, 3 seeds; claims with 95% intervals.
+    --gpu: the same cells on CUDA with HF rollout, larger (5 seeds)."""
     import time
 
     from bapo.demo.study import load_plan, plan_for, run_study, write_study_report

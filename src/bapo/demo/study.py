@@ -239,7 +239,7 @@ def is_done(run_dir: Path) -> bool:
 def _start_scores(trainer, plan: StudyPlan, heldout: list[dict], path: Path) -> dict:
     """The start policy's held-out scores, computed once (before any update, with the run's own
     sampler) and kept in the study's start.json. The same model, held-out set, k, budget,
-    temperature and backend give the same draw (seeded), so they are also kept in
+    temperature, backend and device give the same draw (seeded), so they are also kept in
     $BAPO_CACHE/study-start/<key>.json and a new study with them reuses the score."""
     import hashlib
 
@@ -249,9 +249,8 @@ def _start_scores(trainer, plan: StudyPlan, heldout: list[dict], path: Path) -> 
 
     if path.exists():
         return json.loads(path.read_text())
-    key = json.dumps(
-        [str(model_path(plan)), heldout, plan.final_k, plan.max_new_tokens, plan.temperature, plan.backend, plan.chat]
-    )
+    drawn_with = (plan.final_k, plan.max_new_tokens, plan.temperature, plan.backend, plan.device, plan.chat)
+    key = json.dumps([str(model_path(plan)), heldout, *drawn_with])
     cached = cache_root() / "study-start" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if cached.exists():
         scores = json.loads(cached.read_text())
@@ -419,7 +418,7 @@ def header(plan: StudyPlan, study_dir: Path) -> list[str]:
         f"{task.system_prompt or 'the template default'!r}, correct when the reply's last integer is the "
         f"answer; {task.max_new_tokens}-token budget; {task.n_heldout} held-out questions never trained on.",
         f"Policy: {'SmolLM2-135M-Instruct (bapo smollm2)' if 'smollm2' in plan.model else plan.model}, "
-        f"rollout backend {plan.backend}; trainer forwards "
+        f"rollout backend {plan.backend}, device {plan.device}; trainer forwards "
         + ("under bf16 autocast (fp32 weights)." if plan.autocast == "bfloat16" else "in fp32."),
         f"RL: {plan.rollout_steps} rollout steps per run, {plan.prompts_per_batch} prompts x {plan.group_size} "
         f"samples at temperature {plan.temperature}, lr {plan.lr}; methods {', '.join(plan.methods)}; staleness E "
