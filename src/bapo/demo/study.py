@@ -171,7 +171,7 @@ PROFILES = {
     ),
     # scripts/gpu_study.sh: the same cells on one CUDA device with HF rollout (its machine has no
     # vLLM), 3x the batch (15 x 8 = 120 responses: E+1 = 5 divides it), 5 seeds, 40 rollout steps,
-    # final avg@8. fp32 like the CPU study, so the two differ in size alone; lr kept (the loss is a
+    # final avg@8. fp32 like the CPU study (they differ in size, engine and device); lr kept (the loss is a
     # per-token mean, so a larger batch lowers the gradient's noise, not its scale).
     "gpu": StudyPlan(
         seeds=(0, 1, 2, 3, 4),
