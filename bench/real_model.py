@@ -36,6 +36,7 @@ test: prints a table and the ratios against the issue's goals (bench/README.md).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -246,14 +247,36 @@ def bench_trl_update(options, workdir: Path) -> dict:
     return {"update_tok_s": tokens / max(seconds, 1e-9), "update_s": seconds, "update_tokens": tokens}
 
 
+@contextlib.contextmanager
+def float32_head(model):
+    """The vocabulary projection outside autocast, in float32 (the rest of the forward in bf16):
+    asks whether an fp32 output head would remove much of bf16's error (bapo does not do this)."""
+    head = model.get_output_embeddings()
+    bf16_forward = head.forward
+    device_type = next(model.parameters()).device.type
+
+    def forward(hidden):
+        with torch.autocast(device_type, enabled=False):
+            return bf16_forward(hidden.float())
+
+    head.forward = forward
+    try:
+        yield
+    finally:
+        del head.forward
+
+
 def bench_precision(options, workdir: Path) -> dict:
-    """bf16 autocast vs fp32 on the first micro-batch of the saved batch (bapo.train.update.autocast_error)."""
+    """bf16 autocast vs fp32 on the first micro-batch of the saved batch (bapo.train.update.autocast_error),
+    and the same with the output head in float32 ("fp32_head")."""
     from bapo.train.update import autocast_error
 
     batch = load_batch(workdir)
     batch = batch.select(torch.arange(min(options.micro_batch, len(batch))))
     trainer = trainer_for(options, workdir, "precision")
     error = autocast_error(trainer.model, batch, trainer.cfg)
+    with float32_head(trainer.model):
+        error["fp32_head"] = autocast_error(trainer.model, batch, trainer.cfg)
     trainer.close()
     return error
 
@@ -454,6 +477,11 @@ def main() -> None:
         print(
             f"bf16 vs fp32 (first micro-batch): loss {p['loss_fp32']:.5f} vs {p['loss_bf16']:.5f}, loss rel err "
             f"{p['loss_rel_err']:.2e}, grad rel err {p['grad_rel_err']:.2e}, grad cosine {p['grad_cosine']:.6f}"
+        )
+        h = p["fp32_head"]
+        print(
+            f"  with the output head in fp32: loss rel err {h['loss_rel_err']:.2e}, grad rel err "
+            f"{h['grad_rel_err']:.2e}, grad cosine {h['grad_cosine']:.6f}"
         )
     for name, value in found.items():
         goal = goals.get(name)

