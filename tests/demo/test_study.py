@@ -263,5 +263,5 @@ def test_study_gpu_without_cuda_fails_in_one_line_before_any_work(tmp_path, monk
     monkeypatch.setattr(smollm2, "convert", lambda *a, **k: pytest.fail("converted the model before the check"))
     result = CliRunner().invoke(app, ["study", "--gpu", "--out", str(tmp_path / "gpu")])
     assert result.exit_code == 2
-    assert "device is cuda and torch sees no CUDA device" in result.output
+    assert "the plan's device is cuda: this machine has no CUDA" in result.output
     assert not (tmp_path / "gpu").exists()

@@ -112,12 +112,12 @@ def study(
 
 
 def check_device(device: str) -> None:
-    """One line, before any work, when the plan's device is not here."""
-    if device.startswith("cuda"):
-        import torch
+    """One line, before any work, when the plan's device is not on this machine (model.device's check)."""
+    from bapo.train.config import device_problem
 
-        if not torch.cuda.is_available():
-            raise typer.BadParameter(f"the plan's device is {device} and torch sees no CUDA device: use a GPU machine")
+    problem = device_problem(device)
+    if problem:
+        raise typer.BadParameter(f"the plan's device is {device}: {problem[0]}; run it where there is one")
 
 
 def register(app: typer.Typer) -> None:

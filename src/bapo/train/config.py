@@ -31,6 +31,25 @@ class Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
 
+def device_problem(value: str) -> tuple[str, str] | None:
+    """None when this machine has torch device `value` (or it is "auto"), else (what is wrong, the
+    fix): model.device's validator, and `bapo study`'s check of its plan's device."""
+    if value == "auto":
+        return None
+    import torch
+
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        return "not a torch device", "use auto, cpu, cuda, cuda:0, ..."
+    if device.type == "cuda" and (not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()):
+        found = f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA"
+        return f"this machine has {found} (torch {torch.__version__})", "use auto or cpu"
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        return "this torch has no MPS support", "use auto or cpu"
+    return None
+
+
 class ModelSection(Section):
     path: str = Field(..., description="local model folder (saved with save_pretrained) or Hugging Face id")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype (float32 on CPU)")
@@ -51,21 +70,9 @@ class ModelSection(Section):
     @field_validator("device")
     @classmethod
     def _device_exists(cls, value: str) -> str:
-        if value == "auto":
-            return value
-        import torch
-
-        try:
-            device = torch.device(value)
-        except RuntimeError:
-            raise ValueError("not a torch device; use auto, cpu, cuda, cuda:0, ...") from None
-        if device.type == "cuda" and (
-            not torch.cuda.is_available() or (device.index or 0) >= torch.cuda.device_count()
-        ):
-            found = f"{torch.cuda.device_count()} CUDA device(s)" if torch.cuda.is_available() else "no CUDA"
-            raise ValueError(f"this machine has {found} (torch {torch.__version__}); use auto or cpu")
-        if device.type == "mps" and not torch.backends.mps.is_available():
-            raise ValueError("this torch has no MPS support; use auto or cpu")
+        problem = device_problem(value)
+        if problem:
+            raise ValueError("; ".join(problem))
         return value
 
     @model_validator(mode="after")
