@@ -265,3 +265,39 @@ def test_study_gpu_without_cuda_fails_in_one_line_before_any_work(tmp_path, monk
     assert result.exit_code == 2
     assert "the plan's device is cuda: this machine has no CUDA" in result.output
     assert not (tmp_path / "gpu").exists()
+
+
+def _task_probe():
+    """scripts/task_probe.py as a module (scripts/ is not a package)."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "task_probe.py"
+    spec = importlib.util.spec_from_file_location("task_probe", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["task_probe"] = module  # its dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_task_probe_draws_valid_questions_and_probes_the_study_task_as_configured():
+    """The probe behind the study's task choice: its draws are distinct, inside the operand ranges,
+    answered right (a - b >= 0 for subtraction), and its "study task" row is the task the study
+    trains on (bapo.demo.arith's defaults), prompt for prompt."""
+    probe = _task_probe()
+    for candidate in probe.CANDIDATES:
+        drawn = probe.questions(candidate, 100, seed=0)
+        assert len(set(drawn)) == len(drawn) == 100
+        for a, b, answer in drawn:
+            assert (
+                candidate.a_range[0] <= a <= candidate.a_range[1] and candidate.b_range[0] <= b <= candidate.b_range[1]
+            )
+            assert answer == (a + b if candidate.op == "+" else a - b) >= 0
+    assert probe.questions(probe.CANDIDATES[3], 100, seed=0) != probe.questions(probe.CANDIDATES[3], 100, seed=1)
+    study = probe.study_candidate()
+    study_prompts = {row["prompt"] for row in problems(ArithTaskConfig())}
+    drawn = probe.questions(study, 1000, seed=0)
+    assert len(drawn) == len(study_prompts) == 504  # the whole space when asked for more
+    assert {study.user.format(a=a, b=b) for a, b, _ in drawn} == study_prompts
+    assert study.system is ArithTaskConfig().system_prompt is None and study.budget == ArithTaskConfig().max_new_tokens

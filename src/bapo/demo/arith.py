@@ -5,9 +5,10 @@
 
 Every problem of the space (a op b, a and b in their ranges, every op of `ops`) is listed once,
 shuffled by `seed`, and cut in two: the first `n_heldout` are the held-out set, the rest the
-training rows, so no held-out question is ever trained on. Answers are short (a number), so a
-response is a few tokens and almost all of its digits are the answer: the entropy split by token
-kind (entropy/digit vs entropy/other) separates the answer from the words around it.
+training rows, so no held-out question is ever trained on. Replies are short: SmolLM2-135M mostly
+restates the sum before answering ("16 + 13 = 29", 8-10 tokens, one digit a token), so the entropy
+split by token kind separates digits (the operands restated and the answer: entropy/digit) from the
+words, spaces, "+" and "=" around them (entropy/other).
 """
 
 from __future__ import annotations

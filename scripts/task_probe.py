@@ -1,0 +1,207 @@
+"""How often the start policy solves candidate task formats, before any RL: the measurement
+behind the study's choice of task (docs/STUDY.md, "Why this task").
+
+    HF_HUB_OFFLINE=1 .venv-vllm/bin/python scripts/task_probe.py                # markdown table
+    HF_HUB_OFFLINE=1 .venv-vllm/bin/python scripts/task_probe.py --json out.json
+
+Each candidate is a prompt format (system turn, user turn) over a range of operands; `--questions`
+of its questions (drawn with `--seed`) are sampled `--samples` times each by vLLM at every
+temperature of `--temperatures`, in fp32 (eager: a probe is too short to repay vLLM's compile),
+and scored by the study's own check (the last integer of the reply, bapo.demo.arith.verify). A
+task suits GRPO when the start policy solves a fair share of it (neither ~0, where no group holds
+a positive sample, nor ~1): the issue asked for 10-60%.
+Columns: accuracy per temperature, tokens per reply and the share of replies cut at the budget
+(both at the first temperature).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+from dataclasses import dataclass
+from pathlib import Path
+
+from bapo.demo.arith import ArithTaskConfig, verify
+from bapo.train.data import format_prompt
+
+_JUST = "What is {a} + {b}? Answer with just the number."
+
+
+@dataclass(frozen=True)
+class Candidate:
+    name: str
+    user: str  # format string over {a}, {b}
+    system: str | None  # None: the chat template's own system turn
+    a_range: tuple[int, int]
+    b_range: tuple[int, int]
+    budget: int  # new tokens
+    op: str = "+"
+
+
+CANDIDATES = (
+    Candidate(
+        "word problem, add",
+        "Tom has {a} apples and gets {b} more. How many apples does Tom have now?",
+        "Answer with the number only.",
+        (10, 49),
+        (10, 49),
+        32,
+    ),
+    Candidate(
+        "word problem, subtract",
+        "Tom has {a} apples and gives away {b}. How many apples does Tom have now?",
+        "Answer with the number only.",
+        (50, 99),
+        (10, 49),
+        32,
+        "-",
+    ),
+    Candidate(
+        "2-digit, 'The answer is'",
+        "What is {a} + {b}?",
+        "Start your reply with 'The answer is' and then the number.",
+        (10, 99),
+        (10, 99),
+        16,
+    ),
+    Candidate(
+        "a 2-9 + b 2-19, calculator",
+        "{a} + {b} =",
+        "You are a calculator. Reply with only the number.",
+        (2, 9),
+        (2, 19),
+        12,
+    ),
+    Candidate("a 2-9 + b 2-19, just the number", _JUST, None, (2, 9), (2, 19), 12),
+    Candidate(
+        "a 2-9 + b 2-19, 'The answer is N'",
+        "What is {a} + {b}?",
+        "Reply in the form: The answer is N.",
+        (2, 9),
+        (2, 19),
+        12,
+    ),
+    Candidate(
+        "a, b 10-49, calculator",
+        "{a} + {b} =",
+        "You are a calculator. Reply with only the number.",
+        (10, 49),
+        (10, 49),
+        12,
+    ),
+    Candidate("a, b 10-49, just the number", _JUST, None, (10, 49), (10, 49), 12),
+)
+
+
+def study_candidate() -> Candidate:
+    """The study's task as it is configured (bapo.demo.arith defaults), for comparison."""
+    cfg = ArithTaskConfig()
+    return Candidate(
+        "study task (a 2-19 + b 2-29, just the number)",
+        "What is {a} + {b}?" + cfg.suffix,
+        cfg.system_prompt,
+        (cfg.a_min, cfg.a_max),
+        (cfg.b_min, cfg.b_max),
+        cfg.max_new_tokens,
+    )
+
+
+def questions(candidate: Candidate, n: int, seed: int) -> list[tuple[int, int, int]]:
+    """n (a, b, answer) drawn without replacement from the candidate's operand space."""
+    space = [
+        (a, b, a + b if candidate.op == "+" else a - b)
+        for a in range(candidate.a_range[0], candidate.a_range[1] + 1)
+        for b in range(candidate.b_range[0], candidate.b_range[1] + 1)
+        if candidate.op == "+" or a >= b
+    ]
+    return random.Random(seed).sample(space, min(n, len(space)))
+
+
+def probe(model_path: str, candidates, n_questions: int, samples: int, temperatures, seed: int) -> list[dict]:
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, as the study's engine (rollout.vllm_kv_cache_gb)
+    from transformers import AutoTokenizer
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    llm = LLM(
+        model=model_path, dtype="float32", seed=seed, max_model_len=256, gpu_memory_utilization=0.3, enforce_eager=True
+    )
+    rows = []
+    for candidate in candidates:
+        drawn = questions(candidate, n_questions, seed)
+        # the trainer's own prompt path (bapo.train.data): chat template, then the tokenizer
+        texts = [format_prompt(candidate.user.format(a=a, b=b), tokenizer, True, candidate.system) for a, b, _ in drawn]
+        prompts = [
+            TokensPrompt(prompt_token_ids=ids) for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]
+        ]
+        row: dict = {
+            "candidate": candidate.name,
+            "budget": candidate.budget,
+            "questions": len(drawn),
+            "samples": samples,
+        }
+        for index, temperature in enumerate(temperatures):
+            # no per-request seed: vLLM on CPU cannot rewind a seeded generator under chunked
+            # prefill; the engine's global seed (LLM(seed=...)) makes the whole probe repeatable
+            params = SamplingParams(n=samples, temperature=temperature, max_tokens=candidate.budget)
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            replies = [
+                (completion, answer) for output, (_, _, answer) in zip(outputs, drawn) for completion in output.outputs
+            ]
+            row[f"accuracy_T{temperature}"] = sum(
+                verify(c.text, {"answer": str(answer)}) for c, answer in replies
+            ) / len(replies)
+            if index == 0:
+                row["tokens_per_reply"] = sum(len(c.token_ids) for c, _ in replies) / len(replies)
+                row["cut_at_budget"] = sum(c.finish_reason == "length" for c, _ in replies) / len(replies)
+                row["example"] = replies[0][0].text
+        rows.append(row)
+    return rows
+
+
+def markdown(rows: list[dict], temperatures) -> str:
+    head = (
+        ["candidate"]
+        + [f"T={t} accuracy" for t in temperatures]
+        + ["tokens / reply (budget)", f"cut at budget (T={temperatures[0]})", "a reply"]
+    )
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for row in rows:
+        cells = [row["candidate"]] + [f"{row[f'accuracy_T{t}']:.3f}" for t in temperatures]
+        cells += [
+            f"{row['tokens_per_reply']:.1f} ({row['budget']})",
+            f"{row['cut_at_budget']:.0%}",
+            repr(row["example"][:40]),
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument(
+        "--model",
+        default=str(Path.home() / ".cache/bapo/smollm2-135m-instruct"),
+        help="an HF model folder (bapo smollm2 writes this one)",
+    )
+    parser.add_argument("--questions", type=int, default=100)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--temperatures", default="1.0,0.7")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args()
+    if not (Path(args.model) / "config.json").exists():
+        parser.error(f"--model {args.model}: no config.json there; run `bapo smollm2` first or pass an HF model folder")
+    temperatures = [float(t) for t in args.temperatures.split(",")]
+    rows = probe(args.model, (*CANDIDATES, study_candidate()), args.questions, args.samples, temperatures, args.seed)
+    print(markdown(rows, temperatures))
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
