@@ -132,6 +132,22 @@ def test_claims_follow_the_numbers_both_ways(bapo_wins):
         assert v[claim] == expected, claim
 
 
+def test_peers_are_judged_on_held_out_accuracy_against_the_same_grpo_runs():
+    """Claim 5: each peer present in a stale setting gets one held-out claim against that
+    setting's GRPO, its verdict following the numbers; absent peers and the default get none."""
+    cells = [("grpo", 0, 0.5, 0.4, 0.4), ("grpo", 4, 0.5, 0.5, 0.4), ("m2po", 4, 0.5, 0.3, 0.4)]
+    cells += [("decoupled-ppo", 4, 0.5, 0.7, 0.4), ("clip-higher", 4, 0.5, 0.5, 0.4)]
+    runs = _three_seeds(cells)
+    claims = {c.id: c for c in run_claims(runs, 0.4, peers=("m2po", "decoupled-ppo", "clip-higher", "cispo"))}
+    assert claims["5-heldout-m2po@E=4"].verdict == "not held"
+    assert claims["5-heldout-decoupled-ppo@E=4"].verdict == "held"
+    assert claims["5-heldout-clip-higher@E=4"].verdict == "mixed"
+    assert abs(claims["5-heldout-decoupled-ppo@E=4"].effect - 0.2) < 1e-9
+    assert not any("cispo" in claim_id for claim_id in claims)  # no runs, no claim
+    assert list(claims)[-3:] == [f"5-heldout-{p}@E=4" for p in ("m2po", "decoupled-ppo", "clip-higher")]
+    assert not any(c.id.startswith("5-") for c in run_claims(runs, 0.4))
+
+
 def test_claims_within_noise_are_mixed():
     same = [_fake_run(m, e, 0.5, 0.5, s) for s in range(3) for m, e in (("grpo", 0), ("grpo", 2), ("bapo", 2))]
     v = _verdicts(same)

@@ -98,7 +98,7 @@ def markdown_table(rows: list[dict], start: dict | None = None) -> str:
 
 
 # The claims a user of the demo asks about first: does RL work here at all, and does BAPO beat GRPO
-HEADLINE_CLAIMS = ("0-rl-improves", "4-heldout", "4-entropy", "4-share")
+HEADLINE_CLAIMS = ("0-rl-improves", "4-heldout", "4-entropy", "4-share", "5-heldout")
 
 
 def _verdict_counts(claims: list[Claim]) -> str:

@@ -4,7 +4,8 @@
 Each claim is a `ClaimSpec` (bapo.analysis.claims): an effect per seed (positive = the way the
 paper claims), paired by seed where two runs are compared, judged over seeds (95% Student-t
 interval). The ids follow `bapo lab`'s (1-..., 2-..., 3-..., 4-...) so the two tables read side by
-side; "0-..." is the precondition that on-policy RL improves on the start policy at all.
+side; "0-..." is the precondition that on-policy RL improves on the start policy at all, and
+"5-..." judges BAPO's peers (M2PO, decoupled PPO, ...) against GRPO as claim 4 judges BAPO.
 Measures (RUN_MEASURES, all from metrics.jsonl rows):
   entropy          mean of the last 20% of rows (per-token entropy of the sampled batch)
   entropy fall     entropy of the first 10% of rows minus that tail mean
@@ -88,12 +89,15 @@ def run_claim_specs(
     treatments: tuple[str, ...] = ("bapo",),
     where_prefix: str = WHERE,
     token_kinds: bool = False,
+    peers: tuple[str, ...] = (),
 ) -> list[ClaimSpec]:
-    """Every claim of the runs' settings ({setting: methods present}), claims 0-4 in order;
+    """Every claim of the runs' settings ({setting: methods present}), claims 0-5 in order;
     k: the held-out samples per prompt (avg@k in claim 0's text); treatments: the methods that
     claim 4 compares with GRPO (ids 4-<what>-<setting> for "bapo", 4-<what>-<method>@<setting>
     for another, e.g. bapo-paper); where_prefix: the model and task named in each claim's "where";
-    token_kinds: claim 4's entropy also on digit tokens and on the others (entropy/digit, entropy/other)."""
+    token_kinds: claim 4's entropy also on digit tokens and on the others (entropy/digit, entropy/other);
+    peers: the methods judged against GRPO on held-out accuracy alone (5-heldout-<method>@<setting>),
+    the question a user comparing BAPO with its peers asks of each."""
     base = Arm("grpo", "E=0")
     has_base = "grpo" in settings.get("E=0", ())
     specs: list[ClaimSpec] = []
@@ -209,6 +213,20 @@ def run_claim_specs(
                     detail=f"avg@k {name} {{treatment}} vs GRPO {{baseline}}",
                 ),
             ]
+        # 5. the peers against the same GRPO runs, on the same footing as BAPO's claim 4
+        specs += [
+            ClaimSpec(
+                f"5-heldout-{peer}@{setting}",
+                "the peer (named in the id) beats GRPO on held-out accuracy",
+                where,
+                "held-out",
+                Arm(peer, setting),
+                grpo,
+                detail=f"avg@k {peer} {{treatment}} vs GRPO {{baseline}}",
+            )
+            for peer in peers
+            if peer in methods
+        ]
     if has_base:  # 3. negative tokens dominate the loss early (positive share < 0.5 on the first updates)
         specs.append(
             ClaimSpec(
@@ -222,7 +240,7 @@ def run_claim_specs(
                 detail="share {treatment}",
             )
         )
-    order = {c: i for i, c in enumerate("01234")}
+    order = {c: i for i, c in enumerate("012345")}
     return sorted(specs, key=lambda spec: order.get(spec.id[0], 9))
 
 
@@ -232,13 +250,13 @@ def run_claims(
     treatments: tuple[str, ...] = ("bapo",),
     where: str = WHERE,
     token_kinds: bool = False,
+    peers: tuple[str, ...] = (),
 ) -> list[Claim]:
-    """Every claim whose runs are present; `target` is bapo's positive-share target; treatments
-    and where: as run_claim_specs."""
+    """Every claim whose runs are present; `target` is bapo's positive-share target; treatments,
+    where, token_kinds and peers: as run_claim_specs."""
     groups = group_runs(runs)
     base = groups.get("E=0", {}).get("grpo")
     k = base[0].final.get("k", "k") if base else "k"
-    specs = run_claim_specs(
-        {setting: list(methods) for setting, methods in groups.items()}, target, k, treatments, where, token_kinds
-    )
+    settings = {setting: list(methods) for setting, methods in groups.items()}
+    specs = run_claim_specs(settings, target, k, treatments, where, token_kinds, peers)
     return evaluate_claims(specs, run_values(runs, run_measures(target)), fmt=format_mean)
