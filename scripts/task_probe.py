@@ -9,7 +9,7 @@ of its questions (drawn with `--seed`) are sampled `--samples` times each by vLL
 temperature of `--temperatures`, in fp32 (eager: a probe is too short to repay vLLM's compile),
 and scored by the study's own check (the last integer of the reply, bapo.demo.arith.verify). A
 task suits GRPO when the start policy solves a fair share of it (neither ~0, where no group holds
-a positive sample, nor ~1): the issue asked for 10-60%.
+a positive sample, nor ~1): the study looked for 10-60% (docs/STUDY.md).
 Columns: accuracy per temperature, tokens per reply and the share of replies cut at the budget
 (both at the first temperature).
 """
@@ -167,7 +167,11 @@ def markdown(rows: list[dict], temperatures) -> str:
     head = (
         ["candidate"]
         + [f"T={t} accuracy" for t in temperatures]
-        + ["tokens / reply (budget)", f"cut at budget (T={temperatures[0]})", "a reply"]
+        + [
+            "tokens / reply (budget)",
+            f"cut at budget (T={temperatures[0]})",
+            "first reply (first question, first temperature)",
+        ]
     )
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in rows:

@@ -146,6 +146,11 @@ def test_peers_are_judged_on_held_out_accuracy_against_the_same_grpo_runs():
     assert not any("cispo" in claim_id for claim_id in claims)  # no runs, no claim
     assert list(claims)[-3:] == [f"5-heldout-{p}@E=4" for p in ("m2po", "decoupled-ppo", "clip-higher")]
     assert not any(c.id.startswith("5-") for c in run_claims(runs, 0.4))
+    # a peer ahead in one seed and behind in another: the interval straddles 0
+    noisy = [_fake_run("grpo", 4, 0.5, 0.5, seed) for seed in range(3)]
+    noisy += [_fake_run("m2po", 4, 0.5, 0.5 + d, seed) for seed, d in enumerate((0.1, -0.08, 0.02))]
+    (claim,) = [c for c in run_claims(noisy, 0.4, peers=("m2po",)) if c.id.startswith("5-")]
+    assert claim.verdict == "mixed" and claim.low < 0 < claim.high and abs(claim.effect - 0.04 / 3) < 1e-9
 
 
 def test_claims_within_noise_are_mixed():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from bapo.demo.arith import ArithTaskConfig, make_split, problems, verify
-from bapo.demo.study import METHODS, PROFILES, StudyPlan, load_plan, run_study
+from bapo.demo.study import HEADLINE_METHODS, METHODS, PEERS, PROFILES, StudyPlan, load_plan, run_study
 from bapo.train.tiny import ModelConfig, save_tiny_model
 
 TASK = ArithTaskConfig(a_min=2, a_max=9, b_min=2, b_max=9, n_heldout=6, n_train=40, system_prompt="", max_new_tokens=4)
@@ -50,6 +50,8 @@ def tiny_plan(model, **changes) -> StudyPlan:
 def test_full_plan_shares_the_on_policy_run_and_has_every_cell():
     plan = PROFILES["full"]
     runs = plan.runs()
+    # claim 5 judges every method that claim 4 does not (BAPO's two presets) against GRPO
+    assert set(PEERS) | set(HEADLINE_METHODS) == set(METHODS) and not set(PEERS) & set(HEADLINE_METHODS)
     per_seed = 1 + len(METHODS) * 3  # grpo at E=0, every method at E=4, k=4, k=16
     assert len(runs) == per_seed * len(plan.seeds) == 57
     assert {spec.method for spec in runs if spec.setting == "E=0"} == {"grpo"}

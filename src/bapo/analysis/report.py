@@ -97,7 +97,8 @@ def markdown_table(rows: list[dict], start: dict | None = None) -> str:
     return "\n".join(lines)
 
 
-# The claims a user of the demo asks about first: does RL work here at all, and does BAPO beat GRPO
+# The claims a user asks about first: does RL work here at all, does BAPO beat GRPO, and (the study)
+# do the peers
 HEADLINE_CLAIMS = ("0-rl-improves", "4-heldout", "4-entropy", "4-share", "5-heldout")
 
 

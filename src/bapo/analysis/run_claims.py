@@ -217,7 +217,7 @@ def run_claim_specs(
         specs += [
             ClaimSpec(
                 f"5-heldout-{peer}@{setting}",
-                "the peer (named in the id) beats GRPO on held-out accuracy",
+                "the method named in the id (a peer of BAPO) beats GRPO on held-out accuracy",
                 where,
                 "held-out",
                 Arm(peer, setting),

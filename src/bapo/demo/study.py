@@ -48,7 +48,7 @@ METHODS: dict[str, dict[str, object]] = {
 # trained first on each axis: the paper's comparison (grpo vs bapo, both presets)
 HEADLINE_METHODS = ("grpo", "bapo", "bapo-paper")
 # the other methods, each judged against GRPO on held-out accuracy (claim 5) as BAPO is (claim 4)
-PEERS = tuple(method for method in METHODS if method not in HEADLINE_METHODS)
+PEERS = ("clip-higher", "m2po", "decoupled-ppo")
 BAPO_TARGET = 0.4  # rho0 of both bapo presets (the paper's); not tuned here
 
 
