@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from bapo.demo.arith import ArithTaskConfig, verify
+from bapo.demo.arith import ArithTaskConfig, operands, question, verify
 from bapo.train.data import format_prompt
 
 _JUST = "What is {a} + {b}? Answer with just the number."
@@ -100,7 +100,7 @@ def study_candidate() -> Candidate:
     cfg = ArithTaskConfig()
     return Candidate(
         "study task (a 2-19 + b 2-29, just the number)",
-        "What is {a} + {b}?" + cfg.suffix,
+        question("{a}", "+", "{b}", cfg.suffix),  # the study's own question, as a format string
         cfg.system_prompt,
         (cfg.a_min, cfg.a_max),
         (cfg.b_min, cfg.b_max),
@@ -109,14 +109,12 @@ def study_candidate() -> Candidate:
 
 
 def questions(candidate: Candidate, n: int, seed: int) -> list[tuple[int, int, int]]:
-    """n (a, b, answer) drawn without replacement from the candidate's operand space."""
-    space = [
-        (a, b, a + b if candidate.op == "+" else a - b)
-        for a in range(candidate.a_range[0], candidate.a_range[1] + 1)
-        for b in range(candidate.b_range[0], candidate.b_range[1] + 1)
-        if candidate.op == "+" or a >= b
-    ]
-    return random.Random(seed).sample(space, min(n, len(space)))
+    """n (a, b, answer) drawn without replacement from the candidate's operand space (the study
+    task's enumeration, bapo.demo.arith.operands, over the candidate's ranges and op)."""
+    (a_min, a_max), (b_min, b_max) = candidate.a_range, candidate.b_range
+    space = ArithTaskConfig(ops=(candidate.op,), a_min=a_min, a_max=a_max, b_min=b_min, b_max=b_max)
+    drawn = [(a, b, answer) for a, _, b, answer in operands(space)]
+    return random.Random(seed).sample(drawn, min(n, len(drawn)))
 
 
 def probe(model_path: str, candidates, n_questions: int, samples: int, temperatures, seed: int) -> list[dict]:

@@ -51,16 +51,20 @@ def question(a: int, op: str, b: int, suffix: str = "") -> str:
     return f"What is {a} {_WORDS[op]} {b}?{suffix}"
 
 
+def operands(cfg: ArithTaskConfig) -> list[tuple[int, str, int, int]]:
+    """Every (a, op, b, answer) of the space once, in order ("-" only where a >= b)."""
+    return [
+        (a, op, b, _OPS[op](a, b))
+        for op in cfg.ops
+        for a in range(cfg.a_min, cfg.a_max + 1)
+        for b in range(cfg.b_min, cfg.b_max + 1)
+        if op != "-" or a >= b
+    ]
+
+
 def problems(cfg: ArithTaskConfig) -> list[dict]:
     """Every question of the space once, as rows {"prompt", "answer"} (answer a string)."""
-    rows = []
-    for op in cfg.ops:
-        for a in range(cfg.a_min, cfg.a_max + 1):
-            for b in range(cfg.b_min, cfg.b_max + 1):
-                if op == "-" and a < b:
-                    continue
-                rows.append({"prompt": question(a, op, b, cfg.suffix), "answer": str(_OPS[op](a, b))})
-    return rows
+    return [{"prompt": question(a, op, b, cfg.suffix), "answer": str(answer)} for a, op, b, answer in operands(cfg)]
 
 
 def make_split(cfg: ArithTaskConfig) -> tuple[list[dict], list[dict]]:
