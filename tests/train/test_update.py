@@ -183,3 +183,44 @@ def test_step_scope_skips_the_forward_on_a_fresh_batch(fresh_setup):
     assert (ratio[batch.response_mask] - 1).abs().max() < 1e-4
     found = search_bounds(ratio, batch.advantages, batch.response_mask, cfg.loss.bapo_config())
     assert (skipped["bapo/search/lower"], skipped["bapo/search/upper"]) == (found.lower, found.upper)
+
+
+def test_proximal_log_prob_reuses_the_behaviour_log_prob_where_the_current_weights_sampled(stale_setup, monkeypatch):
+    """Decoupled PPO's proximal policy is the current weights: for tokens those weights sampled it
+    *is* the behaviour policy, so its log-prob is the behaviour log-prob itself (weight exp(0) = 1 on
+    every instruction set); tokens of older versions get the no-grad forward, and a batch with none
+    runs no forward at all."""
+    import dataclasses
+
+    from bapo.train import update as update_module
+    from bapo.train.update import with_proximal_log_prob
+
+    trainer, batch = stale_setup
+    version = trainer.version
+    fresh_rows = torch.arange(len(batch)) < len(batch) // 2
+    versions = torch.where(fresh_rows[:, None] & batch.response_mask, version, batch.versions)
+    mixed = dataclasses.replace(batch, versions=versions)
+    proximal = with_proximal_log_prob(trainer.model, mixed, trainer.cfg, version).proximal_log_prob
+    fresh = fresh_rows[:, None] & batch.response_mask
+    stale = ~fresh_rows[:, None] & batch.response_mask
+    assert torch.equal(proximal[fresh], batch.old_log_prob[fresh])  # the same numbers, copied
+    with torch.no_grad():
+        recomputed, _ = token_log_probs(
+            trainer.model,
+            batch.prompt_ids,
+            batch.prompt_mask,
+            batch.response_ids,
+            batch.response_mask,
+            trainer.cfg.rollout.temperature,
+        )
+    torch.testing.assert_close(proximal[stale], recomputed[stale], atol=1e-5, rtol=1e-5)  # float32 forward rounding
+    assert (proximal[stale] - batch.old_log_prob[stale]).abs().max() > 1e-3  # three updates moved them
+
+    def no_forward(*args, **kwargs):
+        raise AssertionError("no forward when every token is the current version's")
+
+    monkeypatch.setattr(update_module, "batched_log_probs", no_forward)
+    all_fresh = dataclasses.replace(batch, versions=torch.where(batch.response_mask, version, batch.versions))
+    assert (
+        with_proximal_log_prob(trainer.model, all_fresh, trainer.cfg, version).proximal_log_prob is batch.old_log_prob
+    )

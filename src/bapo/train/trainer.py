@@ -34,7 +34,7 @@ from bapo.train.checkpoint import (
     set_rng_state,
     verify_checkpoint,
 )
-from bapo.train.config import ConfigError, TrainConfig, check_model_path
+from bapo.train.config import ConfigError, TrainConfig, check_model_path, vllm_missing
 from bapo.train.data import (
     PromptSampler,
     check_rows,
@@ -467,7 +467,7 @@ class Trainer:
         if self.cfg.loss.method in PROXIMAL_METHODS and len(batch):
             # decoupled PPO's proximal policy: these weights, before the batch's first update (a copy:
             # the buffer's batch, which replay may serve again, keeps none)
-            batch = with_proximal_log_prob(self.model, batch, self.cfg)
+            batch = with_proximal_log_prob(self.model, batch, self.cfg, first_version)
         for slot, (epoch, rows_idx) in enumerate(updates):
             # the policy version is derived from the slot, so a batch always advances it by exactly
             # updates_per_batch (also for callers that drive rollout_step/update_step themselves)
@@ -624,6 +624,8 @@ def train(
       on_start(trainer): called once the trainer is built (model loaded or resumed), before the
       first rollout, e.g. to hand an on_update hook the trainer's sampler (Trainer.sample_texts).
     """
+    if cfg.rollout.backend == "vllm" and (missing := vllm_missing()):
+        raise ConfigError(missing)  # before any work: no run folder, no model load
     trainer = Trainer(cfg, examples=examples, verifier=verifier, on_update=on_update, progress=progress, resume=resume)
     with _signals_finish_the_step(trainer):
         if on_start is not None:

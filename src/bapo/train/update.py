@@ -99,10 +99,19 @@ def _observe_update(
     return first
 
 
-def with_proximal_log_prob(model, batch: Batch, cfg: TrainConfig) -> Batch:
-    """`batch` with its proximal log-probs (decoupled PPO): a no-grad forward of the current
-    weights, i.e. the policy before the first of the updates this batch is about to get."""
-    proximal = batched_log_probs(
+def with_proximal_log_prob(model, batch: Batch, cfg: TrainConfig, version: int | None) -> Batch:
+    """`batch` with its proximal log-probs (decoupled PPO): the log-probs of the current weights
+    (policy `version`), the policy before the first of the updates this batch is about to get.
+
+    A token that `version` itself sampled keeps its behaviour log-prob: there the proximal policy
+    *is* the behaviour policy, so its weight pi_prox / mu is exp(0) = 1 by construction, whatever
+    the kernels (a second forward would differ from the sampler's in the last bits). Only tokens
+    of older versions (an async delay, partial rollout, replay) need the no-grad forward, which
+    runs only when there are some. version None (unknown): every token from the forward."""
+    fresh = ~batch.response_mask if version is None else (batch.versions == version) | ~batch.response_mask
+    if bool(fresh.all()):
+        return dataclasses.replace(batch, proximal_log_prob=batch.old_log_prob)
+    forward = batched_log_probs(
         model,
         batch.prompt_ids,
         batch.prompt_mask,
@@ -111,8 +120,8 @@ def with_proximal_log_prob(model, batch: Batch, cfg: TrainConfig) -> Batch:
         cfg.rollout.temperature,
         cfg.rollout.logprob_batch_size,
         cfg.model.autocast,
-    )
-    return dataclasses.replace(batch, proximal_log_prob=proximal.to(batch.old_log_prob.device))
+    ).to(batch.old_log_prob.device)
+    return dataclasses.replace(batch, proximal_log_prob=torch.where(fresh, batch.old_log_prob, forward))
 
 
 def loss_params(cfg: TrainConfig) -> dict:
@@ -234,7 +243,7 @@ def optimizer_update(
     """
     start = time.perf_counter()
     if cfg.loss.method in PROXIMAL_METHODS and batch.proximal_log_prob is None:
-        batch = with_proximal_log_prob(model, batch, cfg)  # this update is the first on `batch`
+        batch = with_proximal_log_prob(model, batch, cfg, version)  # this update is the first on `batch`
     micro = [
         batch.select(torch.arange(s, min(s + cfg.optim.micro_batch_size, len(batch))))
         for s in range(0, len(batch), cfg.optim.micro_batch_size)
