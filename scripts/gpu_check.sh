@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU checks (CI has no GPU): the CUDA-marked tests, then the core bench on the device.
 # Run on a CUDA machine from the repo root with a CUDA build of torch in .venv:
-#   make .venv/.test TORCH="torch==2.9.1" && scripts/gpu_check.sh
+#   make .venv/.test VLLM=0 TORCH="torch==2.9.1" && scripts/gpu_check.sh
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 "$PY" -c "import torch; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.cuda.get_device_name())"

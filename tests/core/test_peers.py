@@ -211,6 +211,7 @@ VERL_CASES = [
 
 
 @pytest.mark.parametrize("seed", range(3))
+@pytest.mark.verl
 @pytest.mark.parametrize("method, params, verl_name, verl_config, agg_mode", VERL_CASES)
 def test_equals_verls_own_function(seed, method, params, verl_name, verl_config, agg_mode):
     tensors = random_batch(seed, 0.5)

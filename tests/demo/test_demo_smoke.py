@@ -170,3 +170,35 @@ def test_the_demo_pipeline_trains_every_peer_in_every_setting(tmp_path):
             rows = (out / f"{peer}-{setting}-seed0" / "metrics.jsonl").read_text().splitlines()
             assert len(rows) == 2 * (2 if setting == "E1" else 1), (peer, setting)
     assert (out / "report.md").exists()
+
+
+def test_demo_progress_prints_a_plain_line_per_finished_run_when_stdout_is_not_a_terminal(capsys):
+    """`make demo > log`: no rich bar (it would show only at the end), a line per stage and run."""
+    from types import SimpleNamespace
+
+    from bapo.demo.progress import DemoProgress
+
+    warmstart = SimpleNamespace(key=lambda: "never-cached-test-key", sft=SimpleNamespace(steps=8))
+    plan = SimpleNamespace(warmstart=warmstart, rollout_steps=3)
+    specs = [SimpleNamespace(name="grpo-E0-seed0"), SimpleNamespace(name="bapo-E2-seed0")]
+    with DemoProgress(plan, specs) as progress:
+        assert progress.plain and progress.bar is None  # capsys's stdout is not a terminal
+        for step in range(8):
+            progress.sft_step(step, 1.0)
+        progress.sft_done()
+        for name in ("grpo-E0-seed0", "bapo-E2-seed0"):
+            progress.start_run(SimpleNamespace(name=name))
+            for done in (1, 2, 3, 3):  # the last tick repeats: still one line
+                progress.run_step(name, done)
+        progress.finishing()
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split("  (")[0] for line in lines] == [
+        "bapo demo: warm start (SFT) 2/8  loss 1.000",
+        "bapo demo: warm start (SFT) 4/8  loss 1.000",
+        "bapo demo: warm start (SFT) 6/8  loss 1.000",
+        "bapo demo: warm start done",
+        "bapo demo: run grpo-E0-seed0 done, 1/2 runs",
+        "bapo demo: run bapo-E2-seed0 done, 2/2 runs",
+        "bapo demo: every run done; plots and report",
+    ]
+    assert all("elapsed, eta" in line for line in lines)

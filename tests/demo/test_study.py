@@ -5,6 +5,7 @@ started run resumes from its checkpoint)."""
 import copy
 import json
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,7 +132,13 @@ def test_every_study_method_gives_grpos_update_on_policy(char_model, tmp_path):
 def test_decoupled_ppo_trains_as_grpo_at_staleness_e_without_delay(char_model, tmp_path):
     """Why the study's report lists decoupled-ppo and grpo at E=4 as identical: without an async
     delay the proximal policy (the weights before a batch's first update) is the behaviour policy,
-    so its weight pi_prox/mu is 1 and its ratio is grpo's, over every mini-batch update."""
+    so its weight pi_prox/mu is 1 and its ratio is grpo's, over every mini-batch update.
+
+    Bit equality is guaranteed here whatever the CPU's kernels: the trainer reuses the behaviour
+    log-probs as the proximal ones for tokens the current weights sampled (with_proximal_log_prob),
+    so the weight is exp(0) = 1 exactly and x * 1 = x; both runs then do the same operations on the
+    same numbers. (A second forward would differ from the sampler's log-probs in the last bits on
+    some instruction sets: AVX2 did, AVX-512 did not.)"""
     from bapo.demo.demo import RunSpec
     from bapo.demo.study import prepare, train_config
     from bapo.train import Trainer
@@ -303,3 +310,21 @@ def test_task_probe_draws_valid_questions_and_probes_the_study_task_as_configure
     assert len(drawn) == len(study_prompts) == 504  # the whole space when asked for more
     assert {study.user.format(a=a, b=b) for a, b, _ in drawn} == study_prompts
     assert study.system is ArithTaskConfig().system_prompt is None and study.budget == ArithTaskConfig().max_new_tokens
+
+
+@pytest.mark.parametrize("resume", [False, True])
+def test_study_without_vllm_fails_in_one_line_before_any_work(tmp_path, monkeypatch, resume):
+    from typer.testing import CliRunner
+
+    import bapo.cli.smollm2 as smollm2
+    from bapo.cli.main import app
+    from tests.train.test_cli import one_line_error, without_vllm
+
+    without_vllm(monkeypatch)
+    monkeypatch.setattr(smollm2, "convert", lambda *a, **k: pytest.fail("converted the model before the check"))
+    study_dir = Path(__file__).resolve().parents[2] / "docs" / "study" / "full"  # a saved vLLM plan
+    args = ["--resume", str(study_dir)] if resume else ["--quick", "--out", str(tmp_path / "quick")]
+    line = one_line_error(CliRunner().invoke(app, ["study", *args]))
+    assert "bapo study samples with vLLM: vLLM is not installed" in line and "`make vllm`" in line
+    assert (f".venv/bin/bapo study --resume {study_dir}" if resume else ".venv/bin/bapo study") in line
+    assert not (tmp_path / "quick").exists()

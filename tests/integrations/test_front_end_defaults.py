@@ -14,6 +14,8 @@ from bapo.integrations.verl.losses import _core_params  # noqa: E402
 from bapo.train.update import loss_params  # noqa: E402
 from tests.helpers import make_config  # noqa: E402
 
+pytestmark = pytest.mark.verl  # runs in .venv-verl (make test)
+
 
 def trl_args(tmp_path, **fields) -> BAPOGRPOConfig:
     return BAPOGRPOConfig(str(tmp_path / "out"), use_cpu=True, bf16=False, report_to="none", **fields)

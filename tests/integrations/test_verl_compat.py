@@ -22,6 +22,8 @@ from bapo.integrations.verl.compat import (
     installed_verl_version,
 )
 
+pytestmark = pytest.mark.verl  # runs in .venv-verl (make test)
+
 
 def test_installed_verl_matches_the_api_bapo_was_written_for():
     check_verl_api()

@@ -9,6 +9,9 @@ import pytest
 
 pytest.importorskip("verl")
 
+pytestmark = pytest.mark.verl  # runs in .venv-verl (make test)
+
+
 EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "verl"
 PYTHON_ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 

@@ -23,6 +23,9 @@ from bapo.core import (  # noqa: E402
 )
 from bapo.integrations.verl import BAPOPolicyLossConfig, core_aggregation  # noqa: E402
 
+pytestmark = pytest.mark.verl  # runs in .venv-verl (make test)
+
+
 VERL_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 # One micro-batch of a bigger update on 2 ranks (what verl's ppo_loss writes), and a lone batch.
 GLOBAL_INFOS = (

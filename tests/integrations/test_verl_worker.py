@@ -24,7 +24,7 @@ import torch
 pytest.importorskip("verl")
 pytest.importorskip("transformers")
 pytest.importorskip("verl.workers.engine_workers")  # needs verl's worker deps (ray, fastapi, uvicorn)
-pytestmark = pytest.mark.slow  # two spawned gloo ranks running verl's worker
+pytestmark = [pytest.mark.slow, pytest.mark.verl]  # two spawned gloo ranks running verl's worker (.venv-verl)
 
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402

