@@ -1,6 +1,6 @@
 """Rollout and update speed of bapo's trainer on a real model (SmolLM2-135M-Instruct), side by side in one run.
 
-    .venv-vllm/bin/python bench/real_model.py            # every part (vLLM ones need vllm importable)
+    .venv/bin/python bench/real_model.py                 # every part (vLLM ones need vllm: make vllm)
     python bench/real_model.py --json                         # one JSON object; vLLM parts skipped without vllm
     python bench/real_model.py --baseline-src ../main/src     # + the fp32 update of another checkout ("today")
     python bench/real_model.py --tiny --json                  # the tiny random Llama instead (smoke size)

@@ -1,8 +1,8 @@
 """How often the start policy solves candidate task formats, before any RL: the measurement
 behind the study's choice of task (docs/STUDY.md, "Why this task").
 
-    HF_HUB_OFFLINE=1 .venv-vllm/bin/python scripts/task_probe.py                # markdown table
-    HF_HUB_OFFLINE=1 .venv-vllm/bin/python scripts/task_probe.py --json out.json
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/task_probe.py                 # markdown table (after make vllm)
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/task_probe.py --json out.json
 
 Each candidate is a prompt format (system turn, user turn) over a range of operands; `--questions`
 of its questions (drawn with `--seed`) are sampled `--samples` times each by vLLM at every
