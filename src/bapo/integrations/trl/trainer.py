@@ -215,8 +215,9 @@ class BAPOGRPOTrainer(GRPOTrainer):
         if not (self.model.training and self._shuffles_groups and generates):
             return super()._prepare_inputs(generation_batch)
         batch = split_pixel_values_by_grid(self._generate_and_score_completions(generation_batch))
-        rows = len(batch["completion_ids"])
-        order = group_rows(torch.randperm(rows // self.num_generations), self.num_generations)
+        rows, group_size = len(batch["completion_ids"]), self.num_generations
+        whole = rows % group_size == 0  # else not TRL's layout: TRL's own row shuffle
+        order = group_rows(torch.randperm(rows // group_size), group_size) if whole else torch.randperm(rows)
         parts = split_tensor_dict(permute_rows(batch, order), steps)
         self._buffered_inputs = [unsplit_pixel_values_by_grid(part) for part in parts]
         return self._buffered_inputs[self._step % steps]
