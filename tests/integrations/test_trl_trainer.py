@@ -22,7 +22,14 @@ import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from trl import GRPOTrainer  # noqa: E402
 
-from bapo.core import BAPOConfig, clip_statistics, policy_loss, search_bounds, token_ratio  # noqa: E402
+from bapo.core import (  # noqa: E402
+    BAPOConfig,
+    clip_statistics,
+    policy_loss,
+    positive_share,
+    search_bounds,
+    token_ratio,
+)
 from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer  # noqa: E402
 from bapo.integrations.trl.config import BAPO_DUAL_CLIP  # noqa: E402
 from bapo.integrations.trl.tiny import (  # noqa: E402
@@ -31,7 +38,7 @@ from bapo.integrations.trl.tiny import (  # noqa: E402
     cpu_grpo_args,
     digit_match_reward,
 )
-from bapo.integrations.trl.trainer import starts_optimizer_step  # noqa: E402
+from bapo.integrations.trl.trainer import group_split, starts_optimizer_step  # noqa: E402
 
 GROUP = 4
 MICRO_BATCH = 4
@@ -337,7 +344,11 @@ def test_training_off_policy_logs_bapo_metrics(tiny_model_dir, tmp_path):
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
     assert len(logs) == 3
     config = trainer.args.bapo_config()
+    # whole groups per step (the default): a step whose groups all have one reward has no signal,
+    # and its shares are missing (NaN, None in TRL's log), never a made-up number
+    assert any(entry["bapo/no_signal"] == 0 for entry in logs)
     for entry in logs:
+        signal = entry["bapo/no_signal"] == 0
         for key in (
             "bapo/lower",
             "bapo/upper",
@@ -348,9 +359,16 @@ def test_training_off_policy_logs_bapo_metrics(tiny_model_dir, tmp_path):
             "bapo/ratio/mean",
             "bapo/entropy",
             "bapo/search/reached",
+            "bapo/response_length/unrewarded",
+            "bapo/positive_share/start_bounds",
         ):
-            assert key in entry and math.isfinite(entry[key]), key
-        assert entry["bapo/search/scope"] == 0.0 and math.isfinite(entry["bapo/search/share"])
+            missing = not signal and key in (
+                "bapo/positive_share",
+                "bapo/search/reached",
+                "bapo/positive_share/start_bounds",
+            )
+            assert key in entry and (missing or math.isfinite(entry[key])), key
+        assert entry["bapo/search/scope"] == 0.0 and (not signal or math.isfinite(entry["bapo/search/share"]))
         assert config.lower_start <= entry["bapo/lower"] <= config.lower_max
         assert config.upper_start <= entry["bapo/upper"] <= config.upper_max
         assert math.isfinite(entry["loss"])
@@ -419,8 +437,16 @@ def test_training_logs_the_share_of_each_optimizer_steps_tokens(tiny_model_dir, 
             steps[-1][2:] = [self.bapo_step.solved]  # the step's bounds
             return loss
 
+    # rows: TRL's row shuffle spreads this run's one mixed group over both steps of a generation, so
+    # every step has signal once the first micro-batch's is removed (whole groups may leave a step none)
     trainer = make_trainer(
-        tiny_model_dir, tmp_path, trainer_class=NoSignalFirst, max_steps=3, num_iterations=2, bapo_target=0.6
+        tiny_model_dir,
+        tmp_path,
+        trainer_class=NoSignalFirst,
+        max_steps=3,
+        num_iterations=2,
+        bapo_target=0.6,
+        bapo_minibatch_split="rows",
     )
     trainer.train()
     logs = [entry for entry in trainer.state.log_history if "loss" in entry]
@@ -504,3 +530,82 @@ def test_optimizer_step_boundaries_on_other_trl_versions(trl_path):
         timeout=600,
     )
     assert done.returncode == 0, done.stdout[-3000:]
+
+
+def test_group_split_says_when_optimizer_steps_split_groups():
+    # (per-device batch, steps_per_generation, gradient accumulation, num_generations, split)
+    assert group_split(4, 4, 4, 4, "rows") is None  # one optimizer step per generation batch
+    assert "[0, 8]" in group_split(4, 4, 2, 4, "rows")  # TRL's row shuffle, two steps per generation
+    assert group_split(4, 4, 2, 4, "groups") is None  # steps start at rows 0 and 8: group boundaries
+    assert "multiple of num_generations" in group_split(2, 4, 1, 4, "groups")  # a step starts at row 2
+    assert "not whole groups" in group_split(3, 2, 1, 4, "groups")  # 6 rows per process
+
+
+def step_prompt_counts(trainer) -> list[dict]:
+    """Per optimizer step of the last generation batch: how many of its rows each prompt has."""
+    counts = []
+    for first in range(0, STEPS_PER_GENERATION, ACCUMULATION):
+        step: dict = {}
+        for batch in trainer._buffered_inputs[first : first + ACCUMULATION]:
+            for ids, mask in zip(batch["prompt_ids"], batch["prompt_mask"]):
+                prompt = tuple(ids[mask.bool()].tolist())
+                step[prompt] = step.get(prompt, 0) + 1
+        counts.append(step)
+    return counts
+
+
+def test_optimizer_steps_hold_whole_groups_by_default_and_rows_split_them(tiny_model_dir, tmp_path, caplog):
+    """steps_per_generation = 2 x gradient_accumulation_steps: each generation batch feeds two
+    optimizer steps. By default every prompt of a step has all its GROUP completions in it; with
+    TRL's row shuffle some step holds part of a group, and the run says so in one line."""
+    for generation in range(3):  # several generations (TRL's global RNG draws each order)
+        trainer = make_trainer(tiny_model_dir, tmp_path / f"groups{generation}", max_steps=2, seed=generation)
+        trainer.train()
+        for step in step_prompt_counts(trainer):
+            assert all(count % GROUP == 0 for count in step.values()), step
+    assert "hold parts of prompt groups" not in caplog.text
+    split_seen = False
+    with caplog.at_level("WARNING", logger="bapo.integrations.trl.trainer"):
+        for generation in range(3):
+            trainer = make_trainer(
+                tiny_model_dir,
+                tmp_path / f"rows{generation}",
+                max_steps=2,
+                seed=generation,
+                bapo_minibatch_split="rows",
+            )
+            trainer.train()
+            counts = step_prompt_counts(trainer)
+            split_seen |= any(count % GROUP for step in counts for count in step.values())
+    assert split_seen  # a row shuffle of 16 rows keeps 4 groups of 4 in halves with probability 6/12870
+    assert caplog.text.count("steps hold parts of prompt groups") == 3  # one line per run
+
+
+def test_step_logs_lengths_by_advantage_sign_and_the_share_at_the_start_bounds(tiny_model_dir, tmp_path):
+    """TRL's batch has no rewards: response_length/rewarded counts completions with advantage > 0.
+    One value per optimizer step over all its micro-batches; the share at BAPO's start bounds is the
+    share of the step's ratios at (lower_start, upper_start)."""
+    trainer = make_trainer(tiny_model_dir, tmp_path, bapo_target=0.6, num_iterations=2)
+    buffer = generation_buffer(trainer, seed=5)
+    first = STEPS_PER_GENERATION  # stale: ratios differ from 1
+    start_optimizer_step(trainer, buffer, first)
+    step_batches = buffer[:ACCUMULATION]
+    ratios, advantages, masks = [], [], []
+    for index, batch in enumerate(step_batches):
+        mask = batch["completion_mask"]
+        ratios.append(token_ratio(current_log_prob(trainer, batch)[0], batch["old_per_token_logps"]))
+        advantages.append(batch["advantages"])
+        masks.append(mask)
+        trainer._step = first + index
+        trainer._compute_loss(trainer.model, batch)
+    lengths, advantage = torch.cat(masks).sum(1).double(), torch.cat(advantages)
+    config = trainer.args.bapo_config()
+    expected_share = positive_share(
+        torch.cat(ratios), advantage, torch.cat(masks), config.lower_start, config.upper_start, config
+    )
+    metrics = trainer._metrics["train"]
+    assert metrics["bapo/response_length/rewarded"] == [pytest.approx(float(lengths[advantage > 0].mean()))]
+    assert metrics["bapo/response_length/unrewarded"] == [pytest.approx(float(lengths[advantage <= 0].mean()))]
+    # the loss's forward vs this test's (same weights and shapes): float32 rounding
+    assert metrics["bapo/positive_share/start_bounds"] == [pytest.approx(expected_share, rel=1e-5)]
+    assert expected_share != pytest.approx(metrics["bapo/positive_share"][0], rel=1e-3)  # not the used bounds'

@@ -18,6 +18,7 @@ from bapo.core import (  # noqa: E402
     SearchResult,
     aggregate_loss,
     policy_loss,
+    positive_share,
     search_bounds,
     token_ratio,
 )
@@ -328,3 +329,36 @@ def test_distillation_config_without_policy_loss_fails_naming_the_setting():
     for method in ("topr", "dcpo"):  # no bapo search: core's defaults, dual-clip 3.0 as vanilla
         loss, grad, metrics = run_registered(method, "token-mean", config, tokens, False)
         assert torch.isfinite(loss) and torch.isfinite(grad).all()
+
+
+@pytest.mark.parametrize("method", ["bapo", "topr"])
+def test_every_registered_loss_logs_lengths_by_advantage_sign_and_the_share_at_the_start_bounds(method):
+    """verl's loss sees advantages, not rewards: a response is "rewarded" when its advantage is > 0.
+    The share at the start bounds uses the policy_loss config's (here 0.7, 1.3) and the IS weights."""
+    tokens = make_tokens(seed=6)
+    policy_loss_config = BAPOPolicyLossConfig(loss_mode=method, lower_start=0.7, upper_start=1.3)
+    if method == "bapo":  # the step's bounds: these (the share at the start bounds does not depend on them)
+        solved = SearchResult(lower=0.8, upper=2.0, positive_share=0.5, reached=True, steps=9, pos_neg=1.0)
+        policy_loss_config = in_step(policy_loss_config, solved, tokens=40)
+    config = actor_config("token-mean", policy_loss_config, {})
+    _, _, metrics = run_registered(method, "token-mean", config, tokens, True)
+    mask, advantage = tokens["response_mask"], tokens["advantages"][:, 0]
+    lengths = mask.sum(1).double()
+    rewarded = (advantage > 0) & (lengths > 0)  # the empty row has no tokens: its masked advantage sum is 0
+    assert metrics["actor/bapo/response_length/rewarded"] == pytest.approx(float(lengths[rewarded].mean()))
+    assert metrics["actor/bapo/response_length/unrewarded"] == pytest.approx(float(lengths[~rewarded].mean()))
+    ratio = token_ratio(tokens["log_prob"], tokens["old_log_prob"])
+    expected = positive_share(
+        ratio,
+        tokens["advantages"],
+        mask,
+        0.7,
+        1.3,
+        policy_loss_config.bapo_config(),
+        weights=tokens["rollout_is_weights"],
+    )
+    # the same float32 ratio and float64 sums on both sides
+    assert metrics["actor/bapo/positive_share/start_bounds"] == pytest.approx(expected, rel=1e-12)
+    # the sums verl averages over micro-batches: their ratio is the mini-batch's length exactly
+    ratio_of_sums = metrics["actor/bapo/balance/rewarded_tokens"] / metrics["actor/bapo/balance/rewarded_responses"]
+    assert ratio_of_sums == pytest.approx(metrics["actor/bapo/response_length/rewarded"])

@@ -34,7 +34,7 @@ def test_unknown_key_names_the_nearest_valid_one(tmp_path, override, expected):
         ("rollout.temperature=-1", "rollout.temperature"),
         ("loss.method=bappo", "did you mean 'bapo'"),
         ("loss.agg_mode=token_mean", "did you mean 'token-mean'"),
-        ("offpolicy.mini_batches=3", "offpolicy.mini_batches=3 must divide"),
+        ("offpolicy.mini_batches=17", "offpolicy.mini_batches=17 is more than the 16 prompt groups"),
         ("loss.bapo.lower_max=1.5", "loss.bapo.lower_start/lower_max"),
         ("loss.params={uper: 2}", "loss.params.uper"),
         ("rollout.group_size=1", "rollout.group_size=1"),

@@ -40,9 +40,10 @@ def test_entropy_rising_to_log_vocab_stops_but_starting_there_does_not(tiny_mode
     assert "close to uniform" in what and "optim.lr" in hint
 
 
-def test_dropped_groups_never_lose_update_slots(tiny_model, tmp_path):
-    """Fewer rows than mini-batches after dropping zero-variance groups: every rollout step still
-    counts exactly mini_batches x epochs updates (empty ones skipped) and the version is derived."""
+@pytest.mark.parametrize("split, mini_batches", [("rows", 8), ("groups", 2)])
+def test_dropped_groups_never_lose_update_slots(tiny_model, tmp_path, split, mini_batches):
+    """Fewer rows (groups) than mini-batches after dropping zero-variance groups: every rollout step
+    still counts exactly mini_batches x epochs updates (empty ones skipped) and the version is derived."""
     examples = arithmetic_examples(2)
 
     def flat_but_one(response, example):
@@ -55,7 +56,8 @@ def test_dropped_groups_never_lose_update_slots(tiny_model, tmp_path):
             "rollout.prompts_per_batch": 2,
             "rollout.group_size": 4,
             "loss.zero_variance": "drop",
-            "offpolicy.mini_batches": 8,
+            "offpolicy.mini_batches": mini_batches,
+            "offpolicy.minibatch_split": split,
             "offpolicy.epochs": 2,
             "offpolicy.staleness": 1,
             "run.rollout_steps": 3,
@@ -65,9 +67,10 @@ def test_dropped_groups_never_lose_update_slots(tiny_model, tmp_path):
     rows = read_metrics(
         train(cfg, lambda version, model, tok: seen.append(version), examples=examples, verifier=flat_but_one)
     )
-    assert seen == [16, 32, 48]
-    assert [r["update"] for r in rows] == list(range(1, 49))
+    per_batch = 2 * mini_batches
+    assert seen == [per_batch, 2 * per_batch, 3 * per_batch]
+    assert [r["update"] for r in rows] == list(range(1, 3 * per_batch + 1))
     assert any(r.get("empty_batch") for r in rows) and any(not r["skipped"] for r in rows)
     for r in rows:
         if not r.get("empty_batch"):  # staleness counted in updates from the derived version
-            assert r["staleness/max"] <= 16 + 15
+            assert r["staleness/max"] <= 2 * per_batch - 1

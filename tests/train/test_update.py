@@ -5,11 +5,19 @@ import copy
 import pytest
 import torch
 
-from bapo.core import policy_loss, search_bounds, token_ratio
+from bapo.core import policy_loss, positive_share, search_bounds, token_ratio
 from bapo.train import Trainer
 from bapo.train.rollout import token_log_probs
 from bapo.train.update import behaviour_is_current, optimizer_update
 from tests.helpers import arithmetic_examples, digit_share, make_config
+
+
+def batch_log_prob(model, batch, cfg):
+    """The current log-probs [N, R] of `batch`'s tokens under cfg's temperature (one forward)."""
+    log_prob, _ = token_log_probs(
+        model, batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask, cfg.rollout.temperature
+    )
+    return log_prob
 
 
 @pytest.fixture(scope="module")
@@ -171,14 +179,7 @@ def test_step_scope_skips_the_forward_on_a_fresh_batch(fresh_setup):
     torch.testing.assert_close(delta_skipped, delta_forward)
     # the ratio-1 search is the search on the recomputed ratios
     with torch.no_grad():
-        lp, _ = token_log_probs(
-            trainer.model,
-            batch.prompt_ids,
-            batch.prompt_mask,
-            batch.response_ids,
-            batch.response_mask,
-            cfg.rollout.temperature,
-        )
+        lp = batch_log_prob(trainer.model, batch, cfg)
     ratio = token_ratio(lp, batch.old_log_prob)
     assert (ratio[batch.response_mask] - 1).abs().max() < 1e-4
     found = search_bounds(ratio, batch.advantages, batch.response_mask, cfg.loss.bapo_config())
@@ -224,3 +225,41 @@ def test_proximal_log_prob_reuses_the_behaviour_log_prob_where_the_current_weigh
     assert (
         with_proximal_log_prob(trainer.model, all_fresh, trainer.cfg, version).proximal_log_prob is batch.old_log_prob
     )
+
+
+@pytest.mark.parametrize("method", ["grpo", "bapo"])
+def test_update_logs_lengths_by_reward_and_the_share_at_bapos_start_bounds(stale_setup, method):
+    """Every update, every method: response_length/{rewarded, unrewarded} (reward > 0 or not) and
+    positive_share/start_bounds (loss.bapo's start bounds, on this update's ratios), on a batch
+    whose rewards and advantages are set by hand; micro-batching does not change them."""
+    trainer, batch = stale_setup
+    batch = copy.copy(batch)
+    rows = len(batch)
+    batch.rewards = torch.tensor([1.0, 0.0, 0.5, -1.0] * (rows // 4))
+    batch.advantages = torch.linspace(-1.0, 1.0, rows)
+    lengths = batch.response_mask.sum(1).double()
+    rewarded = batch.rewards > 0
+    cfg = trainer.cfg.model_copy(deep=True)
+    cfg.loss.method = method
+    log_prob = batch_log_prob(trainer.model, batch, cfg)
+    config = cfg.loss.bapo_config()
+    expected_share = positive_share(
+        token_ratio(log_prob.detach(), batch.old_log_prob),
+        batch.advantages,
+        batch.response_mask,
+        config.lower_start,
+        config.upper_start,
+        config,
+    )
+    for micro in (rows, 5):
+        cfg.optim.micro_batch_size = micro
+        model = copy.deepcopy(trainer.model)
+        opt = torch.optim.SGD(model.parameters(), lr=1.0)
+        metrics = optimizer_update(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), batch, cfg)
+        assert metrics["response_length/rewarded"] == pytest.approx(float(lengths[rewarded].mean()))
+        assert metrics["response_length/unrewarded"] == pytest.approx(float(lengths[~rewarded].mean()))
+        # the update's forward vs this test's (same weights, other micro-batch shapes): float32 rounding
+        assert metrics["positive_share/start_bounds"] == pytest.approx(expected_share, rel=1e-4)
+    # the stale ratios move tokens across the bounds: the share at the start bounds is not the one at 1
+    at_one = positive_share(torch.ones_like(log_prob), batch.advantages, batch.response_mask, 0.6, 1.2)
+    assert abs(expected_share - at_one) > 1e-3

@@ -41,6 +41,7 @@ def train_command(
     """Train a causal LM with GRPO / BAPO (and baselines) on verifier rewards."""
     from bapo.train import TrainingStopped, load_config, train
     from bapo.train.config import describe_config
+    from bapo.train.rundir import added_key_overrides
     from bapo.train.trainer import TrainingAborted, TrainingInterrupted
 
     with user_errors():
@@ -50,6 +51,7 @@ def train_command(
             return
         if config is None and resume is not None:
             config = str(resume / "config.yaml")
+            overrides = [*added_key_overrides(resume), *overrides]
         cfg = load_config(config, overrides)
         if resume is not None:
             cfg.run.output_dir = str(resume)

@@ -33,11 +33,12 @@ from bapo.core.search import (
     search_bounds,
     token_contributions,
 )
-from bapo.core.search_metrics import search_metrics
+from bapo.core.search_metrics import BALANCE_FIELDS, balance_metrics, balance_sums, search_metrics
 from bapo.core.step import BAPOStep, MissingStepStateWarning
 from bapo.core.target import EntropyTargetController, token_mean_over_ranks
 
 __all__ = [
+    "BALANCE_FIELDS",
     "BATCH_LEVEL_METHODS",
     "BAPOConfig",
     "BAPOStep",
@@ -55,6 +56,8 @@ __all__ = [
     "TokenBatch",
     "TokenLoss",
     "aggregate_loss",
+    "balance_metrics",
+    "balance_sums",
     "candidate_grid",
     "clip_diagnostics",
     "clip_statistics",

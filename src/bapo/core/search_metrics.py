@@ -1,11 +1,16 @@
 """The one metric schema of the BAPO bound search, `bapo/search/*`, shared by bapo.train, the TRL
-trainer and the verl worker (verl prefixes `actor/`)."""
+trainer and the verl worker (verl prefixes `actor/`), and the per-update balance metrics next to it
+(`balance_sums` / `balance_metrics`: response_length/{rewarded, unrewarded}, positive_share/start_bounds)."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
-from bapo.core.search import SCOPES, SearchResult
+import torch
+from torch import Tensor
+
+from bapo.core.search import SCOPES, BAPOConfig, SearchResult, token_contributions
 
 
 def search_metrics(searches: Sequence[tuple[SearchResult, int]], scope: str) -> dict[str, float]:
@@ -37,4 +42,84 @@ def search_metrics(searches: Sequence[tuple[SearchResult, int]], scope: str) -> 
         "bapo/search/steps": mean(lambda result: result.steps),
         "bapo/search/scope": float(SCOPES.index(scope)),
         "bapo/search/tokens": float(tokens),
+    }
+
+
+#: Additive sums behind `balance_metrics`, in the order `balance_sums` packs them: tokens and
+#: responses of the rewarded and of the unrewarded responses, and pos / neg at BAPO's start bounds.
+BALANCE_FIELDS = (
+    "rewarded_tokens",
+    "rewarded_responses",
+    "unrewarded_tokens",
+    "unrewarded_responses",
+    "start_positive",
+    "start_negative",
+)
+
+
+def balance_sums(
+    ratio: Tensor | None,
+    advantages: Tensor,
+    mask: Tensor,
+    rewarded: Tensor,
+    config: BAPOConfig,
+    *,
+    weights: Tensor | None = None,
+    behaviour_log_prob: Tensor | None = None,
+) -> Tensor:
+    """float64 [len(BALANCE_FIELDS)] sums of one micro-batch; they add over micro-batches and ranks
+    (one SUM all-reduce), and `balance_metrics` turns the total into the update's metrics.
+
+    ratio: [B, T] current / behaviour (None: every ratio is 1, a batch these weights just sampled);
+    advantages: [B] or [B, T]; mask: [B, T] tokens that count; rewarded: [B] bool, the responses
+    counted as rewarded (reward > 0, or advantage > 0 in a front end without rewards); weights,
+    behaviour_log_prob: [B, T], as the search takes them. pos / neg are `token_contributions` at
+    (config.lower_start, config.upper_start) under config's definition: what BAPO's search sees
+    before it moves the bounds.
+    """
+    counted = mask.to(torch.bool)
+    lengths = counted.sum(-1).double()  # [B] tokens per response
+    rewarded = rewarded.to(device=lengths.device, dtype=torch.bool).reshape(-1)
+    if ratio is None:
+        ratio = torch.ones(counted.shape, dtype=torch.float32, device=counted.device)
+    positive, negative = token_contributions(
+        ratio,
+        advantages,
+        counted,
+        config.lower_start,
+        config.upper_start,
+        config,
+        weights=weights,
+        behaviour_log_prob=behaviour_log_prob,
+    )
+    return torch.stack(
+        [
+            lengths[rewarded].sum(),
+            rewarded.double().sum(),
+            lengths[~rewarded].sum(),
+            (~rewarded).double().sum(),
+            positive.sum().to(lengths.device),
+            negative.sum().to(lengths.device),
+        ]
+    )
+
+
+def balance_metrics(sums: Tensor) -> dict[str, float]:
+    """The update's response_length/rewarded and response_length/unrewarded (mean tokens per
+    response, NaN when the update has none of that kind) and positive_share/start_bounds (the
+    share pos / (pos + neg) at BAPO's start bounds, NaN when no token carries signal) from the
+    summed `balance_sums` (one host sync). With group-normalised advantages, whole groups, ratio 1
+    and token-mean aggregation the share at the start bounds is Lc / (Lc + Lw) of the mixed groups
+    (docs/TRAINING.md); the share at the bounds used is the diagnostics' positive_share."""
+    values = dict(zip(BALANCE_FIELDS, sums.tolist()))
+
+    def ratio_of(numerator: float, denominator: float) -> float:
+        return numerator / denominator if denominator > 0 else math.nan
+
+    return {
+        "response_length/rewarded": ratio_of(values["rewarded_tokens"], values["rewarded_responses"]),
+        "response_length/unrewarded": ratio_of(values["unrewarded_tokens"], values["unrewarded_responses"]),
+        "positive_share/start_bounds": ratio_of(
+            values["start_positive"], values["start_positive"] + values["start_negative"]
+        ),
     }

@@ -188,10 +188,12 @@ class LabConfig:
             }
         )
 
-    def _updates_per_batch(self, cell: Cell) -> dict[str, int]:
+    def _updates_per_batch(self, cell: Cell) -> dict:
+        # the lab's split shuffles rows across groups (minibatch_order's group_size 1), the split its
+        # committed results were made with; bapo train's default keeps groups whole
         if self.split == "epochs":
-            return {"mini_batches": 1, "epochs": cell.staleness + 1}
-        return {"mini_batches": cell.staleness + 1}
+            return {"mini_batches": 1, "epochs": cell.staleness + 1, "minibatch_split": "rows"}
+        return {"mini_batches": cell.staleness + 1, "minibatch_split": "rows"}
 
 
 class LabPolicy:

@@ -21,17 +21,34 @@ from bapo.train.rollout import Batch
 from bapo.train.seeding import MINIBATCH_SPLIT, REPLAY_DRAW, seeded_generator
 
 
-def minibatch_order(rows: int, mini_batches: int, epochs: int, seed: int, step: int) -> list[tuple[int, torch.Tensor]]:
+def group_rows(groups: torch.Tensor, group_size: int) -> torch.Tensor:
+    """Row indices [len(groups) * group_size] of prompt groups `groups` [n] (long) of a batch whose
+    groups are `group_size` consecutive rows, group by group in the order given."""
+    return (groups[:, None] * group_size + torch.arange(group_size)).flatten()
+
+
+def minibatch_order(
+    rows: int, mini_batches: int, epochs: int, seed: int, step: int, group_size: int = 1
+) -> list[tuple[int, torch.Tensor]]:
     """The optimizer updates of one rollout batch of `rows` rows at rollout step `step`: a list of
     (epoch, sorted row indices [~rows / mini_batches]) in update order, always epochs x mini_batches
-    entries (a part may be empty when rows < mini_batches: an update slot with no data). Each epoch
-    shuffles the rows with a generator seeded by (seed, step, epoch) and splits them into
-    `mini_batches` parts (no shuffle when mini_batches == 1), so the split needs no saved state."""
+    entries. Rows come in prompt groups of `group_size` consecutive rows (a Batch's layout: rollout,
+    partial rollout and replay all keep a group's G responses together), and each epoch shuffles
+    the groups with a generator seeded by (seed, step, epoch), then splits them into `mini_batches`
+    parts of whole groups that differ by at most one group (no shuffle when mini_batches == 1), so
+    the split needs no saved state. A part is empty when there are fewer groups than mini_batches
+    (dropped zero-variance groups): an update slot with no data.
+    group_size=1 is the row split (offpolicy.minibatch_split=rows): every row its own "group", the
+    same generator and draws as before groups were kept whole, so old runs repeat exactly."""
+    if rows % group_size:
+        raise ValueError(f"minibatch_order: {rows} rows are not whole groups of {group_size}")
     updates: list[tuple[int, torch.Tensor]] = []
     for epoch in range(epochs):
         generator = seeded_generator(seed, step, epoch, weights=MINIBATCH_SPLIT)
-        order = torch.randperm(rows, generator=generator) if mini_batches > 1 else torch.arange(rows)
-        updates += [(epoch, part.sort().values) for part in order.tensor_split(mini_batches)]
+        groups = rows // group_size
+        order = torch.randperm(groups, generator=generator) if mini_batches > 1 else torch.arange(groups)
+        for part in order.tensor_split(mini_batches):
+            updates.append((epoch, group_rows(part, group_size).sort().values))
     return updates
 
 
@@ -62,8 +79,7 @@ class BatchBuffer:
         n_groups = len(pool) // group_size
         generator = seeded_generator(self.seed, step, weights=REPLAY_DRAW)
         chosen = torch.randperm(n_groups, generator=generator)[: self.groups].sort().values
-        rows = (chosen[:, None] * group_size + torch.arange(group_size)).flatten()
-        return pool.select(rows)
+        return pool.select(group_rows(chosen, group_size))
 
     def state_dict(self) -> list[dict]:
         return [batch.state_dict() for batch in self.batches]

@@ -293,6 +293,13 @@ class OffPolicySection(Section):
     replay_batches: int = Field(4, gt=0, description="replay: how many recent batches are mixed")
     mini_batches: int = Field(1, gt=0, description="optimizer updates per epoch over one rollout batch")
     epochs: int = Field(1, gt=0, description="passes over each rollout batch")
+    minibatch_split: Literal["groups", "rows"] = Field(
+        "groups",
+        description="how each epoch splits a rollout batch into mini_batches updates: groups (shuffle whole "
+        "prompt groups, so every update holds all G responses of its prompts and their advantages sum to 0 "
+        "per group; parts differ by at most one group) | rows (shuffle responses across groups: an update "
+        "may hold part of a group; the split of runs made before this key existed)",
+    )
 
 
 class OptimSection(Section):
@@ -372,12 +379,7 @@ class TrainConfig(Section):
                 f"loss.agg_mode={self.loss.agg_mode!r}: choose one of {', '.join(AGG_MODES)}"
                 + _suggest(self.loss.agg_mode, AGG_MODES)
             )
-        rows = self.rollout.prompts_per_batch * self.rollout.group_size
-        if rows % self.offpolicy.mini_batches:
-            raise ValueError(
-                f"offpolicy.mini_batches={self.offpolicy.mini_batches} must divide the "
-                f"rollout batch of {rows} responses (rollout.prompts_per_batch x rollout.group_size)"
-            )
+        self._check_minibatch_split()
         if self.offpolicy.mode == "replay" and self.offpolicy.staleness:
             raise ValueError(
                 "offpolicy.staleness applies to mode=fifo; replay mixes the last "
@@ -391,6 +393,24 @@ class TrainConfig(Section):
         if not math.isfinite(self.optim.lr):
             raise ValueError("optim.lr must be finite")
         return self
+
+    def _check_minibatch_split(self) -> None:
+        """groups: at most one update per prompt group (more would leave updates without data);
+        rows: mini_batches divides the batch's responses (equal parts)."""
+        groups, mini_batches = self.rollout.prompts_per_batch, self.offpolicy.mini_batches
+        if self.offpolicy.minibatch_split == "groups" and mini_batches > groups:
+            raise ValueError(
+                f"offpolicy.mini_batches={mini_batches} is more than the {groups} prompt groups of a rollout batch "
+                "(rollout.prompts_per_batch), so some updates would get no group: lower offpolicy.mini_batches, "
+                "raise rollout.prompts_per_batch, or set offpolicy.minibatch_split=rows"
+            )
+        rows = groups * self.rollout.group_size
+        if self.offpolicy.minibatch_split == "rows" and rows % mini_batches:
+            raise ValueError(
+                f"offpolicy.mini_batches={mini_batches} must divide the "
+                f"rollout batch of {rows} responses (rollout.prompts_per_batch x rollout.group_size) "
+                "with offpolicy.minibatch_split=rows"
+            )
 
     def _check_loss_params(self) -> None:
         """Method parameters and the BAPO search space, checked by bapo.core's own rules."""
@@ -556,6 +576,9 @@ def _error_line(msg: str, where: str, origin: _Origin, value=None) -> str:
 
 #: old dotted key -> its new name; an old key fails with one line naming the new one
 RENAMED_KEYS = {"run.steps": "run.rollout_steps"}
+#: dotted key added later -> the value every run written before it ran with: a resume of such a
+#: run (whose config.yaml lacks the key) continues with that value, not today's default
+ADDED_KEYS = {"offpolicy.minibatch_split": "rows"}
 
 
 def _check_keys(data: dict, model: type[BaseModel], origin: _Origin, prefix: str = "") -> None:

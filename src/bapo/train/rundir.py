@@ -13,7 +13,7 @@ from pathlib import Path
 
 import yaml
 
-from bapo.train.config import RENAMED_KEYS, ConfigError, TrainConfig
+from bapo.train.config import ADDED_KEYS, RENAMED_KEYS, ConfigError, TrainConfig
 
 LOCK_FILE = ".lock"
 
@@ -96,6 +96,8 @@ def check_resume_config(run_dir: Path, cfg: TrainConfig) -> None:
         RENAMED_KEYS.get(key, key): value
         for key, value in _flatten(yaml.safe_load(saved_path.read_text()) or {}).items()
     }
+    for key, value in ADDED_KEYS.items():  # a run written before a key existed ran with its old value
+        saved.setdefault(key, value)
     now = _flatten(cfg.model_dump(mode="json"))
     for key in sorted(set(saved) | set(now)):
         if saved.get(key) != now.get(key) and not key.startswith(RESUMABLE_FIELDS):
@@ -104,3 +106,13 @@ def check_resume_config(run_dir: Path, cfg: TrainConfig) -> None:
                 "what the run computes, so it cannot continue exactly: drop the override or start a new run. "
                 f"Fields that may change on resume: {', '.join(RESUMABLE_FIELDS)}"
             )
+
+
+def added_key_overrides(run_dir: Path) -> list[str]:
+    """`key=value` overrides for the keys added since RUN_DIR/config.yaml was written (ADDED_KEYS):
+    the value that run ran with, so `bapo train --resume` continues it as it was."""
+    saved_path = run_dir / "config.yaml"
+    if not saved_path.exists():  # check_resume_config refuses it with its own message
+        return []
+    saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
+    return [f"{key}={value}" for key, value in ADDED_KEYS.items() if key not in saved]

@@ -460,8 +460,9 @@ class Trainer:
         device = next(self.model.parameters()).device
         # exactly epochs x mini_batches update slots: dropped zero-variance groups can leave fewer rows
         # than parts, and an empty part is an update slot counted as skipped, never silently lost
+        group_size = self.cfg.rollout.group_size if offpolicy.minibatch_split == "groups" else 1
         updates = minibatch_order(
-            len(batch), offpolicy.mini_batches, offpolicy.epochs, self.cfg.run.seed, self.rollout_steps_done
+            len(batch), offpolicy.mini_batches, offpolicy.epochs, self.cfg.run.seed, self.rollout_steps_done, group_size
         )
         first_version = self.version
         if self.cfg.loss.method in PROXIMAL_METHODS and len(batch):

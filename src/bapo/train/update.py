@@ -14,6 +14,8 @@ from bapo.core import (
     BAPOStep,
     ClipStats,
     aggregate_loss,
+    balance_metrics,
+    balance_sums,
     k3_kl,
     policy_loss,
     token_kind_metrics,
@@ -153,10 +155,12 @@ def _micro_batch_loss(
     stats: ClipStats,
     forward: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     digit_ids: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, dict[str, float], dict[str, float], torch.Tensor | None]:
+) -> tuple[torch.Tensor, dict[str, float], dict[str, float], torch.Tensor | None, torch.Tensor]:
     """One micro-batch's forward and loss: (scalar loss to backward, its terms {loss, kl_loss,
     entropy_loss} as floats, the method's own metrics, the entropy split by token kind as
-    bapo.core.token_kind_sums, digit tokens vs the rest, when `digit_ids` [V'] is given).
+    bapo.core.token_kind_sums, digit tokens vs the rest, when `digit_ids` [V'] is given, and its
+    bapo.core.balance_sums: lengths of rewarded (reward > 0) vs other responses, and the positive
+    share at BAPO's start bounds loss.bapo.{lower,upper}_start, for every method).
     Diagnostics are added into `stats`.
     forward: this micro-batch's (log_prob, entropy) when already computed with grad (the pre-pass)."""
     log_prob, entropy = _forward(model, mb, cfg) if forward is None else forward
@@ -165,9 +169,19 @@ def _micro_batch_loss(
         kind_mask = torch.isin(mb.response_ids, digit_ids.to(mb.response_ids.device))
         kind_sums = token_kind_sums(entropy, mb.response_mask, kind_mask)
     weights, _ = importance_weights(mb, cfg)  # the loss and BAPO's search see the same weights
+    ratio = token_ratio(log_prob.detach(), mb.old_log_prob)
+    balance = balance_sums(
+        ratio,
+        mb.advantages,
+        mb.response_mask,
+        mb.rewards > 0,
+        cfg.loss.bapo_config(),
+        weights=weights,
+        behaviour_log_prob=mb.old_log_prob,
+    )
     if bapo_step is not None:
         found = bapo_step.bounds_for(
-            token_ratio(log_prob.detach(), mb.old_log_prob),
+            ratio,
             mb.advantages,
             mb.response_mask,
             weights=weights,
@@ -198,7 +212,7 @@ def _micro_batch_loss(
         bonus = aggregate_loss(entropy, mb.response_mask, mode, normalizer)
         loss = loss - cfg.loss.entropy_coef * bonus
         terms["entropy_loss"] = float(bonus.detach())
-    return loss, terms, metrics, kind_sums
+    return loss, terms, metrics, kind_sums, balance
 
 
 def _step_optimizer(model, optimizer, scheduler, cfg: TrainConfig, finite: bool) -> dict:
@@ -263,11 +277,12 @@ def optimizer_update(
     losses: dict[str, float] = {}  # each term uses the update's normalizer, so micro-batch values add up
     own_metrics: list[dict[str, float]] = []
     kind_total: torch.Tensor | None = None  # token_kind_sums over the finite micro-batches
+    balance_total: torch.Tensor | None = None  # balance_sums over the finite micro-batches
     finite = True
     for index, mb in enumerate(micro):
         mb_stats = ClipStats.empty(mb.response_mask.device)
         forward = first_forward if index == 0 else None
-        loss, terms, metrics, kind_sums = _micro_batch_loss(
+        loss, terms, metrics, kind_sums, balance = _micro_batch_loss(
             model, mb, cfg, params, normalizer, bapo_step, mb_stats, forward, digit_ids
         )
         if not math.isfinite(terms["loss"]) or not torch.isfinite(loss):
@@ -276,6 +291,7 @@ def optimizer_update(
         loss.backward()
         if kind_sums is not None:
             kind_total = kind_sums if kind_total is None else kind_total + kind_sums
+        balance_total = balance if balance_total is None else balance_total + balance
         diagnostic_sums = mb_stats if diagnostic_sums is None else diagnostic_sums.add_(mb_stats)
         for name, value in terms.items():
             losses[name] = losses.get(name, 0.0) + value
@@ -289,6 +305,8 @@ def optimizer_update(
         out.update(bapo_step.metrics())
     if kind_total is not None:
         out.update(token_kind_metrics(kind_total, "digit"))
+    if balance_total is not None:
+        out.update(balance_metrics(balance_total))
     if batch.engine_log_prob is not None:  # the engine-vs-trainer gap of this update's tokens
         weights, ratio = importance_weights(batch, cfg)
         out.update(

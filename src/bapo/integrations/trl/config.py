@@ -98,8 +98,20 @@ class BAPOGRPOConfig(_BAPOConfigFields, GRPOConfig):
         },
     )
 
+    bapo_minibatch_split: str = field(
+        default="groups",
+        metadata={
+            "help": "How a generation batch is shuffled before TRL splits it into steps_per_generation "
+            "micro-batches: groups (whole prompt groups, so an optimizer step holds all num_generations "
+            "completions of its prompts where the batch sizes allow; bapo train's offpolicy.minibatch_split) "
+            "| rows (TRL's own row shuffle, which splits groups across optimizer steps)."
+        },
+    )
+
     def __post_init__(self) -> None:
         super().__post_init__()
+        if self.bapo_minibatch_split not in ("groups", "rows"):
+            raise ValueError(f"bapo_minibatch_split: {self.bapo_minibatch_split!r} is not one of groups, rows")
         if isinstance(self.bapo_method_kwargs, str):
             self.bapo_method_kwargs = json.loads(self.bapo_method_kwargs)
         self._refuse_unsupported()

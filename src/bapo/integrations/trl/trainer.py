@@ -26,11 +26,21 @@ class only turns TRL's buffered batches into its tensors.
    controller the step's entropy (target_mode="entropy": one all-reduce over ranks).
 3. The diagnostics (`ClipStats`) of the step's micro-batches are summed, combined over ranks
    (one SUM and one MAX all-reduce) and finalized once at its last micro-batch, so the `bapo/`
-   shares of a step are over all of its tokens and each step appends one value to TRL's metrics.
+   shares of a step are over all of its tokens and each step appends one value to TRL's metrics;
+   so are `bapo.core.balance_sums` (bapo/response_length/{rewarded, unrewarded}, rewarded meaning
+   advantage > 0 here: TRL's batch carries no rewards, and bapo/positive_share/start_bounds).
+
+Whole prompt groups per optimizer step (`bapo_minibatch_split="groups"`, the default): TRL shuffles
+the rows of a generation batch (`shuffle_sequence_dict`) before `split_tensor_dict` cuts it into
+`steps_per_generation` micro-batches, so when a generation batch spans several optimizer steps a
+step holds parts of groups. `_prepare_inputs` shuffles whole groups instead (a process's rows hold
+whole groups when per_device_train_batch_size x steps_per_generation is a multiple of
+num_generations); a run whose steps still split groups says so in one logged line.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import Any
 
@@ -38,11 +48,24 @@ import torch
 from torch import Tensor
 from trl import GRPOTrainer
 from trl.models.utils import disable_gradient_checkpointing
+from trl.trainer.utils import split_pixel_values_by_grid, split_tensor_dict, unsplit_pixel_values_by_grid
 
-from bapo.core import BAPOStep, ClipStats, SearchResult, aggregate_loss, policy_loss, token_ratio
+from bapo.core import (
+    BAPOStep,
+    ClipStats,
+    SearchResult,
+    aggregate_loss,
+    balance_metrics,
+    balance_sums,
+    policy_loss,
+    token_ratio,
+)
 from bapo.core.validation import per_token
 from bapo.integrations.step_state import load_step_state, save_step_state
 from bapo.integrations.trl.config import BAPOGRPOConfig
+from bapo.train.buffer import group_rows
+
+logger = logging.getLogger(__name__)
 
 #: Optional (multimodal) fields of TRL's batch that its forward helper takes by the same name.
 FORWARD_FIELDS = (
@@ -68,6 +91,55 @@ def starts_optimizer_step(trainer: GRPOTrainer, ahead: int = 0) -> bool:
     ahead: ask about the micro-batch that many after the one about to run (ahead=1 at the last
     micro-batch of a step: the next one starts a new step)."""
     return (trainer._step + ahead) % trainer.current_gradient_accumulation_steps == 0
+
+
+def step_starts(per_device_batch: int, steps_per_generation: int, accumulation: int) -> list[int]:
+    """The rows of a process's generation batch at which an optimizer step starts: TRL serves
+    micro-batch s from chunk s % steps_per_generation (per_device_batch rows each) and a step is
+    `accumulation` consecutive micro-batches. [0] when every step trains whole generation batches."""
+    period = range(0, steps_per_generation * accumulation, accumulation)
+    return sorted({(step % steps_per_generation) * per_device_batch for step in period})
+
+
+def group_split(
+    per_device_batch: int, steps_per_generation: int, accumulation: int, group_size: int, split: str
+) -> str | None:
+    """Why optimizer steps hold parts of prompt groups under these TRL sizes and `split`
+    (bapo_minibatch_split), in one sentence; None when every step holds whole groups."""
+    starts = step_starts(per_device_batch, steps_per_generation, accumulation)
+    if starts == [0]:
+        return None
+    rows = per_device_batch * steps_per_generation
+    if split == "rows":
+        return (
+            f"TRL shuffles the {rows} rows of each generation batch and optimizer steps start at its rows "
+            f"{starts}, so steps hold parts of prompt groups (bapo_minibatch_split='groups' keeps them whole)"
+        )
+    if rows % group_size:
+        return (
+            f"a process's generation batch of {rows} completions (per_device_train_batch_size x "
+            f"steps_per_generation) is not whole groups of num_generations={group_size}, so groups cannot be "
+            "shuffled whole and optimizer steps hold parts of groups"
+        )
+    if any(start % group_size for start in starts):
+        return (
+            f"optimizer steps start at rows {starts} of a generation batch, not all at a group boundary "
+            f"(a multiple of num_generations={group_size}), so some steps hold parts of groups: make "
+            "per_device_train_batch_size x gradient_accumulation_steps a multiple of num_generations"
+        )
+    return None
+
+
+def permute_rows(batch: dict[str, Any], order: Tensor) -> dict[str, Any]:
+    """TRL's batch dict with its per-row values (tensors with a first dimension, lists) taken in
+    `order` [N]; scalars (num_items_in_batch) and None stay as they are."""
+
+    def permute(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return value[order.to(value.device)] if value.dim() > 0 else value
+        return None if value is None else [value[index] for index in order.tolist()]
+
+    return {name: permute(value) for name, value in batch.items()}
 
 
 def _push_through_reload_on_cpu(trainer: GRPOTrainer) -> None:
@@ -118,6 +190,37 @@ class BAPOGRPOTrainer(GRPOTrainer):
         # per mode: the summed diagnostics and the other metrics of this optimizer step's micro-batches so far
         self._step_diagnostics: dict[str, ClipStats] = {}
         self._step_metrics: dict[str, list[dict[str, float]]] = {}
+        self._step_balance: dict[str, Tensor] = {}  # per mode: bapo.core.balance_sums of the step so far
+        self._start_config = args.bapo_config()  # whose start bounds the share at the start is read at
+        split_problem = group_split(
+            args.per_device_train_batch_size,
+            args.steps_per_generation,
+            args.gradient_accumulation_steps,
+            self.num_generations,
+            args.bapo_minibatch_split,
+        )
+        local_rows = args.per_device_train_batch_size * args.steps_per_generation
+        self._shuffles_groups = args.bapo_minibatch_split == "groups" and local_rows % self.num_generations == 0
+        if split_problem is not None and self.accelerator.is_main_process:
+            logger.warning("BAPOGRPOTrainer: %s.", split_problem)
+
+    # ---- whole prompt groups per optimizer step (overrides GRPOTrainer._prepare_inputs) ------------------
+
+    def _prepare_inputs(self, generation_batch: dict[str, Any]) -> dict[str, Any]:
+        """TRL's, except that a new generation batch is shuffled by whole prompt groups before it is
+        cut into steps_per_generation micro-batches (bapo_minibatch_split="groups"). TRL's global RNG
+        draws the group order, as it draws its row order, so TRL's seed fixes it."""
+        steps = self.args.steps_per_generation
+        generates = self._step % (steps * self.num_iterations) == 0 or self._buffered_inputs is None
+        if not (self.model.training and self._shuffles_groups and generates):
+            return super()._prepare_inputs(generation_batch)
+        batch = split_pixel_values_by_grid(self._generate_and_score_completions(generation_batch))
+        rows, group_size = len(batch["completion_ids"]), self.num_generations
+        whole = rows % group_size == 0  # else not TRL's layout: TRL's own row shuffle
+        order = group_rows(torch.randperm(rows // group_size), group_size) if whole else torch.randperm(rows)
+        parts = split_tensor_dict(permute_rows(batch, order), steps)
+        self._buffered_inputs = [unsplit_pixel_values_by_grid(part) for part in parts]
+        return self._buffered_inputs[self._step % steps]
 
     # ---- the loss (overrides GRPOTrainer._compute_loss) -------------------------------------------------
 
@@ -135,6 +238,7 @@ class BAPOGRPOTrainer(GRPOTrainer):
         if self.bapo_step is not None and mode == "train" and entropy is not None:
             self.bapo_step.record_entropy(entropy, mask)
         weights = self._token_weights(inputs, log_prob.detach(), old_log_prob, entropy, mask, advantages)
+        self._add_balance(inputs, token_ratio(log_prob.detach(), old_log_prob), advantages, mask, weights, mode)
         params = dict(self._loss_params)
         if self.bapo_step is not None:
             params["bounds"] = self._bapo_bounds(log_prob, old_log_prob, advantages, mask, weights, mode)
@@ -382,6 +486,15 @@ class BAPOGRPOTrainer(GRPOTrainer):
             normalizer = float(mask.size(0) * self.max_completion_length * accumulation)
         return self.args.bapo_loss_agg_mode, normalizer
 
+    def _add_balance(
+        self, inputs: dict[str, Any], ratio: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor | None, mode: str
+    ) -> None:
+        """Add this micro-batch's bapo.core.balance_sums to the step's; a completion counts as
+        rewarded when its advantage is > 0 (TRL's batch has advantages, not rewards)."""
+        sequence_advantage = inputs["advantages"] if inputs["advantages"].dim() == 1 else inputs["advantages"][:, 0]
+        sums = balance_sums(ratio, advantages, mask, sequence_advantage > 0, self._start_config, weights=weights)
+        self._step_balance[mode] = sums if mode not in self._step_balance else self._step_balance[mode] + sums
+
     def _log_step_metrics(self, mode: str) -> None:
         """Append one optimizer step's `bapo/<name>` values to TRL's metrics (TRL averages them per logging step).
 
@@ -393,8 +506,10 @@ class BAPOGRPOTrainer(GRPOTrainer):
         """
         diagnostics = self._step_diagnostics.pop(mode)
         micro_batches = self._step_metrics.pop(mode)
+        balance = self._step_balance.pop(mode)
         if self.accelerator.num_processes > 1:
             diagnostics.all_reduce()
+            balance = self.accelerator.reduce(balance, reduction="sum")
         local = {"loss": sum(metrics["loss"] for metrics in micro_batches)}
         for name in micro_batches[0]:
             if name not in ("loss", "kl_sum", "kl_tokens"):
@@ -402,7 +517,7 @@ class BAPOGRPOTrainer(GRPOTrainer):
         if "kl_sum" in micro_batches[0]:
             tokens = sum(metrics["kl_tokens"] for metrics in micro_batches)
             local["kl"] = sum(metrics["kl_sum"] for metrics in micro_batches) / max(tokens, 1.0)
-        self._log_bapo_metrics(mode, local, diagnostics.finalize())
+        self._log_bapo_metrics(mode, local, {**diagnostics.finalize(), **balance_metrics(balance)})
 
     def _log_bapo_metrics(self, mode: str, local: dict[str, float], combined: dict[str, float]) -> None:
         """Append `bapo/<name>` to TRL's metrics: `local` values averaged over ranks, `combined` ones

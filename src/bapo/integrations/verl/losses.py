@@ -20,7 +20,18 @@ import torch
 from torch import Tensor
 from verl.trainer.ppo.core_algos import POLICY_LOSS_REGISTRY, register_policy_loss
 
-from bapo.core import BAPOConfig, BAPOStep, SearchResult, policy_loss, search_bounds, search_metrics, token_ratio
+from bapo.core import (
+    BALANCE_FIELDS,
+    BAPOConfig,
+    BAPOStep,
+    SearchResult,
+    balance_metrics,
+    balance_sums,
+    policy_loss,
+    search_bounds,
+    search_metrics,
+    token_ratio,
+)
 from bapo.core.diagnostics import LOG_RATIO_CLAMP
 from bapo.core.losses import resolve_loss_params
 from bapo.integrations.verl.compat import check_verl_api
@@ -159,10 +170,7 @@ def _bapo_bounds(
             ratio, advantages, response_mask.bool(), weights=weights, behaviour_log_prob=old_log_prob
         )
         return found, step.metrics(step.searches[-1:])
-    policy_loss_config = getattr(config, "policy_loss", None)
-    search_config = (
-        policy_loss_config.bapo_config() if isinstance(policy_loss_config, BAPOPolicyLossConfig) else BAPOConfig()
-    )
+    search_config = _search_config(config)
     if search_config.target_mode == "entropy":
         raise ValueError(
             "policy_loss.target_mode: 'entropy' needs bapo's actor worker (BAPOTrainingWorker), which feeds "
@@ -184,6 +192,42 @@ def _bapo_bounds(
         **search_metrics([(found, int(mask.sum()))], "micro_batch"),
         "bapo/target": search_config.target,
     }
+
+
+def _search_config(config: Any) -> BAPOConfig:
+    """The BAPOConfig of the actor's policy_loss (a BAPOPolicyLossConfig), else bapo's defaults."""
+    policy_loss_config = getattr(config, "policy_loss", None)
+    if isinstance(policy_loss_config, BAPOPolicyLossConfig):
+        return policy_loss_config.bapo_config()
+    return BAPOConfig()
+
+
+def balance(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantages: Tensor,
+    response_mask: Tensor,
+    search_config: BAPOConfig,
+    weights: Tensor | None,
+) -> dict[str, float]:
+    """bapo.core.balance_metrics of one micro-batch (response_length/{rewarded, unrewarded}, a
+    response counting as rewarded when its advantage is > 0: verl's loss sees no rewards;
+    positive_share/start_bounds), plus its sums as balance/<field>. verl averages every key over
+    micro-batches and ranks, so the three named values are means of micro-batch values (NaN where a
+    micro-batch has no response of a kind), while the ratio of two balance/* sums (e.g.
+    balance/rewarded_tokens / balance/rewarded_responses) is exactly the mini-batch's value."""
+    counted = response_mask.to(torch.bool)
+    rewarded = (advantages.detach() * counted).sum(-1) > 0  # [B] (verl's advantages are [B, T])
+    sums = balance_sums(
+        token_ratio(log_prob.detach(), old_log_prob),
+        advantages,
+        counted,
+        rewarded,
+        search_config,
+        weights=weights,
+        behaviour_log_prob=old_log_prob,
+    )
+    return {**balance_metrics(sums), **{f"balance/{name}": value for name, value in zip(BALANCE_FIELDS, sums.tolist())}}
 
 
 def make_verl_loss(method: str):
@@ -220,6 +264,9 @@ def make_verl_loss(method: str):
             **params,
         )
         k1_kl = float(_k1_kl(log_prob, old_log_prob, response_mask))
+        core_metrics.update(
+            balance(log_prob, old_log_prob, advantages, response_mask, _search_config(config), rollout_is_weights)
+        )
         return loss, verl_metrics(core_metrics, k1_kl, search)
 
     verl_policy_loss.__name__ = verl_policy_loss.__qualname__ = f"verl_{method}_loss"
