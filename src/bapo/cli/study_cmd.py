@@ -20,7 +20,9 @@ def study(
     lr: float | None = typer.Option(None, "--lr", help="RL learning rate (the plan's default: docs/STUDY.md)"),
     rollout_steps: int | None = typer.Option(None, "--rollout-steps", help="rollout steps per run"),
     methods: str | None = typer.Option(None, "--methods", help="comma-separated methods (default: all six)"),
-    staleness: str | None = typer.Option(None, "--staleness", help="comma-separated staleness E values (default 0,4)"),
+    staleness_e: str | None = typer.Option(
+        None, "--staleness", help="comma-separated staleness E values, E+1 updates per rollout batch (default 0,4)"
+    ),
     delays: str | None = typer.Option(None, "--delays", help="comma-separated async delays k (default 4,16; '' none)"),
     autocast: str | None = typer.Option(
         None, "--autocast", help="model.autocast of every run: none | bfloat16 | auto (default: bfloat16 where native)"
@@ -48,7 +50,7 @@ def study(
             raise typer.BadParameter(f"{text!r}: comma-separated integers expected") from None
 
     if resume is not None:
-        plan_options = (out, seeds, lr, rollout_steps, methods, staleness, delays, autocast)
+        plan_options = (out, seeds, lr, rollout_steps, methods, staleness_e, delays, autocast)
         if any(v is not None for v in plan_options) or quick or gpu:
             raise typer.BadParameter("--resume continues the saved plan: give no other plan option")
         plan, study_dir = load_plan(resume), resume
@@ -72,7 +74,7 @@ def study(
                 lr=lr,
                 rollout_steps=rollout_steps,
                 methods=chosen,
-                staleness_e=ints(staleness),
+                staleness_e=ints(staleness_e),
                 async_delays=ints(delays),
                 autocast=autocast,
             )

@@ -270,10 +270,19 @@ class LossSection(Section):
 
 
 class OffPolicySection(Section):
-    staleness: int = Field(0, ge=0, description="k: update t trains on the batch generated at rollout step t-k")
-    mode: Literal["fifo", "replay"] = Field("fifo", description="fifo (exact staleness) | replay (mix recent batches)")
+    async_delay: int = Field(
+        0, ge=0, description="k: the updates of rollout step t train on the batch generated at rollout step t-k"
+    )
+    mode: Literal["fifo", "replay"] = Field(
+        "fifo", description="fifo (exact async delay) | replay (mix recent batches)"
+    )
     replay_batches: int = Field(4, gt=0, description="replay: how many recent batches are mixed")
-    mini_batches: int = Field(1, gt=0, description="optimizer updates per epoch over one rollout batch")
+    mini_batches: int = Field(
+        1,
+        gt=0,
+        description="optimizer updates per epoch over one rollout batch; mini_batches x epochs = E + 1 "
+        "(the paper's staleness E)",
+    )
     epochs: int = Field(1, gt=0, description="passes over each rollout batch")
 
 
@@ -360,10 +369,10 @@ class TrainConfig(Section):
                 f"offpolicy.mini_batches={self.offpolicy.mini_batches} must divide the "
                 f"rollout batch of {rows} responses (rollout.prompts_per_batch x rollout.group_size)"
             )
-        if self.offpolicy.mode == "replay" and self.offpolicy.staleness:
+        if self.offpolicy.mode == "replay" and self.offpolicy.async_delay:
             raise ValueError(
-                "offpolicy.staleness applies to mode=fifo; replay mixes the last "
-                "offpolicy.replay_batches batches (set offpolicy.staleness=0)"
+                "offpolicy.async_delay applies to mode=fifo; replay mixes the last "
+                "offpolicy.replay_batches batches (set offpolicy.async_delay=0)"
             )
         if self.rollout.group_size == 1:
             raise ValueError("rollout.group_size=1 gives zero group advantages: use 2 or more")
@@ -537,7 +546,31 @@ def _error_line(msg: str, where: str, origin: _Origin, value=None) -> str:
 
 
 #: old dotted key -> its new name; an old key fails with one line naming the new one
-RENAMED_KEYS = {"run.steps": "run.rollout_steps"}
+RENAMED_KEYS = {"run.steps": "run.rollout_steps", "offpolicy.staleness": "offpolicy.async_delay"}
+#: why a renamed key is not read under its new name: the old one meant something else to a reader
+RENAME_NOTES = {
+    "offpolicy.staleness": "it was the async delay k; the paper's staleness E is "
+    "offpolicy.mini_batches x offpolicy.epochs - 1",
+}
+
+
+def upgrade_renamed_keys(data: dict) -> dict:
+    """A config a run wrote for itself (its config.yaml, nested dicts) with every key renamed since
+    (RENAMED_KEYS) moved to its new name, in place: the one place old run folders' keys are read.
+    Exact, because the old name meant what the new one means when that run was written; a config
+    a user writes is refused instead (_check_keys)."""
+    for old, new in RENAMED_KEYS.items():
+        *old_sections, old_leaf = old.split(".")
+        node = data
+        for part in old_sections:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and old_leaf in node:
+            *new_sections, new_leaf = new.split(".")
+            target = data
+            for part in new_sections:
+                target = target.setdefault(part, {})
+            target.setdefault(new_leaf, node.pop(old_leaf))
+    return data
 
 
 def _check_keys(data: dict, model: type[BaseModel], origin: _Origin, prefix: str = "") -> None:
@@ -545,9 +578,10 @@ def _check_keys(data: dict, model: type[BaseModel], origin: _Origin, prefix: str
     for key, value in data.items():
         fields = model.model_fields
         if prefix + key in RENAMED_KEYS:
+            note = f" ({RENAME_NOTES[prefix + key]})" if prefix + key in RENAME_NOTES else ""
             raise ConfigError(
                 f"{prefix + key} was renamed {RENAMED_KEYS[prefix + key]}{origin.where(prefix + key)}: "
-                f"write {RENAMED_KEYS[prefix + key]} instead"
+                f"write {RENAMED_KEYS[prefix + key]} instead{note}"
             )
         if key not in fields:
             options = [prefix + name for name in fields]
@@ -610,6 +644,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         return config_from_dict({}, overrides)
     data, lines = read_config_file(path)
     return config_from_dict(data, overrides, source=str(path), lines=lines)
+
+
+def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> TrainConfig:
+    """RUN_DIR/config.yaml (the config a run saved, read through upgrade_renamed_keys) + overrides."""
+    path = Path(run_dir) / "config.yaml"
+    data, lines = read_config_file(path)
+    return config_from_dict(upgrade_renamed_keys(data), overrides, source=str(path), lines=lines)
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")

@@ -13,7 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from bapo.train.config import RENAMED_KEYS, ConfigError, TrainConfig
+from bapo.train.checkpoint import checkpoints
+from bapo.train.config import ConfigError, TrainConfig, upgrade_renamed_keys
 
 LOCK_FILE = ".lock"
 
@@ -69,7 +70,7 @@ class RunLock:
 
 def holds_run(run_dir: Path) -> bool:
     """True when a fresh start would overwrite something: metrics or a checkpoint."""
-    return (run_dir / "metrics.jsonl").exists() or any((run_dir / "checkpoints").glob("step_*"))
+    return (run_dir / "metrics.jsonl").exists() or bool(checkpoints(run_dir))
 
 
 def _flatten(data: dict, prefix: str = "") -> dict:
@@ -84,18 +85,15 @@ def _flatten(data: dict, prefix: str = "") -> dict:
 
 def check_resume_config(run_dir: Path, cfg: TrainConfig) -> None:
     """Refuse a resume whose config differs from the run's own config.yaml in a field that changes
-    what the run computes (staleness, mode, group size, method, lr, ...), naming the field."""
+    what the run computes (async delay, mini-batches, mode, group size, method, lr, ...), naming the field."""
     saved_path = run_dir / "config.yaml"
     if not saved_path.exists():
         raise ConfigError(
             f"--resume {run_dir}: config.yaml is missing, so the run's settings cannot be checked; "
             "restore it or start a new run"
         )
-    # a run written before a key was renamed (run.steps) is compared under the new name
-    saved = {
-        RENAMED_KEYS.get(key, key): value
-        for key, value in _flatten(yaml.safe_load(saved_path.read_text()) or {}).items()
-    }
+    # a run written before a key was renamed (run.steps, offpolicy.staleness) is compared under the new name
+    saved = _flatten(upgrade_renamed_keys(yaml.safe_load(saved_path.read_text()) or {}))
     now = _flatten(cfg.model_dump(mode="json"))
     for key in sorted(set(saved) | set(now)):
         if saved.get(key) != now.get(key) and not key.startswith(RESUMABLE_FIELDS):
