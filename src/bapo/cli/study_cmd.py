@@ -14,7 +14,9 @@ def study(
     ),
     quick: bool = typer.Option(False, "--quick", help="a check: one seed, grpo and bapo at E=4, 5 rollout steps"),
     gpu: bool = typer.Option(
-        False, "--gpu", help="the plan on a CUDA device: HF rollout, 15x8 batch, 5 seeds, 40 steps (gpu_study.sh)"
+        False,
+        "--gpu",
+        help="the plan on a CUDA device: HF rollout, 15x8 batch, 5 seeds, 40 rollout steps (gpu_study.sh)",
     ),
     seeds: str | None = typer.Option(None, "--seeds", help="comma-separated seeds (default 0,1,2; --gpu: 0-4)"),
     lr: float | None = typer.Option(None, "--lr", help="RL learning rate (the plan's default: docs/STUDY.md)"),

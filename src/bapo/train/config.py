@@ -114,7 +114,7 @@ class RolloutSection(Section):
     top_k: int = Field(0, ge=0, description="top-k sampling; 0 = off")
     stop: list[str] = Field([], description="strings that end a response")
     segment_tokens: int | None = Field(
-        None, gt=0, description="partial rollout: at most L new tokens per response per step; None = off"
+        None, gt=0, description="partial rollout: at most L new tokens per response per rollout step; None = off"
     )
     sampler: Literal["auto", "lean", "hf"] = Field(
         "auto",
