@@ -35,7 +35,7 @@ def study(
         None, "--results", help="with --report: also write the tables into this file's STUDY_TABLES block"
     ),
 ):
-    """Does BAPO help a real pretrained model under staleness? SmolLM2-135M-Instruct with vLLM rollout
+    """Does BAPO help a real pretrained model on stale data? SmolLM2-135M-Instruct with vLLM rollout
     on in-house arithmetic: grpo, clip-higher, bapo (default and paper presets), m2po and decoupled
     PPO at staleness E = 0, 4 and async delay k = 4, 16, 3 seeds; claims with 95% intervals.
     --gpu: the same cells on CUDA with HF rollout, larger (5 seeds)."""

@@ -1,4 +1,4 @@
-"""`bapo demo`: the mechanism lab, then the paper's staleness comparison on a tiny LLM.
+"""`bapo demo`: the mechanism lab, then the paper's staleness-E comparison on a tiny LLM.
 
 lab (bapo.lab.run_lab, exact softmax dynamics) -> warm start (cached) -> one bapo.train run per
 (method, setting, seed) -> claims table, plots, per-run table (bapo.analysis, from the runs'

@@ -1,4 +1,4 @@
-"""`bapo study`: does BAPO help a real pretrained model under staleness?
+"""`bapo study`: does BAPO help a real pretrained model on stale data?
 
 SmolLM2-135M-Instruct (`bapo smollm2`, offline) learns the in-house arithmetic task of
 bapo.demo.arith in chat form, with rollout.backend=vllm (the colocated vLLM engine samples;
