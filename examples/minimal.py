@@ -1,13 +1,14 @@
 """Off-policy GRPO with BAPO's adaptive clipping in one file, to read top to bottom (CleanRL style).
 
-    python examples/minimal.py                      # bapo, staleness 2, 40 updates on the demo's warm start
-    python examples/minimal.py grpo --staleness 4   # any registered loss: grpo, clip-higher, dual-clip, topr, dcpo
+    python examples/minimal.py                        # bapo, async delay 2, 40 updates on the demo's warm start
+    python examples/minimal.py grpo --async-delay 4   # any registered loss: grpo, clip-higher, dual-clip, topr, dcpo
     python examples/minimal.py --model DIR          # any causal LM + tokenizer saved with save_pretrained
 
 One update = one rollout step: sample G responses per prompt with the current policy, score them,
-push the batch into a FIFO of k+1 batches and train on the oldest one (generated k updates ago),
-with one optimizer step of `bapo.core.policy_loss`. Everything `bapo.train` adds (micro-batches,
-partial rollout, replay, KL, checkpoints, logging) is left out; the algorithm is the same.
+push the batch into a FIFO of k+1 batches and train on the oldest one (generated k updates ago: the
+async delay k), with one optimizer update of `bapo.core.policy_loss`. Everything `bapo.train` adds
+(the paper's staleness E: E+1 updates per rollout batch, micro-batches, partial rollout, replay, KL,
+checkpoints, logging) is left out; the algorithm is the same.
 The task is the demo's (bapo.demo.task), used as `bapo demo` uses it: its training rows, its verifier
 (reward 1 when every "7+5=12" line is true and the last hits the target) and its response budget.
 The first run trains and caches the demo's warm start (~100 s on 2 CPU cores).
@@ -31,7 +32,8 @@ from bapo.demo.warmstart import WarmStartConfig, warm_start  # the demo's tiny m
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("method", nargs="?", default="bapo", choices=sorted(POLICY_LOSSES))
-    parser.add_argument("--staleness", type=int, default=2, help="k: train on the batch generated k updates ago")
+    parser.add_argument("--async-delay", type=int, default=2, help="k: train on the batch generated k updates ago")
+    parser.add_argument("--staleness", type=int, help=argparse.SUPPRESS)  # renamed: refused below
     parser.add_argument("--updates", type=int, default=40, help="optimizer updates (= rollout steps)")
     parser.add_argument("--prompts", type=int, default=16, help="prompts per rollout batch")
     parser.add_argument("--group-size", type=int, default=8, help="G: responses per prompt")
@@ -42,8 +44,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--model", default=None, help="model directory (default: the demo's cached warm start)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    if args.staleness < 0:
-        parser.error(f"--staleness: {args.staleness} must be >= 0")
+    if args.staleness is not None:
+        parser.error(
+            "--staleness was renamed --async-delay (k: train on the batch generated k updates ago); "
+            "the paper's staleness E (E+1 updates per rollout batch) is bapo train's offpolicy.mini_batches - 1"
+        )
+    if args.async_delay < 0:
+        parser.error(f"--async-delay: {args.async_delay} must be >= 0")
     return args
 
 
@@ -120,13 +127,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     # BAPO's per-update protocol: bounds searched on the update's batch (one micro-batch here)
     bapo_step = BAPOStep(BAPOConfig(target=args.target)) if args.method == "bapo" else None
 
-    # The staleness FIFO holds k+1 rollout batches, oldest first. Before update 0 it is filled with
+    # The async-delay FIFO holds k+1 rollout batches, oldest first. Before update 0 it is filled with
     # batches of the initial policy; afterwards each update adds one batch from the current policy
     # and trains on the oldest, so from update k on every batch is exactly k updates old.
     fifo: collections.deque[dict] = collections.deque()
     history = []
     for update in range(args.updates):
-        while len(fifo) < args.staleness + 1:
+        while len(fifo) < args.async_delay + 1:
             fifo.append(rollout(model, tokenizer, train_rows, args, policy_version=update))
         batch = fifo.popleft()
 
@@ -157,7 +164,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         row = {
             "update": update,
             "data_version": batch["policy_version"],
-            "staleness": update - batch["policy_version"],
+            "policy_lag": update - batch["policy_version"],  # optimizer updates since the data's policy
             "reward": batch["rewards"].mean().item(),
             "loss": loss.item(),
             "grad_norm": grad_norm,

@@ -49,18 +49,18 @@ def printed_rows(text: str) -> list[dict[str, float]]:
     return rows
 
 
-def test_bapo_with_staleness_trains_on_exactly_k_updates_old_data(example, tiny_policy, capsys):
-    staleness, updates = 2, 5
+def test_bapo_with_async_delay_trains_on_exactly_k_updates_old_data(example, tiny_policy, capsys):
+    async_delay, updates = 2, 5
     history = example.main(
-        ["bapo", "--staleness", str(staleness), "--updates", str(updates), "--model", tiny_policy, *SMALL_RUN]
+        ["bapo", "--async-delay", str(async_delay), "--updates", str(updates), "--model", tiny_policy, *SMALL_RUN]
     )
     rows = printed_rows(capsys.readouterr().out)
     assert len(rows) == updates == len(history)
     assert [row["loss"] for row in rows] == pytest.approx([row["loss"] for row in history], rel=1e-3, abs=1e-6)
     assert all(math.isfinite(row["loss"]) and math.isfinite(row["grad_norm"]) for row in rows)
     # warm-up batches all come from the initial policy; from update k on the data is k updates old
-    assert [row["data_version"] for row in history] == [max(u - staleness, 0) for u in range(updates)]
-    assert [row["staleness"] for row in history] == [min(u, staleness) for u in range(updates)]
+    assert [row["data_version"] for row in history] == [max(u - async_delay, 0) for u in range(updates)]
+    assert [row["policy_lag"] for row in history] == [min(u, async_delay) for u in range(updates)]
     # update 0 trains on its own policy's samples (ratio exactly 1); every later one on older weights
     assert history[0]["ratio/max"] == pytest.approx(1.0, abs=1e-5)
     assert all(abs(row["ratio/max"] - 1.0) > 1e-6 for row in history[1:])
@@ -76,10 +76,21 @@ def test_bapo_with_staleness_trains_on_exactly_k_updates_old_data(example, tiny_
 
 
 def test_grpo_on_policy_keeps_fixed_bounds_and_ratio_one(example, tiny_policy, capsys):
-    history = example.main(["grpo", "--staleness", "0", "--updates", "3", "--model", tiny_policy, *SMALL_RUN])
+    history = example.main(["grpo", "--async-delay", "0", "--updates", "3", "--model", tiny_policy, *SMALL_RUN])
     assert "lower=0.8 upper=1.2" in capsys.readouterr().out
     for row in history:
-        assert row["staleness"] == 0 and row["data_version"] == row["update"]
+        assert row["policy_lag"] == 0 and row["data_version"] == row["update"]
         assert row["ratio/max"] == pytest.approx(1.0, abs=1e-5)  # fresh data: nothing can be clipped
         assert row["clip_frac/upper"] == row["clip_frac/lower"] == 0.0
         assert math.isfinite(row["loss"])
+
+
+def test_the_old_staleness_flag_is_refused_naming_async_delay_and_E(example, capsys):
+    """--staleness was k; a reader of the paper means E by it, so it is refused, never reinterpreted."""
+    with pytest.raises(SystemExit) as exit_info:
+        example.parse_args(["bapo", "--staleness", "2"])
+    assert exit_info.value.code == 2
+    error = [line for line in capsys.readouterr().err.splitlines() if ": error: " in line]
+    assert len(error) == 1 and "--staleness was renamed --async-delay" in error[0]
+    assert "staleness E" in error[0] and "offpolicy.mini_batches" in error[0]
+    assert example.parse_args(["bapo", "--async-delay", "3"]).async_delay == 3

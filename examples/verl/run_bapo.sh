@@ -7,8 +7,8 @@
 #   NNODES=2 bash examples/verl/run_bapo.sh trainer.total_epochs=10
 #
 # CONFIG=bapo_grpo (default: the paper's settings) or CONFIG=bapo_recipe (the public recipe's search).
-# STALENESS=k: k+1 updates per rollout batch (mini-batches of TRAIN_PROMPTS/(k+1) prompts), so the
-# last update trains on data k updates old. Extra arguments are Hydra overrides for verl.
+# STALENESS=E (the paper's staleness E): E+1 updates per rollout batch (mini-batches of
+# TRAIN_PROMPTS/(E+1) prompts), so the last update trains on data E updates old. Extra arguments are Hydra overrides for verl.
 set -euo pipefail
 
 MODEL_PATH=${MODEL_PATH:?set MODEL_PATH to a Hugging Face checkpoint directory}

@@ -41,6 +41,10 @@ def test_old_metric_names_read_as_the_trainers():
         assert run.values("bapo/search/reached") and run.values("bapo/search/steps")
     assert upgrade_names({"bapo/reached": 0.0, "bapo/search/reached": 1.0}) == {"bapo/search/reached": 1.0}
     assert upgrade_names({"bapo/no_signal": 1.0}) == {"bapo/no_signal": 1.0}  # the diagnostics' own name
+    # the policy lag in optimizer updates was logged as staleness/*, which is the paper's E's name
+    assert '"staleness/max": ' in next(RECORDED.glob("grpo-*/metrics.jsonl")).read_text()
+    for run in find_runs([RECORDED]):
+        assert all("staleness/mean" not in row for row in run.rows) and run.values("policy_lag/max")
 
 
 def test_bapo_plot_writes_every_figure(tmp_path):
@@ -74,10 +78,14 @@ def test_setting_is_read_from_a_plain_bapo_train_config(tmp_path):
     run_dir.mkdir()
     (run_dir / "metrics.jsonl").write_text('{"update": 1, "entropy": 0.5}\n')
     (run_dir / "config.yaml").write_text(
-        "loss: {method: bapo}\noffpolicy: {mini_batches: 3, staleness: 2}\nrun: {seed: 4}\n"
+        "loss: {method: bapo}\noffpolicy: {mini_batches: 3, async_delay: 2}\nrun: {seed: 4}\n"
     )
     (run,) = find_runs([run_dir])
     assert (run.method, run.setting, run.seed) == ("bapo", "E=2, async delay 2", 4)
+    # a run written before offpolicy.staleness (the async delay) was renamed reads the same
+    (run_dir / "config.yaml").write_text("offpolicy: {mini_batches: 1, staleness: 4}\n")
+    (run,) = find_runs([run_dir])
+    assert run.setting == "E=0, async delay 4"
     assert setting_name(0, 0, True) == "E=0, partial rollout"
 
 

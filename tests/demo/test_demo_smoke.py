@@ -144,11 +144,11 @@ def test_warm_start_is_cached_by_settings():
 
 
 def test_profiles_make_valid_trainer_configs(tmp_path):
-    """Every run of every profile (E -> mini_batches, async delay -> staleness) is a valid config."""
+    """Every run of every profile (E -> mini_batches, async delay -> async_delay) is a valid config."""
     for plan in PROFILES.values():
         for spec in plan.runs():
             cfg = train_config(plan, spec, tmp_path, tmp_path / "train.jsonl", tmp_path / spec.name)
-            assert cfg.loss.method == spec.method and cfg.offpolicy.staleness == spec.async_delay
+            assert cfg.loss.method == spec.method and cfg.offpolicy.async_delay == spec.async_delay
             assert cfg.updates_per_batch == spec.staleness_e + 1
             assert (cfg.rollout.segment_tokens is not None) == spec.partial_rollout
     specs = PROFILES["default"].runs()

@@ -50,7 +50,7 @@ def test_example_config_is_the_papers_setting():
     assert config.algorithm.adv_estimator == "grpo"
     assert config.actor_rollout_ref.rollout.n == 16
     updates = config.data.train_batch_size // config.actor_rollout_ref.actor.ppo_mini_batch_size
-    assert updates * config.actor_rollout_ref.actor.ppo_epochs == 4  # staleness 0..3
+    assert updates * config.actor_rollout_ref.actor.ppo_epochs == 4  # E = 3: data 0..3 updates old
 
     actor = omega_conf_to_dataclass(config.actor_rollout_ref.actor)  # what ActorRolloutRefWorker builds
     policy_loss = actor.policy_loss

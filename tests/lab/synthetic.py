@@ -12,15 +12,15 @@ from bapo.lab.run import Cell, CellRun
 
 SEEDS = 5
 ROLLOUT_STEPS = 6
-STALENESS = (0, 2, 4)
+STALENESS_E = (0, 2, 4)
 DELAYS = (2,)
-CLAIM2_STALENESS = (4,)
+CLAIM2_STALENESS_E = (4,)
 
 
 def _cells() -> list[Cell]:
     methods = ("grpo", "clip-higher", "bapo", "bapo-entropy")
-    cells = [Cell(m, e) for e in STALENESS for m in methods]
-    cells += [Cell(m, e) for e in CLAIM2_STALENESS for m in ("grpo-c_high=2.0", "grpo-c_low=0.6")]
+    cells = [Cell(m, e) for e in STALENESS_E for m in methods]
+    cells += [Cell(m, e) for e in CLAIM2_STALENESS_E for m in ("grpo-c_high=2.0", "grpo-c_low=0.6")]
     cells += [Cell(m, 0, k) for k in DELAYS for m in ("grpo", "bapo", "bapo-entropy")]
     return cells
 
@@ -34,7 +34,7 @@ def synthetic_runs(reached_key: str = "bapo/search/reached") -> list[CellRun]:
         def draw(*shape: int, generator: torch.Generator = generator) -> torch.Tensor:
             return torch.rand(*shape, generator=generator, dtype=torch.float64)
 
-        updates = ROLLOUT_STEPS * (cell.staleness + 1)
+        updates = ROLLOUT_STEPS * (cell.staleness_e + 1)
         speed = 0.02 + 0.05 * draw(SEEDS, 1)
         reward = (0.15 + (speed * draw(SEEDS, updates)).cumsum(1) - 0.02 * draw(SEEDS, updates)).clamp(0, 1)
         entropy = 1.5 - (0.04 * draw(SEEDS, updates)).cumsum(1)

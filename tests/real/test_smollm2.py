@@ -74,7 +74,7 @@ def test_train_resume_eval_on_the_real_model(smollm2_dir, tmp_path):
     run = tmp_path / "run"
     runner = CliRunner()
     # zero_variance=drop: every trained group has reward variance, so every non-empty update must
-    # move the weights; staleness 1: the first update trains the warm-up batch (off-policy by one).
+    # move the weights; async delay 1: the first update trains the warm-up batch (off-policy by one).
     args = [
         "train",
         str(CONFIG),
@@ -99,7 +99,7 @@ def test_train_resume_eval_on_the_real_model(smollm2_dir, tmp_path):
         "grad_norm",
         "batch/version_min",
         "batch/version_max",
-        "staleness/mean",
+        "policy_lag/mean",
         "tokens_per_s",
         "groups/zero_variance",
         "rollout/passes",
@@ -111,7 +111,7 @@ def test_train_resume_eval_on_the_real_model(smollm2_dir, tmp_path):
         assert math.isfinite(r["grad_norm"]) and r["grad_norm"] > 0 and r["skipped"] == 0
         assert r["reward/std"] > 0 and math.isfinite(r["entropy"]) and 0.6 <= r["lower"] < 1 < r["upper"] <= 3.0
     if not rows[0].get("empty_batch"):
-        assert rows[0]["batch/version_max"] == 0  # staleness 1: update 1 trains the warm-up (version-0) batch
+        assert rows[0]["batch/version_max"] == 0  # async delay 1: update 1 trains the warm-up (version-0) batch
     assert all(line.startswith(("update ", "warm-up ")) for line in result.stdout.splitlines()[:-1] if line)
 
     # --resume continues the version count from the checkpoint
@@ -122,13 +122,13 @@ def test_train_resume_eval_on_the_real_model(smollm2_dir, tmp_path):
     assert rows[-1]["rollout_step"] == 2
     if not rows[-1].get("empty_batch"):
         # the resumed update 3 trains the batch sampled by version 1 (rollout step 1), one update old
-        assert rows[-1]["batch/version_max"] == 1 and rows[-1]["staleness/max"] == 1
+        assert rows[-1]["batch/version_max"] == 1 and rows[-1]["policy_lag/max"] == 1
 
     # bapo eval on the run directory: its latest checkpoint, its chat template, system prompt and sampling
     result = runner.invoke(app, ["eval", "--model", str(run), "--data", str(DATA), "--k", "2", "--limit", "3"])
     assert result.exit_code == 0, result.output
     scores = json.loads(result.stdout.strip().splitlines()[-1])
-    assert scores["model"].endswith("step_000003/model")
+    assert scores["model"].endswith("update_000003/model")
     assert 0.0 <= scores["avg@2"] <= scores["pass@2"] <= 1.0 and scores["n"] == 3
     assert scores["sampling/chat"] is True and scores["sampling/max_new_tokens"] == 12
     assert scores["sampling/system_prompt"].startswith("Start your reply with 'The answer is'")

@@ -5,7 +5,7 @@ from tests.helpers import arithmetic_examples, digit_share, make_config
 from tests.train.test_resume import check_resume_is_exact
 
 ENTROPY_TARGET = {
-    "offpolicy.staleness": 1,
+    "offpolicy.async_delay": 1,
     "loss.method": "bapo",
     "optim.micro_batch_size": 6,
     "loss.bapo.target_mode": "entropy",

@@ -71,11 +71,11 @@ def test_corrupted_newest_checkpoint_falls_back_with_a_warning(run_copy, corrupt
     assert verify_checkpoint(newest) is None
     CORRUPTIONS[corrupt](newest)
     assert verify_checkpoint(newest) is not None
-    with pytest.warns(UserWarning, match="step_000002 is not usable") as caught:
+    with pytest.warns(UserWarning, match="update_000002 is not usable") as caught:
         assert resumed_version(cfg, run_dir) == 1
     assert any(str(newest) in str(w.message) for w in caught)  # names the file's checkpoint
     assert checkpoints(run_dir) == [older]  # the bad one is renamed aside, not deleted
-    assert (run_dir / "checkpoints" / "corrupt_step_000002").is_dir()
+    assert (run_dir / "checkpoints" / "corrupt_update_000002").is_dir()
 
 
 def test_no_checkpoint_verifies_fails_with_one_line(run_copy):
@@ -91,7 +91,7 @@ def test_no_checkpoint_verifies_fails_with_one_line(run_copy):
 
 def test_stale_temporaries_are_removed_at_start(run_copy):
     cfg, run_dir = run_copy
-    stale = run_dir / "checkpoints" / ".tmp_step_000003_4242" / "model"
+    stale = run_dir / "checkpoints" / ".tmp_update_000003_4242" / "model"
     stale.mkdir(parents=True)
     (stale / "model.safetensors").write_bytes(b"x" * 100)
     assert resumed_version(cfg, run_dir) == 2
@@ -113,13 +113,13 @@ def test_disk_full_names_the_last_good_checkpoint_and_keeps_it(tiny_model, tmp_p
     cfg = make_config(tiny_model, tmp_path / "run", **{"run.rollout_steps": 3, "run.checkpoint_every": 1})
     with pytest.raises(
         TrainingStopped,
-        match="no space left on device while writing checkpoint 2 .*the last good checkpoint is step_000001",
+        match="no space left on device while writing checkpoint 2 .*the last good checkpoint is update_000001",
     ):
         train(cfg, **DATA)
     root = tmp_path / "run" / "checkpoints"
     assert not list(root.glob(".tmp_*"))  # the partial save is cleaned up
-    assert latest_checkpoint(tmp_path / "run").name == "step_000001"
-    assert load_state(root / "step_000001")["version"] == 1
+    assert latest_checkpoint(tmp_path / "run").name == "update_000001"
+    assert load_state(root / "update_000001")["version"] == 1
 
 
 def test_kill_during_first_save_then_resume_starts_over(tiny_model, tmp_path):
@@ -129,12 +129,12 @@ def test_kill_during_first_save_then_resume_starts_over(tiny_model, tmp_path):
     run_dir.mkdir()
     (run_dir / "config.yaml").write_text(cfg.to_yaml())
     (run_dir / "metrics.jsonl").write_text('{"update": 1}\n')
-    (run_dir / "checkpoints" / ".tmp_step_000002_999" / "model").mkdir(parents=True)
+    (run_dir / "checkpoints" / ".tmp_update_000002_999" / "model").mkdir(parents=True)
     with pytest.raises(ConfigError, match="already holds a run"):  # a fresh start refuses ...
         Trainer(cfg, **DATA)
     with pytest.warns(UserWarning, match="no checkpoint was completed yet"):  # ... so resume must work
         train(cfg, resume=run_dir, **DATA)
-    assert latest_checkpoint(run_dir).name == "step_000002"
+    assert latest_checkpoint(run_dir).name == "update_000002"
     assert not list((run_dir / "checkpoints").glob(".tmp_*"))
 
 
@@ -159,7 +159,7 @@ def test_deleted_metrics_warn_on_resume(run_copy):
 @pytest.mark.parametrize(
     "field,value",
     [
-        ("offpolicy.staleness", 1),
+        ("offpolicy.async_delay", 1),
         ("offpolicy.mode", "replay"),
         ("rollout.group_size", 8),
         ("rollout.prompts_per_batch", 2),

@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import yaml
@@ -6,6 +7,7 @@ from typer.testing import CliRunner
 
 from bapo.cli.main import app
 from bapo.train import read_metrics
+from bapo.train.checkpoint import checkpoints
 from tests.helpers import arithmetic_examples, make_config
 
 
@@ -27,7 +29,7 @@ def write_setup(tiny_model, tmp_path):
 def test_bapo_train_runs_then_resumes(tiny_model, tmp_path):
     config = write_setup(tiny_model, tmp_path)
     runner = CliRunner()
-    result = runner.invoke(app, ["train", str(config), "loss.method=bapo", "offpolicy.staleness=1"])
+    result = runner.invoke(app, ["train", str(config), "loss.method=bapo", "offpolicy.async_delay=1"])
     assert result.exit_code == 0, result.output
     rows = read_metrics(tmp_path / "run")
     assert [r["update"] for r in rows] == [1, 2] and all("upper" in r for r in rows)
@@ -80,6 +82,44 @@ def test_the_old_run_steps_key_fails_naming_its_new_name():
         load_config(None, ["run.steps=3"])
     assert "\n" not in str(err.value)
     assert load_config(None, ["model.path=m", "run.rollout_steps=3"]).run.rollout_steps == 3
+
+
+def test_the_old_offpolicy_staleness_key_is_refused_naming_async_delay_and_E(tmp_path):
+    """offpolicy.staleness was the async delay k; a reader of the paper means E by it, so it is
+    refused (override, config file, command line), never read as either."""
+    from bapo.train.config import ConfigError, load_config
+
+    why = r"\(it was the async delay k; the paper's staleness E is offpolicy\.mini_batches x offpolicy\.epochs - 1\)"
+    with pytest.raises(ConfigError, match=r"^offpolicy\.staleness was renamed offpolicy\.async_delay") as err:
+        load_config(None, ["model.path=m", "offpolicy.staleness=2"])
+    assert re.search(r"\[command-line override\]: write offpolicy\.async_delay instead " + why + "$", str(err.value))
+    config = tmp_path / "config.yaml"
+    config.write_text("model: {path: m}\noffpolicy:\n  staleness: 2\n")
+    with pytest.raises(ConfigError, match=rf"offpolicy\.async_delay \[{re.escape(str(config))} line 3\]: .*{why}$"):
+        load_config(config)
+    line = one_line_error(CliRunner().invoke(app, ["train", str(config)]))
+    assert "offpolicy.staleness was renamed offpolicy.async_delay" in line and "offpolicy.mini_batches" in line
+    assert load_config(None, ["model.path=m", "offpolicy.async_delay=2"]).offpolicy.async_delay == 2
+
+
+def test_bapo_train_resumes_a_run_folder_written_before_the_renames(tiny_model, tmp_path):
+    """A run folder written before checkpoints/step_N became update_N and offpolicy.staleness became
+    offpolicy.async_delay (its config.yaml) resumes from `bapo train --resume` alone: its own
+    records are read under the new names (checkpoint.py and config.upgrade_run_config)."""
+    config = write_setup(tiny_model, tmp_path)
+    runner = CliRunner()
+    result = runner.invoke(app, ["train", str(config), "offpolicy.async_delay=1", "run.checkpoint_every=1"])
+    assert result.exit_code == 0, result.output
+    run_dir = tmp_path / "run"
+    for checkpoint in (run_dir / "checkpoints").glob("update_*"):
+        checkpoint.rename(checkpoint.with_name(checkpoint.name.replace("update_", "step_")))
+    saved = (run_dir / "config.yaml").read_text()
+    assert "  async_delay: 1\n" in saved
+    (run_dir / "config.yaml").write_text(saved.replace("  async_delay: 1\n", "  staleness: 1\n"))
+    result = runner.invoke(app, ["train", "--resume", str(run_dir), "run.rollout_steps=3"])
+    assert result.exit_code == 0, result.output
+    assert [r["update"] for r in read_metrics(run_dir)] == [1, 2, 3]
+    assert [c.name for c in checkpoints(run_dir)] == ["update_000003", "step_000002"]  # by updates, old and new
 
 
 # -- errors: one line naming the field, the file and line, and the fix; exit code 2 -------------
@@ -290,7 +330,7 @@ def test_eval_of_a_run_dir_uses_its_latest_checkpoint_and_settings(tiny_model, t
     result = runner.invoke(app, eval_args)
     assert result.exit_code == 0, result.output
     scores = json.loads(result.output.strip().splitlines()[-1])
-    assert scores["model"].endswith("checkpoints/step_000002/model") or scores["model"].endswith("/model")
+    assert scores["model"].endswith("checkpoints/update_000002/model") or scores["model"].endswith("/model")
     assert scores["sampling/temperature"] == 0.7 and scores["sampling/top_k"] == 5
     assert scores["sampling/system_prompt"] == "q: " and scores["sampling/max_new_tokens"] == 6
     assert 0 < scores["response_length/mean_tokens"] <= 6 and scores["seed"] == 1

@@ -9,9 +9,9 @@ from tests.helpers import arithmetic_examples, make_config
 def test_example_config_loads_and_overrides_apply():
     cfg = load_config(
         "examples/configs/bapo_math.yaml",
-        ["loss.method=grpo", "offpolicy.staleness=0", 'rollout.stop=["\\n"]', "optim.lr=3e-6"],
+        ["loss.method=grpo", "offpolicy.async_delay=0", 'rollout.stop=["\\n"]', "optim.lr=3e-6"],
     )
-    assert cfg.loss.method == "grpo" and cfg.offpolicy.staleness == 0
+    assert cfg.loss.method == "grpo" and cfg.offpolicy.async_delay == 0
     assert cfg.rollout.stop == ["\n"] and cfg.optim.lr == 3e-6
 
 

@@ -17,7 +17,7 @@ def test_exploding_weights_stop_with_a_checkpoint(tiny_model, tmp_path):
     )
     with pytest.raises(TrainingStopped, match="a weight reached .* run.divergence.max_abs_weight=10000"):
         train(cfg, **DATA)
-    assert latest_checkpoint(tmp_path / "run").name == "step_000001"
+    assert latest_checkpoint(tmp_path / "run").name == "update_000001"
     assert len(read_metrics(tmp_path / "run")) == 1
 
 
@@ -25,7 +25,7 @@ def test_all_zero_variance_for_n_steps_stops(tiny_model, tmp_path):
     cfg = make_config(tiny_model, tmp_path / "run", **{"run.rollout_steps": 6, "run.divergence.zero_variance_steps": 2})
     with pytest.raises(TrainingStopped, match="zero reward variance .* for 2 rollout steps in a row"):
         train(cfg, examples=arithmetic_examples(), verifier=lambda response, example: 0.0)
-    assert latest_checkpoint(tmp_path / "run").name == "step_000002"
+    assert latest_checkpoint(tmp_path / "run").name == "update_000002"
     cfg = make_config(tiny_model, tmp_path / "off", **{"run.rollout_steps": 3, "run.divergence.zero_variance_steps": 0})
     train(cfg, examples=arithmetic_examples(), verifier=lambda response, example: 0.0)  # 0 = off: runs to the end
 
@@ -59,7 +59,7 @@ def test_dropped_groups_never_lose_update_slots(tiny_model, tmp_path, split, min
             "offpolicy.mini_batches": mini_batches,
             "offpolicy.minibatch_split": split,
             "offpolicy.epochs": 2,
-            "offpolicy.staleness": 1,
+            "offpolicy.async_delay": 1,
             "run.rollout_steps": 3,
         },
     )
@@ -72,5 +72,5 @@ def test_dropped_groups_never_lose_update_slots(tiny_model, tmp_path, split, min
     assert [r["update"] for r in rows] == list(range(1, 3 * per_batch + 1))
     assert any(r.get("empty_batch") for r in rows) and any(not r["skipped"] for r in rows)
     for r in rows:
-        if not r.get("empty_batch"):  # staleness counted in updates from the derived version
-            assert r["staleness/max"] <= 2 * per_batch - 1
+        if not r.get("empty_batch"):  # policy lag counted in updates from the derived version
+            assert r["policy_lag/max"] <= 2 * per_batch - 1

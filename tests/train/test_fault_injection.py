@@ -46,7 +46,7 @@ def demo_setup(tmp_path_factory):
             "reward": {"verifier": "format", "format_pattern": "[0-4]"},  # dense, so weights move
             "loss": {"method": "bapo"},
             "optim": {"lr": 1e-3},
-            "offpolicy": {"staleness": 1, "mini_batches": 2},
+            "offpolicy": {"async_delay": 1, "mini_batches": 2},
             "run": {
                 "output_dir": str(run_dir),
                 "rollout_steps": ROLLOUT_STEPS,
@@ -95,11 +95,11 @@ def interrupt(proc: subprocess.Popen, run_dir: Path, after_rows: int, delay_s: f
 def kill_inside_a_save(proc: subprocess.Popen, run_dir: Path) -> tuple[int, bool]:
     """SIGKILL as soon as a checkpoint's temporary directory appears; True if it was still there."""
     root = run_dir / "checkpoints"
-    while proc.poll() is None and not any(root.glob(".tmp_step_*")):
+    while proc.poll() is None and not any(root.glob(".tmp_update_*")):
         time.sleep(0.002)
     proc.send_signal(signal.SIGKILL)
     proc.communicate(timeout=120)
-    return proc.returncode, any(root.glob(".tmp_step_*"))
+    return proc.returncode, any(root.glob(".tmp_update_*"))
 
 
 def final_weights(run_dir: Path) -> dict:

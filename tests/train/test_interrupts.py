@@ -40,10 +40,10 @@ def send_at(at_update: int, *signals):
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["SIGINT", "SIGTERM"])
 def test_first_signal_checkpoints_and_resume_is_exact(tiny_model, tmp_path, sig, code, interactive_signals):
     before = signal.getsignal(sig)
-    straight = make_config(tiny_model, tmp_path / "straight", **{"run.rollout_steps": 4, "offpolicy.staleness": 1})
+    straight = make_config(tiny_model, tmp_path / "straight", **{"run.rollout_steps": 4, "offpolicy.async_delay": 1})
     rows_straight = read_metrics(train(straight, **DATA))
 
-    cfg = make_config(tiny_model, tmp_path / "run", **{"run.rollout_steps": 4, "offpolicy.staleness": 1})
+    cfg = make_config(tiny_model, tmp_path / "run", **{"run.rollout_steps": 4, "offpolicy.async_delay": 1})
     with pytest.raises(
         TrainingInterrupted,
         match=r"interrupted after update 2; resume with: "
@@ -52,7 +52,7 @@ def test_first_signal_checkpoints_and_resume_is_exact(tiny_model, tmp_path, sig,
         train(cfg, on_update=send_at(2, sig), **DATA)
     assert err.value.exit_code == code
     assert signal.getsignal(sig) is before  # restored after train()
-    assert latest_checkpoint(tmp_path / "run").name == "step_000002"
+    assert latest_checkpoint(tmp_path / "run").name == "update_000002"
     rows = read_metrics(train(cfg, resume=tmp_path / "run", **DATA))
     assert strip_timing(rows) == strip_timing(rows_straight)
 
@@ -63,8 +63,8 @@ def test_second_signal_aborts_at_once_and_keeps_the_last_checkpoint(tiny_model, 
         train(cfg, on_update=send_at(2, signal.SIGINT, signal.SIGINT), **DATA)
     assert err.value.exit_code == 130
     # aborted inside update 2's hook: no checkpoint 2, checkpoint 1 intact, nothing half-written
-    assert [c.name for c in checkpoints(tmp_path / "run")] == ["step_000001"]
-    assert latest_checkpoint(tmp_path / "run").name == "step_000001"
+    assert [c.name for c in checkpoints(tmp_path / "run")] == ["update_000001"]
+    assert latest_checkpoint(tmp_path / "run").name == "update_000001"
     assert not list((tmp_path / "run" / "checkpoints").glob(".tmp_*"))
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # restored to what it was before
 
@@ -81,11 +81,11 @@ def test_started_with_sigint_ignored_keeps_it_ignored_and_still_saves_on_sigterm
             os.kill(os.getpid(), signal.SIGINT)  # ignored: training goes on
             os.kill(os.getpid(), signal.SIGTERM)  # handled: finish the step, checkpoint, exit 143
 
-    cfg = make_config(tiny_model, tmp_path / "run", **{"run.rollout_steps": 4, "offpolicy.staleness": 1})
+    cfg = make_config(tiny_model, tmp_path / "run", **{"run.rollout_steps": 4, "offpolicy.async_delay": 1})
     with pytest.raises(TrainingInterrupted) as err:
         train(cfg, on_update=on_update, **DATA)
     assert seen_during["SIGINT"] is signal.SIG_IGN
     assert err.value.exit_code == 143
-    assert latest_checkpoint(tmp_path / "run").name == "step_000002"
+    assert latest_checkpoint(tmp_path / "run").name == "update_000002"
     assert signal.getsignal(signal.SIGINT) is signal.SIG_IGN
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

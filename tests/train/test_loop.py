@@ -1,4 +1,4 @@
-"""The loop on the tiny model: exact staleness, updates per batch, replay, partial rollout."""
+"""The loop on the tiny model: exact async delay, updates per batch, replay, partial rollout."""
 
 import copy
 
@@ -16,13 +16,13 @@ def run(tiny_model, tmp_path, **overrides):
 
 
 @pytest.mark.parametrize("k", [0, 2])
-def test_staleness_is_exact(tiny_model, tmp_path, k):
-    rows = run(tiny_model, tmp_path, **{"offpolicy.staleness": k, "run.rollout_steps": 5})
+def test_async_delay_is_exact(tiny_model, tmp_path, k):
+    rows = run(tiny_model, tmp_path, **{"offpolicy.async_delay": k, "run.rollout_steps": 5})
     assert [r["update"] for r in rows] == [1, 2, 3, 4, 5]
     for t, row in enumerate(rows):  # update t (0-based) trains on data of policy version t - k
         expected = max(t - k, 0)  # warm-up: the first k updates use version-0 batches
         assert row["batch/version_min"] == row["batch/version_max"] == expected
-        assert row["staleness/mean"] == row["staleness/max"] == t - expected
+        assert row["policy_lag/mean"] == row["policy_lag/max"] == t - expected
         assert row["rollout/batch/version_min"] == t  # the fresh batch comes from the current policy
     if k == 0:  # on-policy: behaviour log-probs are the current ones, nothing is clipped
         assert all(abs(r["ratio/mean"] - 1) < 1e-5 and r["clip_frac"] == 0 for r in rows)
@@ -40,8 +40,8 @@ def test_updates_per_batch_split_one_batch(tiny_model, tmp_path):
     assert make_config(tiny_model, tmp_path / "unused", **overrides).total_updates == len(rows)  # LR schedule length
     assert [r["rollout_step"] for r in rows] == [0] * 4 + [1] * 4
     assert [r["epoch"] for r in rows] == [0, 0, 1, 1] * 2
-    # four updates on one batch of version 4s: token staleness 0, 1, 2, 3 within each batch
-    assert [r["staleness/mean"] for r in rows] == [0, 1, 2, 3] * 2
+    # four updates on one batch of version 4s: policy lag 0, 1, 2, 3 within each batch
+    assert [r["policy_lag/mean"] for r in rows] == [0, 1, 2, 3] * 2
     assert [r["batch/version_min"] for r in rows[4:]] == [4] * 4
     # the mini-batches of an epoch partition the batch: every generated token is trained once per epoch
     for first in range(0, len(rows), 2):

@@ -9,7 +9,8 @@ from hypothesis import strategies as st
 
 from bapo.train import ConfigError, load_config
 from bapo.train.buffer import minibatch_order
-from bapo.train.rundir import added_key_overrides, check_resume_config
+from bapo.train.config import load_run_config
+from bapo.train.rundir import check_resume_config
 from bapo.train.seeding import MINIBATCH_SPLIT, seeded_generator
 
 
@@ -113,17 +114,17 @@ def test_groups_need_not_divide_evenly():
 
 def test_a_run_written_before_the_key_resumes_with_the_row_split(tmp_path):
     """A config.yaml without offpolicy.minibatch_split is a run that split rows: `bapo train --resume`
-    keeps rows (added_key_overrides), and a resume that would switch it to groups is refused."""
+    keeps rows (config.upgrade_run_config, through load_run_config), and a resume that would switch
+    it to groups is refused."""
     cfg = load_config("examples/configs/bapo_math.yaml", ["offpolicy.minibatch_split=rows"])
     old = cfg.model_dump(mode="json")
     del old["offpolicy"]["minibatch_split"]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(old))
-    overrides = added_key_overrides(tmp_path)
-    assert overrides == ["offpolicy.minibatch_split=rows"]
-    resumed = load_config(str(tmp_path / "config.yaml"), overrides)
+    resumed = load_run_config(tmp_path)
     assert resumed.offpolicy.minibatch_split == "rows"
     check_resume_config(tmp_path, resumed)  # the same run: accepted
     with pytest.raises(ConfigError, match="offpolicy.minibatch_split was 'rows' in this run, now 'groups'"):
         check_resume_config(tmp_path, load_config(str(tmp_path / "config.yaml")))
-    (tmp_path / "config.yaml").write_text(cfg.to_yaml())  # a run that has the key needs nothing
-    assert added_key_overrides(tmp_path) == []
+    assert load_run_config(tmp_path, ["offpolicy.minibatch_split=groups"]).offpolicy.minibatch_split == "groups"
+    (tmp_path / "config.yaml").write_text(load_config("examples/configs/bapo_math.yaml").to_yaml())
+    assert load_run_config(tmp_path).offpolicy.minibatch_split == "groups"  # a run that has the key keeps it

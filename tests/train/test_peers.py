@@ -41,7 +41,7 @@ def test_every_peer_validates_with_its_parameters(tmp_path, method):
 
 @pytest.mark.parametrize("method", ["gspo", "m2po", "clip-cov"])
 def test_a_tiny_stale_run_trains_with_a_peer(tiny_model, tmp_path, method):
-    overrides = {"loss.method": method, "offpolicy.staleness": 1, "run.rollout_steps": 3, "optim.lr": 2e-2}
+    overrides = {"loss.method": method, "offpolicy.async_delay": 1, "run.rollout_steps": 3, "optim.lr": 2e-2}
     rows = read_metrics(
         train(
             make_config(tiny_model, tmp_path / "run", **overrides), examples=arithmetic_examples(), verifier=digit_share
@@ -62,7 +62,7 @@ def test_decoupled_ppo_trains_with_the_proximal_policy_of_each_batch(tiny_model,
     and the stale behaviour weight pi_prox / mu is reported."""
     overrides = {
         "loss.method": "decoupled-ppo",
-        "offpolicy.staleness": 1,
+        "offpolicy.async_delay": 1,
         "offpolicy.mini_batches": 2,
         "run.rollout_steps": 3,
         "optim.lr": 5e-2,

@@ -19,9 +19,9 @@ def strip_timing(rows):
 @pytest.mark.parametrize(
     "extra",
     [
-        {"offpolicy.staleness": 2},
+        {"offpolicy.async_delay": 2},
         {
-            "offpolicy.staleness": 1,
+            "offpolicy.async_delay": 1,
             "rollout.segment_tokens": 3,
             "loss.method": "bapo",
             "optim.micro_batch_size": 6,
@@ -47,7 +47,7 @@ def test_resume_is_exact_on_cuda(tiny_model, tmp_path, monkeypatch):
         {
             "model.device": "cuda",
             "run.deterministic": True,
-            "offpolicy.staleness": 1,
+            "offpolicy.async_delay": 1,
             "loss.method": "bapo",
             "optim.micro_batch_size": 6,
         },
@@ -87,12 +87,12 @@ def test_checkpoint_is_atomic_and_pruned(tiny_model, tmp_path):
     )
     run_dir = train(cfg, examples=arithmetic_examples(), verifier=digit_share)
     root = run_dir / "checkpoints"
-    assert sorted(p.name for p in root.glob("step_*")) == ["step_000003", "step_000004"]
-    assert latest_checkpoint(run_dir).name == "step_000004"
+    assert sorted(p.name for p in root.glob("update_*")) == ["update_000003", "update_000004"]
+    assert latest_checkpoint(run_dir).name == "update_000004"
     # a half-written checkpoint (killed mid-save) and a dangling pointer do not hide the good one
-    (root / ".tmp_step_000005_123" / "model").mkdir(parents=True)
-    (root / "latest").write_text("step_000005")
-    assert latest_checkpoint(run_dir).name == "step_000004"
+    (root / ".tmp_update_000005_123" / "model").mkdir(parents=True)
+    (root / "latest").write_text("update_000005")
+    assert latest_checkpoint(run_dir).name == "update_000004"
     # starting afresh over an existing run needs overwrite
     with pytest.raises(Exception, match="already holds a run"):
         Trainer(cfg, examples=arithmetic_examples(), verifier=digit_share)
@@ -116,4 +116,4 @@ def test_nonfinite_updates_are_skipped_then_training_stops(tiny_model, tmp_path,
     rows = read_metrics(tmp_path / "run")
     assert [r["skipped"] for r in rows] == [1, 1, 1]
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())  # no bad step applied
-    assert latest_checkpoint(tmp_path / "run").name == "step_000003"
+    assert latest_checkpoint(tmp_path / "run").name == "update_000003"

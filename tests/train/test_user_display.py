@@ -35,7 +35,7 @@ def test_plain_progress_prints_one_line_per_update_with_eta():
 
     out = io.StringIO()
     progress = PlainProgress(total=4, stream=out)
-    progress.status("warm-up rollout 1/2: staleness 2 generates its first batches before the first update")
+    progress.status("warm-up rollout 1/2: async delay 2 generates its first batches before the first update")
     progress.status("rollout step 1: sampling 4 x 4 responses")  # only warm-up is printed: updates have lines
     progress(
         1,
@@ -61,7 +61,7 @@ def test_training_without_a_terminal_prints_warm_up_and_update_lines(tiny_model,
     cfg = make_config(
         tiny_model,
         tmp_path / "run",
-        **{"offpolicy.staleness": 2, "run.rollout_steps": 2, "run.progress": "true", "loss.method": "bapo"},
+        **{"offpolicy.async_delay": 2, "run.rollout_steps": 2, "run.progress": "true", "loss.method": "bapo"},
     )
     train(cfg, examples=arithmetic_examples(), verifier=digit_share)
     lines = capsys.readouterr().out.splitlines()

@@ -206,10 +206,10 @@ def _check_gap(rows, updates):
         assert abs(row["rollout/is_ratio/mean"] - 1) < 0.01
 
 
-def test_bapo_train_with_staleness_and_tis(tmp_path, tiny_llama):
-    rows = _train(tmp_path, tiny_llama, "offpolicy.staleness=1", "loss.method=bapo", "rollout.correction=tis")
+def test_bapo_train_with_async_delay_and_tis(tmp_path, tiny_llama):
+    rows = _train(tmp_path, tiny_llama, "offpolicy.async_delay=1", "loss.method=bapo", "rollout.correction=tis")
     _check_gap(rows, 3)
-    assert rows[-1]["staleness/max"] == 1  # trained on the batch of the previous version
+    assert rows[-1]["policy_lag/max"] == 1  # trained on the batch of the previous version
     assert "rollout/is_weight/mean" in rows[-1]
 
 
@@ -223,14 +223,14 @@ def test_bapo_train_with_partial_rollout_and_sequence_mis(tmp_path, tiny_llama):
         "offpolicy.mini_batches=2",
     )
     _check_gap(rows, 6)
-    assert any(row["staleness/max"] > 0 for row in rows)  # responses carried over versions
+    assert any(row["policy_lag/max"] > 0 for row in rows)  # responses carried over versions
 
 
 def test_resume_with_vllm_continues_exactly(tmp_path, tiny_llama):
     """A run stopped after rollout step 2 and resumed (a fresh engine, the checkpoint's weights
     pushed, the sampling seeds drawn from the checkpointed generator) logs what the uninterrupted
     run logs, update for update."""
-    settings = ("offpolicy.staleness=1", "run.checkpoint_every=2", "rollout.correction=tis")
+    settings = ("offpolicy.async_delay=1", "run.checkpoint_every=2", "rollout.correction=tis")
     whole = _train(tmp_path / "whole", tiny_llama, *settings, "run.rollout_steps=4")
     first = _train(tmp_path / "parted", tiny_llama, *settings, "run.rollout_steps=2")
     _bapo_train(["--resume", str(tmp_path / "parted" / "run"), "run.rollout_steps=4"])

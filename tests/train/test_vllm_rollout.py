@@ -45,7 +45,7 @@ class FakeEngine:
         return sampled
 
 
-@pytest.mark.parametrize("extra", [{"offpolicy.staleness": 1}, {"rollout.segment_tokens": 3}])
+@pytest.mark.parametrize("extra", [{"offpolicy.async_delay": 1}, {"rollout.segment_tokens": 3}])
 def test_one_push_per_version_and_the_gap_is_logged(tiny_model, tmp_path, monkeypatch, extra):
     engine = FakeEngine()
     monkeypatch.setattr(Rollout, "_vllm_engine", lambda self, model: setattr(self, "engine", engine) or engine)

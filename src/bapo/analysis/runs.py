@@ -26,6 +26,9 @@ LEGACY_METRICS = {
     "bapo/reached": "bapo/search/reached",
     "bapo/steps": "bapo/search/steps",
     "bapo/pos_neg": "bapo/search/pos_neg",
+    # optimizer updates between a token's behaviour policy and the update (was named like the paper's E)
+    "staleness/mean": "policy_lag/mean",
+    "staleness/max": "policy_lag/max",
 }
 
 
@@ -119,12 +122,14 @@ def _identity(run_dir: Path) -> tuple[str, str, int]:
     if config_file.exists():
         import yaml
 
-        cfg = yaml.safe_load(config_file.read_text()) or {}
+        from bapo.train.config import upgrade_run_config
+
+        cfg = upgrade_run_config(yaml.safe_load(config_file.read_text()) or {})
         method = cfg.get("loss", {}).get("method", run_dir.name)
         offpolicy = cfg.get("offpolicy", {})
         setting = setting_name(
             offpolicy.get("mini_batches", 1) * offpolicy.get("epochs", 1) - 1,
-            offpolicy.get("staleness", 0),
+            offpolicy.get("async_delay", 0),
             bool(cfg.get("rollout", {}).get("segment_tokens")),
         )
         return method, setting, int(cfg.get("run", {}).get("seed", 0))
@@ -183,7 +188,7 @@ def _method_key(method: str):
 
 
 def group_runs(runs: list[Run]) -> dict[str, dict[str, list[Run]]]:
-    """{setting: {method: [runs, by seed]}}: staleness ascending, methods in METHOD_ORDER."""
+    """{setting: {method: [runs, by seed]}}: settings by E then async delay, methods in METHOD_ORDER."""
     groups: dict[str, dict[str, list[Run]]] = {}
     for run in sorted(runs, key=lambda run: (_setting_key(run.setting), _method_key(run.method), run.seed)):
         groups.setdefault(run.setting, {}).setdefault(run.method, []).append(run)

@@ -65,11 +65,11 @@ def evaluate_command(
 
     with user_errors():
         from bapo.train import ConfigError, load_config
-        from bapo.train.config import DataSection, check_model_path
+        from bapo.train.config import DataSection, check_model_path, load_run_config
         from bapo.train.data import load_examples
 
         model_path, run_config = resolve_model(model)
-        cfg = load_config(config or run_config) if (config or run_config) else None
+        cfg = load_config(config) if config else load_run_config(run_config.parent) if run_config else None
         try:
             check_model_path(model_path)
         except ConfigError as err:

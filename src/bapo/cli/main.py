@@ -15,9 +15,9 @@ clipping (arXiv 2510.18927) and the baselines it is compared with.
   bapo train CONFIG.yaml KEY=VALUE... train; --resume RUN_DIR continues
   bapo train --print-config [...]     every key: value, default, meaning
   bapo eval --model RUN_DIR --data F  avg@k / pass@k, prompts as in training
-  bapo demo [--quick]                 the staleness experiment, offline
+  bapo demo [--quick]                 the paper's staleness-E experiment, offline
   bapo lab [--quick]                  the Entropy-Clip mechanism on a tabular softmax policy
-  bapo study [--quick|--resume DIR]   SmolLM2-135M + vLLM: does BAPO help under staleness?
+  bapo study [--quick|--resume DIR]   SmolLM2-135M + vLLM: does BAPO help on stale data?
   bapo plot | compare RUN_DIR ...     figures and tables from metrics.jsonl
   bapo smollm2                        SmolLM2-135M as a local HF folder
 

@@ -14,13 +14,17 @@ def study(
     ),
     quick: bool = typer.Option(False, "--quick", help="a check: one seed, grpo and bapo at E=4, 5 rollout steps"),
     gpu: bool = typer.Option(
-        False, "--gpu", help="the plan on a CUDA device: HF rollout, 15x8 batch, 5 seeds, 40 steps (gpu_study.sh)"
+        False,
+        "--gpu",
+        help="the plan on a CUDA device: HF rollout, 15x8 batch, 5 seeds, 40 rollout steps (gpu_study.sh)",
     ),
     seeds: str | None = typer.Option(None, "--seeds", help="comma-separated seeds (default 0,1,2; --gpu: 0-4)"),
     lr: float | None = typer.Option(None, "--lr", help="RL learning rate (the plan's default: docs/STUDY.md)"),
     rollout_steps: int | None = typer.Option(None, "--rollout-steps", help="rollout steps per run"),
     methods: str | None = typer.Option(None, "--methods", help="comma-separated methods (default: all six)"),
-    staleness: str | None = typer.Option(None, "--staleness", help="comma-separated staleness E values (default 0,4)"),
+    staleness_e: str | None = typer.Option(
+        None, "--staleness", help="comma-separated staleness E values, E+1 updates per rollout batch (default 0,4)"
+    ),
     delays: str | None = typer.Option(None, "--delays", help="comma-separated async delays k (default 4,16; '' none)"),
     autocast: str | None = typer.Option(
         None, "--autocast", help="model.autocast of every run: none | bfloat16 | auto (default: bfloat16 where native)"
@@ -31,7 +35,7 @@ def study(
         None, "--results", help="with --report: also write the tables into this file's STUDY_TABLES block"
     ),
 ):
-    """Does BAPO help a real pretrained model under staleness? SmolLM2-135M-Instruct with vLLM rollout
+    """Does BAPO help a real pretrained model on stale data? SmolLM2-135M-Instruct with vLLM rollout
     on in-house arithmetic: grpo, clip-higher, bapo (default and paper presets), m2po and decoupled
     PPO at staleness E = 0, 4 and async delay k = 4, 16, 3 seeds; claims with 95% intervals.
     --gpu: the same cells on CUDA with HF rollout, larger (5 seeds)."""
@@ -48,7 +52,7 @@ def study(
             raise typer.BadParameter(f"{text!r}: comma-separated integers expected") from None
 
     if resume is not None:
-        plan_options = (out, seeds, lr, rollout_steps, methods, staleness, delays, autocast)
+        plan_options = (out, seeds, lr, rollout_steps, methods, staleness_e, delays, autocast)
         if any(v is not None for v in plan_options) or quick or gpu:
             raise typer.BadParameter("--resume continues the saved plan: give no other plan option")
         plan, study_dir = load_plan(resume), resume
@@ -73,7 +77,7 @@ def study(
                 lr=lr,
                 rollout_steps=rollout_steps,
                 methods=chosen,
-                staleness_e=ints(staleness),
+                staleness_e=ints(staleness_e),
                 async_delays=ints(delays),
                 autocast=autocast,
             )

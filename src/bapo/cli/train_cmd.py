@@ -31,7 +31,7 @@ def train_command(
         None,
         metavar="[CONFIG.yaml] [KEY=VALUE]...",
         help="a YAML config (optional: with --resume it is RUN_DIR/config.yaml) and dotted overrides, "
-        "e.g. loss.method=bapo offpolicy.staleness=2",
+        "e.g. loss.method=bapo offpolicy.async_delay=2",
     ),
     resume: Path | None = typer.Option(None, "--resume", help="continue RUN_DIR exactly from its latest checkpoint"),
     print_config: bool = typer.Option(
@@ -40,8 +40,7 @@ def train_command(
 ) -> None:
     """Train a causal LM with GRPO / BAPO (and baselines) on verifier rewards."""
     from bapo.train import TrainingStopped, load_config, train
-    from bapo.train.config import describe_config
-    from bapo.train.rundir import added_key_overrides
+    from bapo.train.config import describe_config, load_run_config
     from bapo.train.trainer import TrainingAborted, TrainingInterrupted
 
     with user_errors():
@@ -50,9 +49,9 @@ def train_command(
             typer.echo(describe_config(config, overrides), nl=False)
             return
         if config is None and resume is not None:
-            config = str(resume / "config.yaml")
-            overrides = [*added_key_overrides(resume), *overrides]
-        cfg = load_config(config, overrides)
+            cfg = load_run_config(resume, overrides)
+        else:
+            cfg = load_config(config, overrides)
         if resume is not None:
             cfg.run.output_dir = str(resume)
         try:

@@ -12,7 +12,7 @@ the only host sync is reading the answer. The per-bucket sums add up across micr
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -231,11 +231,6 @@ class BAPOConfig:
 #: The presets selectable by name (BAPOConfig.preset; `loss.bapo.preset`, TRL's `bapo_preset`,
 #: verl's `policy_loss.preset`): the settings each one changes from BAPOConfig's defaults.
 PRESETS: dict[str, dict[str, Any]] = {"default": {}, "paper": PAPER_SETTINGS, "recipe": RECIPE_SETTINGS}
-
-
-def field_help() -> dict[str, str]:
-    """Each BAPOConfig field's help text, by field name (in declaration order)."""
-    return {spec.name: spec.metadata["help"] for spec in fields(BAPOConfig)}
 
 
 def candidate_grid(start: float, step: float, maximum: float, stepping: str = "grid") -> list[float]:

@@ -1,4 +1,4 @@
-"""bapo.demo: the paper's staleness experiment in miniature, offline, on 2 CPU cores.
+"""bapo.demo: the paper's staleness-E experiment in miniature, offline, on 2 CPU cores.
 
 task.py       the procedural arithmetic task, its verifier and the fixed held-out split
 warmstart.py  supervised warm start on slipped demonstrations, cached by a hash of its settings

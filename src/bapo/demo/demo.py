@@ -1,12 +1,12 @@
-"""`bapo demo`: the mechanism lab, then the paper's staleness comparison on a tiny LLM.
+"""`bapo demo`: the mechanism lab, then the paper's staleness-E comparison on a tiny LLM.
 
 lab (bapo.lab.run_lab, exact softmax dynamics) -> warm start (cached) -> one bapo.train run per
 (method, setting, seed) -> claims table, plots, per-run table (bapo.analysis, from the runs'
-metrics.jsonl alone). Two staleness axes, named as the paper and the report name them:
+metrics.jsonl alone). Two off-policy axes, named as the paper and the report name them:
   staleness E   the paper's: E+1 optimizer updates per rollout batch (Algorithm 1; in
                 `bapo train`: offpolicy.mini_batches=E+1). The primary axis.
   async delay   a FIFO delay: each batch trained once, k rollout steps after it was generated
-                (`bapo train`: offpolicy.staleness=k). The second axis (--full).
+                (`bapo train`: offpolicy.async_delay=k). The second axis (--full).
 All of it lands in runs/demo-<timestamp>/:
     lab/                           the lab's own folder (claims.json, report.md, cells/)
     data/{train,heldout}.jsonl     the task split the runs used
@@ -50,7 +50,8 @@ PEERS = (
 class RunSpec:
     """One training run: a method under one off-policy setting and seed.
 
-    updates_per_batch_minus_one is the paper's staleness E; async_delay the FIFO delay k."""
+    staleness_e is the paper's staleness E (E+1 optimizer updates per rollout batch); async_delay
+    the FIFO delay k in rollout steps."""
 
     method: str
     staleness_e: int = 0
@@ -170,7 +171,7 @@ def common_overrides(
         "reward.verifier": verifier,
         "loss.method": spec.method,
         "offpolicy.mini_batches": spec.staleness_e + 1,
-        "offpolicy.staleness": spec.async_delay,
+        "offpolicy.async_delay": spec.async_delay,
         "optim.lr": lr,
         "optim.micro_batch_size": prompts_per_batch * group_size,
         "run.output_dir": str(run_dir),

@@ -1,4 +1,4 @@
-"""`bapo study`: does BAPO help a real pretrained model under staleness?
+"""`bapo study`: does BAPO help a real pretrained model on stale data?
 
 SmolLM2-135M-Instruct (`bapo smollm2`, offline) learns the in-house arithmetic task of
 bapo.demo.arith in chat form, with rollout.backend=vllm (the colocated vLLM engine samples;
@@ -77,7 +77,8 @@ class StudyPlan:
     group_size: int = 8
     lr: float = 1e-5
     # rollout and held-out sampling: at 1.0 SmolLM2 (from the Q4_1 GGUF) answers 6% of the task
-    # (below the issue's 10-60% window), at 0.7 15% (docs/STUDY.md)
+    # (below the 10-60% start accuracy the study asks for, so that groups have reward variance), at
+    # 0.7 15% (docs/STUDY.md)
     temperature: float = 0.7
     eval_every: int = 10  # rollout steps between held-out checks (avg@eval_k_during, pass@...)
     eval_prompts: int = 200

@@ -24,7 +24,7 @@ import itertools
 import json
 import random
 import re
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 _PROMPT = re.compile(r"(\d+(?:,\d+)+)>(\d+):")
@@ -180,10 +180,6 @@ def write_jsonl(rows: list[dict], path: str | Path) -> Path:
 def read_jsonl(path: str | Path) -> list[dict]:
     with Path(path).open() as f:
         return [json.loads(line) for line in f if line.strip()]
-
-
-def task_settings(cfg: TaskConfig) -> dict:
-    return asdict(cfg)
 
 
 def eval_verifier(name: str, rows: list[dict] | None = None):

@@ -38,7 +38,7 @@ from bapo.core import BAPOConfig
 from bapo.lab.run import Cell, CellRun
 
 TARGET = BAPOConfig().target
-# The reward at which entropies are also compared "at matched reward": staleness speeds learning, and
+# The reward at which entropies are also compared "at matched reward": staleness E speeds learning, and
 # entropy falls as a policy learns, so an end-of-run gap mixes the two. On-policy GRPO goes from
 # 0.15 to about 0.5 in the default run; 0.4 is reached by nearly every seed of every cell.
 MATCHED_REWARD = 0.4
@@ -55,7 +55,7 @@ Measure = Callable[[CellRun], Tensor]  # one cell's per-seed values [S]; KeyErro
 
 def cell_arm(cell: Cell) -> Arm:
     """The engine's arm of a cell: its method in bapo.analysis.runs.setting_name's setting."""
-    return Arm(cell.method, setting_name(cell.staleness, cell.delay))
+    return Arm(cell.method, setting_name(cell.staleness_e, cell.delay))
 
 
 def _drawdown(series: Tensor) -> Tensor:
@@ -105,7 +105,7 @@ def lab_measures(runs: list[CellRun], rollout_steps: int) -> dict[str, Measure]:
     def off_set_point(run: CellRun) -> Tensor:
         """|batch entropy - H*| over the second half of the updates, H* the final set point of the
         adaptive-target cell of the same setting (for that cell and for fixed-target BAPO alike)."""
-        adaptive = by_name[Cell("bapo-entropy", run.cell.staleness, run.cell.delay).name].updates
+        adaptive = by_name[Cell("bapo-entropy", run.cell.staleness_e, run.cell.delay).name].updates
         set_point, half = adaptive["bapo/set_point"][:, -1:], adaptive["entropy/batch"].shape[1] // 2
         return (run.updates["entropy/batch"][:, half:] - set_point).abs().mean(1)
 
@@ -152,12 +152,14 @@ def cell_values(runs: list[CellRun], measures: dict[str, Measure]) -> SeedValues
     return values
 
 
-def _staleness_claims(staleness: list[int], delays: list[int], top: int | None, rollout_steps: int) -> list[ClaimSpec]:
+def _staleness_claims(
+    staleness_e: list[int], delays: list[int], top: int | None, rollout_steps: int
+) -> list[ClaimSpec]:
     """Claim 1: growing staleness E (or an async delay), GRPO's entropy falls faster, its reward
     and gradient norm are less stable."""
     base = cell_arm(Cell("grpo"))
     specs = []
-    for stale_e in staleness:
+    for stale_e in staleness_e:
         if stale_e == 0:
             continue
         stale = cell_arm(Cell("grpo", stale_e))
@@ -212,7 +214,7 @@ def _staleness_claims(staleness: list[int], delays: list[int], top: int | None, 
     return specs
 
 
-def _clip_bound_claims(claim2_staleness: list[int]) -> list[ClaimSpec]:
+def _clip_bound_claims(claim2_staleness_e: list[int]) -> list[ClaimSpec]:
     """Claim 2: raising c_high slows the entropy fall; lowering c_low speeds it."""
     # (bound, variant cell, sign, text, the change, detail): the detail names c_high 2.0 / c_low 0.8 first
     variants = (
@@ -236,7 +238,7 @@ def _clip_bound_claims(claim2_staleness: list[int]) -> list[ClaimSpec]:
         ),
     )
     specs = []
-    for stale_e in claim2_staleness:
+    for stale_e in claim2_staleness_e:
         grpo = cell_arm(Cell("grpo", stale_e))
         for bound, variant, sign, text, change, fixed, detail in variants:
             for suffix, metric, where in (
@@ -260,7 +262,7 @@ def _clip_bound_claims(claim2_staleness: list[int]) -> list[ClaimSpec]:
 
 def _bapo_claims(settings: list[tuple[int, int]]) -> list[ClaimSpec]:
     """Claim 4: BAPO holds the share at its target and keeps entropy, beating GRPO at every
-    staleness; the adaptive target (bapo-entropy, where present) on the same rows, plus its tracking."""
+    setting (E, async delay); the adaptive target (bapo-entropy, where present) on the same rows, plus its tracking."""
     specs = []
     for variant, tag, name in BAPO_VARIANTS:
         for stale_e, delay in settings:
@@ -327,11 +329,11 @@ def _bapo_claims(settings: list[tuple[int, int]]) -> list[ClaimSpec]:
 def lab_claim_specs(cells: list[Cell], rollout_steps: int) -> list[ClaimSpec]:
     """Every claim of these cells, in the order of the paper's claims 1-4, then the check of the
     entropy-change diagnostic (one per cell; evaluated where the cell records the estimate)."""
-    staleness = sorted({cell.staleness for cell in cells if not cell.delay})
+    staleness_e = sorted({cell.staleness_e for cell in cells if not cell.delay})
     delays = sorted({cell.delay for cell in cells if cell.delay})
     present = {cell.name for cell in cells}
-    top = max((e for e in staleness if e > 0 and Cell("grpo", e).name in present), default=None)
-    claim2 = sorted({cell.staleness for cell in cells if cell.method in CLAIM2_METHODS})
+    top = max((e for e in staleness_e if e > 0 and Cell("grpo", e).name in present), default=None)
+    claim2 = sorted({cell.staleness_e for cell in cells if cell.method in CLAIM2_METHODS})
     base = cell_arm(Cell("grpo"))
     first_share = ClaimSpec(
         "3-negative-dominate",
@@ -356,9 +358,9 @@ def lab_claim_specs(cells: list[Cell], rollout_steps: int) -> list[ClaimSpec]:
         )
         for cell in cells
     ]
-    settings = [(e, 0) for e in staleness] + [(0, delay) for delay in delays]
+    settings = [(e, 0) for e in staleness_e] + [(0, delay) for delay in delays]
     return [
-        *_staleness_claims(staleness, delays, top, rollout_steps),
+        *_staleness_claims(staleness_e, delays, top, rollout_steps),
         *_clip_bound_claims(claim2),
         first_share,
         *_bapo_claims(settings),

@@ -58,7 +58,7 @@ PEER_LEADERBOARDS: tuple[tuple[str, int, str], ...] = (
 )
 # where the positive share (of the loss, at the method's clip bounds) is meaningful: fixed or searched bounds
 PEER_SHARE_METHODS = ("grpo", "clip-higher", "dual-clip", "bapo")
-PEER_STALENESS = (0, 2, 4, 8)
+PEER_STALENESS_E = (0, 2, 4, 8)
 PEER_DELAYS = (2, 8)
 PEER_LONG_DELAYS = (0, 4, 16, 64)  # M2PO's stale-k axis; k = 0 is the E = 0 cell
 # `bapo lab --stale-k`: M2PO's stale-k axis run long enough that every k reaches its steady lag
@@ -78,15 +78,15 @@ STALE_K_LEADERBOARDS: tuple[tuple[str, int, str], ...] = (
 
 @dataclass(frozen=True)
 class LabPlan:
-    """Which cells run. staleness: the paper's E values (E + 1 updates per rollout batch) for
+    """Which cells run. staleness_e: the paper's staleness E values (E + 1 updates per rollout batch) for
     every method in `methods` (default: compared_methods()); delays: async delays k for grpo and
-    the bapo variants; claim2_staleness: E values of the c_high / c_low variants."""
+    the bapo variants; claim2_staleness_e: E values of the c_high / c_low variants."""
 
     config: LabConfig = field(default_factory=LabConfig)
     methods: tuple[str, ...] = field(default_factory=compared_methods)
-    staleness: tuple[int, ...] = (0, 2, 4, 8)
+    staleness_e: tuple[int, ...] = (0, 2, 4, 8)
     delays: tuple[int, ...] = (2, 8)
-    claim2_staleness: tuple[int, ...] = (4,)
+    claim2_staleness_e: tuple[int, ...] = (4,)
     # methods run at every async delay (None: grpo and the bapo variants, the default plan's)
     delay_methods: tuple[str, ...] | None = None
     # (measure, sign, what) leaderboards over `methods` vs grpo, printed and written to report.md and
@@ -94,21 +94,21 @@ class LabPlan:
     leaderboards: tuple[tuple[str, int, str], ...] = ()
 
     def cells(self) -> list[Cell]:
-        cells = [Cell(m, e) for e in self.staleness for m in self.methods]
-        cells += [Cell(m, e) for e in self.claim2_staleness for m in CLAIM2_METHODS]
+        cells = [Cell(m, e) for e in self.staleness_e for m in self.methods]
+        cells += [Cell(m, e) for e in self.claim2_staleness_e for m in CLAIM2_METHODS]
         delayed = self.delay_methods if self.delay_methods is not None else ("grpo", "bapo", "bapo-entropy")
         cells += [Cell(m, 0, k) for k in self.delays for m in delayed if m in self.methods]
         return cells
 
     def settings(self) -> list[str]:
         """The settings of the cells (bapo.analysis.runs.setting_name), in plan order."""
-        return list(dict.fromkeys(setting_name(c.staleness, c.delay) for c in self.cells()))
+        return list(dict.fromkeys(setting_name(c.staleness_e, c.delay) for c in self.cells()))
 
 
 def peers_plan(
     config: LabConfig | None = None,
     methods: tuple[str, ...] | None = None,
-    staleness: tuple[int, ...] = PEER_STALENESS,
+    staleness_e: tuple[int, ...] = PEER_STALENESS_E,
     delays: tuple[int, ...] = tuple(sorted(set(PEER_DELAYS) | set(PEER_LONG_DELAYS) - {0})),
 ) -> LabPlan:
     """`bapo lab --peers`: every method of peer_methods() at staleness E 0, 2, 4, 8 and async delay
@@ -121,9 +121,9 @@ def peers_plan(
     return LabPlan(
         config,
         methods=methods,
-        staleness=staleness,
+        staleness_e=staleness_e,
         delays=delays,
-        claim2_staleness=(),
+        claim2_staleness_e=(),
         delay_methods=methods,
         leaderboards=PEER_LEADERBOARDS,
     )
@@ -139,9 +139,9 @@ def stale_k_plan(config: LabConfig | None = None, seeds: int = 10, delays: tuple
     return LabPlan(
         config,
         methods=STALE_K_METHODS,
-        staleness=(0,),
+        staleness_e=(0,),
         delays=delays,
-        claim2_staleness=(),
+        claim2_staleness_e=(),
         delay_methods=STALE_K_METHODS,
         leaderboards=STALE_K_LEADERBOARDS,
     )
@@ -184,7 +184,7 @@ def plan_for(quick: bool = False, seeds: int | None = None, peers: bool = False,
         plan = LabPlan(
             replace(plan.config, seeds=6, rollout_steps=12, check_cells=("grpo E=4",)),
             methods=("grpo", "bapo"),
-            staleness=(0, 4),
+            staleness_e=(0, 4),
             delays=(4,),
         )
     if seeds is not None:
@@ -212,18 +212,18 @@ def run_jobs(work: list[tuple[Cell, LabConfig]], jobs: int | None = None) -> lis
 def run_cells(plan: LabPlan, jobs: int | None = None) -> list[CellRun]:
     """Run every cell of the plan, `jobs` processes (default: one per CPU core), biggest first."""
     cells = plan.cells()
-    order = sorted(cells, key=lambda c: -(c.staleness + 1))
+    order = sorted(cells, key=lambda c: -(c.staleness_e + 1))
     by_name = {r.cell.name: r for r in run_jobs([(c, plan.config) for c in order], jobs)}
     return [by_name[c.name] for c in cells]
 
 
 def write_metrics(run: CellRun, path: Path) -> None:
     """metrics.jsonl-style rows: one per seed and optimizer update (update = optimizer updates done; E and
-    async_delay name the cell; staleness/mean is the update's lag in policy versions)."""
+    async_delay name the cell; policy_lag/mean is the update's lag in optimizer updates)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     keys = sorted(run.updates)
     values = torch.stack([run.updates[k] for k in keys], -1).tolist()  # [S, U, K]
-    updates_per_batch = run.cell.staleness + 1
+    updates_per_batch = run.cell.staleness_e + 1
     with path.open("w") as f:
         for seed, per_seed in zip(run.seeds, values):
             for update, row in enumerate(per_seed):
@@ -232,7 +232,7 @@ def write_metrics(run: CellRun, path: Path) -> None:
                         {
                             "cell": run.cell.name,
                             "method": run.cell.method,
-                            "E": run.cell.staleness,
+                            "E": run.cell.staleness_e,
                             "async_delay": run.cell.delay,
                             "seed": seed,
                             "update": update + 1,

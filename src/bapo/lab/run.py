@@ -1,11 +1,11 @@
-"""Train the tabular policy of every seed of one cell (method x staleness), vectorised over seeds.
+"""Train the tabular policy of every seed of one cell (method x setting), vectorised over seeds.
 
 The two off-policy axes are the trainer's own (bapo.train), not a copy:
 - staleness E (the paper's Algorithm 1): E + 1 optimizer updates per rollout batch, the batch
   split into E + 1 mini-batches by `bapo.train.buffer.minibatch_order` (what
   `Trainer.update_step` runs with offpolicy.mini_batches = E + 1), bounds re-searched before each;
 - async delay k (a FIFO, the asynchronous-pipeline kind): each batch trained once, k rollout steps
-  late, through `bapo.train.buffer.BatchBuffer` with offpolicy.staleness = k (warm-up: the first
+  late, through `bapo.train.buffer.BatchBuffer` with offpolicy.async_delay = k (warm-up: the first
   k batches come from the start policy, as in `Trainer.fit`).
 
 Per update: one `bapo.core.policy_loss` call over the rows of all seeds, aggregated as a token sum
@@ -17,7 +17,7 @@ derived for a gradient step on softmax logits.
 The regime lab (bapo.lab.regimes) varies what the default fixes, each a LabConfig field whose
 default is the lab above: the optimizer (SGD or Adam, elementwise, so still per seed), the
 parameters (the table, or shared: a fixed prior plus prompt, position and state blocks, so an
-update to one state moves the others of its prompt and position), the staleness split (E + 1
+update to one state moves the others of its prompt and position), the split of staleness E (E + 1
 mini-batches, or E + 1 full-batch epochs), and `premise`: the Entropy-Clip premise diagnostic
 and the first-order / remainder split of each update's exact entropy change, at every update.
 """
@@ -120,12 +120,12 @@ class Cell:
     an async delay of k rollout steps (each batch trained once)."""
 
     method: str
-    staleness: int = 0
+    staleness_e: int = 0
     delay: int = 0
 
     @property
     def name(self) -> str:
-        return f"{self.method} E={self.staleness}" + (f" delay={self.delay}" if self.delay else "")
+        return f"{self.method} E={self.staleness_e}" + (f" delay={self.delay}" if self.delay else "")
 
 
 @dataclass(frozen=True)
@@ -183,7 +183,7 @@ class LabConfig:
                     "group_size": self.group_size,
                     "max_new_tokens": self.task.positions,
                 },
-                "offpolicy": {"staleness": cell.delay, **self._updates_per_batch(cell)},
+                "offpolicy": {"async_delay": cell.delay, **self._updates_per_batch(cell)},
                 "run": {"rollout_steps": self.rollout_steps, "seed": seed, "progress": False},
             }
         )
@@ -192,8 +192,8 @@ class LabConfig:
         # the lab's split shuffles rows across groups (minibatch_order's group_size 1), the split its
         # committed results were made with; bapo train's default keeps groups whole
         if self.split == "epochs":
-            return {"mini_batches": 1, "epochs": cell.staleness + 1, "minibatch_split": "rows"}
-        return {"mini_batches": cell.staleness + 1, "minibatch_split": "rows"}
+            return {"mini_batches": 1, "epochs": cell.staleness_e + 1, "minibatch_split": "rows"}
+        return {"mini_batches": cell.staleness_e + 1, "minibatch_split": "rows"}
 
 
 class LabPolicy:
@@ -479,7 +479,7 @@ def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
         proximal = None
         if method in PROXIMAL_METHODS:  # the policy before this batch's first update
             proximal = token_log_probs(policy.logits().detach(), batch.prompt, batch.tokens)
-        for update in range(cell.staleness + 1):
+        for update in range(cell.staleness_e + 1):
             rows = torch.stack([schedule[update][1] for schedule in schedules])
             for step in steps:
                 step.begin(micro_batches=1)
@@ -505,7 +505,7 @@ def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
                     [math.nan if point is None else point for point in set_points], dtype=torch.float64
                 )
             # the trainer's name: optimizer updates between the behaviour policy and this update
-            metrics["staleness/mean"] = torch.full((len(seeds),), float(version - batch.version), dtype=torch.float64)
+            metrics["policy_lag/mean"] = torch.full((len(seeds),), float(version - batch.version), dtype=torch.float64)
             for key, value in metrics.items():
                 series.setdefault(key, []).append(value.double())
             run.versions.append(batch.version)

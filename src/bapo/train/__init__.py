@@ -1,7 +1,7 @@
 """bapo.train: the off-policy GRPO/BAPO training loop for Hugging Face causal LMs.
 
     from bapo.train import load_config, train
-    cfg = load_config("config.yaml", overrides=["loss.method=bapo", "offpolicy.staleness=2"])
+    cfg = load_config("config.yaml", overrides=["loss.method=bapo", "offpolicy.async_delay=2"])
     run_dir = train(cfg, on_update=None)
 
 Heavy libraries (transformers, datasets) load only when a Trainer is built.

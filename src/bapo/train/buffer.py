@@ -1,13 +1,13 @@
-"""Which rollout batch an update trains on: the exact-staleness FIFO or a replay mix.
+"""Which rollout batch an update trains on: the exact async-delay FIFO or a replay mix.
 
-fifo, staleness k: a queue of k+1 batches. Each rollout step pushes the batch it just generated
-and pops the oldest, so rollout step s trains on the batch generated at step s-k. Warm-up: the
-first k batches are generated up front by the initial policy (version 0), so steps 0..k-1 train
-on version-0 data (token staleness 0, U, ..., (k-1)U with U updates per batch) and from step k on
-the staleness is exactly k batches.
-replay: the last `replay_batches` batches are kept; each step trains on prompts_per_batch
+fifo, async delay k: a queue of k+1 batches. Each rollout step pushes the batch it just generated
+and pops the oldest, so rollout step s trains on the batch generated at rollout step s-k. Warm-up:
+the first k batches are generated up front by the initial policy (version 0), so rollout steps
+0..k-1 train on version-0 data (policy lag 0, U, ..., (k-1)U optimizer updates with U updates per
+batch) and from rollout step k on the delay is exactly k batches.
+replay: the last `replay_batches` batches are kept; each rollout step trains on prompts_per_batch
 groups drawn uniformly without replacement from all of them (ages 0 .. replay_batches-1 mix).
-Draws use a generator seeded by (seed, step), so they need no saved state.
+Draws use a generator seeded by (seed, rollout step), so they need no saved state.
 """
 
 from __future__ import annotations
@@ -54,8 +54,8 @@ def minibatch_order(
 
 class BatchBuffer:
     def __init__(self, cfg: TrainConfig, pad_id: int):
-        self.mode, self.staleness = cfg.offpolicy.mode, cfg.offpolicy.staleness
-        self.capacity = self.staleness + 1 if self.mode == "fifo" else cfg.offpolicy.replay_batches
+        self.mode, self.async_delay = cfg.offpolicy.mode, cfg.offpolicy.async_delay
+        self.capacity = self.async_delay + 1 if self.mode == "fifo" else cfg.offpolicy.replay_batches
         self.group_size, self.groups = cfg.rollout.group_size, cfg.rollout.prompts_per_batch
         self.seed, self.pad_id = cfg.run.seed, pad_id
         self.batches: deque[Batch] = deque()
@@ -63,21 +63,21 @@ class BatchBuffer:
     @property
     def warmup(self) -> int:
         """Batches to generate with the initial policy before the first update."""
-        return self.staleness if self.mode == "fifo" else 0
+        return self.async_delay if self.mode == "fifo" else 0
 
     def push(self, batch: Batch) -> None:
         self.batches.append(batch)
         if self.mode == "replay" and len(self.batches) > self.capacity:
             self.batches.popleft()
 
-    def pop(self, step: int) -> Batch:
+    def pop(self, rollout_step: int) -> Batch:
         if self.mode == "fifo":
             assert len(self.batches) == self.capacity, "FIFO not full: warm-up missing"
             return self.batches.popleft()
         group_size = self.group_size
         pool = Batch.cat(list(self.batches), self.pad_id)
         n_groups = len(pool) // group_size
-        generator = seeded_generator(self.seed, step, weights=REPLAY_DRAW)
+        generator = seeded_generator(self.seed, rollout_step, weights=REPLAY_DRAW)
         chosen = torch.randperm(n_groups, generator=generator)[: self.groups].sort().values
         return pool.select(group_rows(chosen, group_size))
 

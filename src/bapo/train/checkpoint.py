@@ -1,12 +1,13 @@
-"""Checkpoints that prove themselves: RUN_DIR/checkpoints/step_NNNNNN/{model/, state.pt, manifest.json}.
+"""Checkpoints that prove themselves: RUN_DIR/checkpoints/update_NNNNNN/{model/, state.pt, manifest.json},
+NNNNNN the optimizer updates done (the policy version it holds).
 
-A checkpoint is written into `.tmp_step_NNNNNN_<pid>/`, every file is fsync'ed, then
+A checkpoint is written into `.tmp_update_NNNNNN_<pid>/`, every file is fsync'ed, then
 `manifest.json` (size and sha256 of every other file) is written last, the directory is fsync'ed
 and renamed into place, and the parent directory is fsync'ed; a kill or power loss at any moment
 leaves the previous checkpoints intact. `verify_checkpoint` re-hashes a checkpoint against its
 manifest; resume (bapo.train.trainer) takes the newest checkpoint that verifies and loads.
 state.pt holds everything else exact resume needs: optimizer, scheduler, RNG states, the
-staleness FIFO / replay buffer, partial responses, data position, counters.
+async-delay FIFO / replay buffer, partial responses, data position, counters.
 """
 
 from __future__ import annotations
@@ -24,7 +25,10 @@ import torch
 
 LATEST = "latest"
 MANIFEST = "manifest.json"
-TMP_PREFIX = ".tmp_step_"
+PREFIX = "update_"  # + optimizer updates done, 6 digits
+# the folder name of checkpoints written before it said what it counts: read by _updates_done only
+OLD_PREFIX = "step_"
+TMP_PREFIX = ".tmp_"
 CORRUPT_PREFIX = "corrupt_"  # checkpoints that failed to verify are renamed, never deleted
 
 
@@ -108,14 +112,25 @@ def verify_checkpoint(checkpoint: Path) -> str | None:
     return None
 
 
+def _updates_done(path: Path) -> int | None:
+    """The optimizer updates a checkpoint folder's name counts (update_NNNNNN, or an older run's
+    step_NNNNNN, which counted the same); None for any other name."""
+    for prefix in (PREFIX, OLD_PREFIX):
+        digits = path.name.removeprefix(prefix)
+        if digits != path.name and digits.isdigit():
+            return int(digits)
+    return None
+
+
 def checkpoints(run_dir: Path) -> list[Path]:
-    """Complete-looking checkpoint directories of a run, newest first (not yet verified)."""
+    """Complete-looking checkpoint directories of a run, newest (most updates) first (not yet verified)."""
     root = Path(run_dir) / "checkpoints"
-    return sorted((path for path in root.glob("step_*") if path.is_dir()), reverse=True)
+    found = [path for path in root.glob("*") if path.is_dir() and _updates_done(path) is not None]
+    return sorted(found, key=_updates_done, reverse=True)
 
 
 def remove_stale_tmp(run_dir: Path) -> list[Path]:
-    """Delete half-written `.tmp_step_*` directories (a kill, Ctrl-C or failed save); call it only
+    """Delete half-written `.tmp_*` directories (a kill, Ctrl-C or failed save); call it only
     while holding the run lock, so that no other writer's save is in progress."""
     root = Path(run_dir) / "checkpoints"
     stale = sorted(root.glob(TMP_PREFIX + "*"))
@@ -133,9 +148,9 @@ def quarantine(checkpoint: Path) -> Path:
 
 
 def save_checkpoint(
-    run_dir: Path, step: int, model, tokenizer, state: dict, keep: int, save_optimizer: str = "latest"
+    run_dir: Path, updates: int, model, tokenizer, state: dict, keep: int, save_optimizer: str = "latest"
 ) -> Path:
-    """Write checkpoint `step` atomically; prune to the newest `keep`.
+    """Write the checkpoint after `updates` optimizer updates atomically; prune to the newest `keep`.
 
     save_optimizer: "all" keeps the optimizer state in every checkpoint, "latest" strips it from
     the older ones when a newer one is written (they stay loadable, model-only), "none" never
@@ -145,8 +160,8 @@ def save_checkpoint(
     """
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
-    final = root / f"step_{step:06d}"
-    tmp = root / f"{TMP_PREFIX}{step:06d}_{os.getpid()}"
+    final = root / f"{PREFIX}{updates:06d}"
+    tmp = root / f"{TMP_PREFIX}{PREFIX}{updates:06d}_{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     if save_optimizer == "none":
         state = {**state, "optimizer": None}
@@ -155,7 +170,7 @@ def save_checkpoint(
         tokenizer.save_pretrained(tmp / "model")
         torch.save(state, tmp / "state.pt")
         _write_manifest(tmp)
-        if final.exists():  # the same step written again (after a resume): replace it
+        if final.exists():  # the same update written again (after a resume): replace it
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_path(root)
@@ -172,7 +187,7 @@ def save_checkpoint(
         disk_full = getattr(err, "errno", None) == errno.ENOSPC or "iostream error" in str(err)
         why = "no space left on device" if disk_full else f"{type(err).__name__}: {err}"
         raise CheckpointError(
-            f"{why} while writing checkpoint {step} ({final}); the last good checkpoint is {good or 'none'}"
+            f"{why} while writing checkpoint {updates} ({final}); the last good checkpoint is {good or 'none'}"
         ) from err
     for old in checkpoints(run_dir)[keep:]:
         shutil.rmtree(old, ignore_errors=True)

@@ -132,7 +132,7 @@ class RolloutSection(Section):
     top_k: int = Field(0, ge=0, description="top-k sampling; 0 = off")
     stop: list[str] = Field([], description="strings that end a response")
     segment_tokens: int | None = Field(
-        None, gt=0, description="partial rollout: at most L new tokens per response per step; None = off"
+        None, gt=0, description="partial rollout: at most L new tokens per response per rollout step; None = off"
     )
     sampler: Literal["auto", "lean", "hf"] = Field(
         "auto",
@@ -288,10 +288,19 @@ class LossSection(Section):
 
 
 class OffPolicySection(Section):
-    staleness: int = Field(0, ge=0, description="k: update t trains on the batch generated at rollout step t-k")
-    mode: Literal["fifo", "replay"] = Field("fifo", description="fifo (exact staleness) | replay (mix recent batches)")
+    async_delay: int = Field(
+        0, ge=0, description="k: the updates of rollout step t train on the batch generated at rollout step t-k"
+    )
+    mode: Literal["fifo", "replay"] = Field(
+        "fifo", description="fifo (exact async delay) | replay (mix recent batches)"
+    )
     replay_batches: int = Field(4, gt=0, description="replay: how many recent batches are mixed")
-    mini_batches: int = Field(1, gt=0, description="optimizer updates per epoch over one rollout batch")
+    mini_batches: int = Field(
+        1,
+        gt=0,
+        description="optimizer updates per epoch over one rollout batch; mini_batches x epochs = E + 1 "
+        "(the paper's staleness E)",
+    )
     epochs: int = Field(1, gt=0, description="passes over each rollout batch")
     minibatch_split: Literal["groups", "rows"] = Field(
         "groups",
@@ -380,10 +389,10 @@ class TrainConfig(Section):
                 + _suggest(self.loss.agg_mode, AGG_MODES)
             )
         self._check_minibatch_split()
-        if self.offpolicy.mode == "replay" and self.offpolicy.staleness:
+        if self.offpolicy.mode == "replay" and self.offpolicy.async_delay:
             raise ValueError(
-                "offpolicy.staleness applies to mode=fifo; replay mixes the last "
-                "offpolicy.replay_batches batches (set offpolicy.staleness=0)"
+                "offpolicy.async_delay applies to mode=fifo; replay mixes the last "
+                "offpolicy.replay_batches batches (set offpolicy.async_delay=0)"
             )
         if self.rollout.group_size == 1:
             raise ValueError("rollout.group_size=1 gives zero group advantages: use 2 or more")
@@ -575,10 +584,40 @@ def _error_line(msg: str, where: str, origin: _Origin, value=None) -> str:
 
 
 #: old dotted key -> its new name; an old key fails with one line naming the new one
-RENAMED_KEYS = {"run.steps": "run.rollout_steps"}
+RENAMED_KEYS = {"run.steps": "run.rollout_steps", "offpolicy.staleness": "offpolicy.async_delay"}
+#: why a renamed key is not read under its new name: the old one meant something else to a reader
+RENAME_NOTES = {
+    "offpolicy.staleness": "it was the async delay k; the paper's staleness E is "
+    "offpolicy.mini_batches x offpolicy.epochs - 1",
+}
 #: dotted key added later -> the value every run written before it ran with: a resume of such a
 #: run (whose config.yaml lacks the key) continues with that value, not today's default
 ADDED_KEYS = {"offpolicy.minibatch_split": "rows"}
+
+
+def upgrade_run_config(data: dict) -> dict:
+    """A config a run wrote for itself (its config.yaml, nested dicts) in today's keys, in place: the
+    one place old run folders' keys are read. Every key renamed since (RENAMED_KEYS) moves to its new
+    name, exact because the old name meant what the new one means when that run was written (a config
+    a user writes is refused instead: _check_keys); every key added since (ADDED_KEYS) gets the value
+    that run ran with, so a resume continues it as it was."""
+    for old, new in RENAMED_KEYS.items():
+        *old_sections, old_leaf = old.split(".")
+        node = data
+        for part in old_sections:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and old_leaf in node:
+            _nested_setdefault(data, new, node.pop(old_leaf))
+    for key, value in ADDED_KEYS.items():
+        _nested_setdefault(data, key, value)
+    return data
+
+
+def _nested_setdefault(data: dict, dotted: str, value) -> None:
+    *sections, leaf = dotted.split(".")
+    for part in sections:
+        data = data.setdefault(part, {})
+    data.setdefault(leaf, value)
 
 
 def _check_keys(data: dict, model: type[BaseModel], origin: _Origin, prefix: str = "") -> None:
@@ -586,9 +625,10 @@ def _check_keys(data: dict, model: type[BaseModel], origin: _Origin, prefix: str
     for key, value in data.items():
         fields = model.model_fields
         if prefix + key in RENAMED_KEYS:
+            note = f" ({RENAME_NOTES[prefix + key]})" if prefix + key in RENAME_NOTES else ""
             raise ConfigError(
                 f"{prefix + key} was renamed {RENAMED_KEYS[prefix + key]}{origin.where(prefix + key)}: "
-                f"write {RENAMED_KEYS[prefix + key]} instead"
+                f"write {RENAMED_KEYS[prefix + key]} instead{note}"
             )
         if key not in fields:
             options = [prefix + name for name in fields]
@@ -651,6 +691,13 @@ def load_config(path: str | Path | None = None, overrides: list[str] = ()) -> Tr
         return config_from_dict({}, overrides)
     data, lines = read_config_file(path)
     return config_from_dict(data, overrides, source=str(path), lines=lines)
+
+
+def load_run_config(run_dir: str | Path, overrides: list[str] = ()) -> TrainConfig:
+    """RUN_DIR/config.yaml (the config a run saved, read through upgrade_run_config) + overrides."""
+    path = Path(run_dir) / "config.yaml"
+    data, lines = read_config_file(path)
+    return config_from_dict(upgrade_run_config(data), overrides, source=str(path), lines=lines)
 
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")

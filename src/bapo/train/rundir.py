@@ -13,7 +13,8 @@ from pathlib import Path
 
 import yaml
 
-from bapo.train.config import ADDED_KEYS, RENAMED_KEYS, ConfigError, TrainConfig
+from bapo.train.checkpoint import checkpoints
+from bapo.train.config import ConfigError, TrainConfig, upgrade_run_config
 
 LOCK_FILE = ".lock"
 
@@ -69,7 +70,7 @@ class RunLock:
 
 def holds_run(run_dir: Path) -> bool:
     """True when a fresh start would overwrite something: metrics or a checkpoint."""
-    return (run_dir / "metrics.jsonl").exists() or any((run_dir / "checkpoints").glob("step_*"))
+    return (run_dir / "metrics.jsonl").exists() or bool(checkpoints(run_dir))
 
 
 def _flatten(data: dict, prefix: str = "") -> dict:
@@ -84,20 +85,16 @@ def _flatten(data: dict, prefix: str = "") -> dict:
 
 def check_resume_config(run_dir: Path, cfg: TrainConfig) -> None:
     """Refuse a resume whose config differs from the run's own config.yaml in a field that changes
-    what the run computes (staleness, mode, group size, method, lr, ...), naming the field."""
+    what the run computes (async delay, mini-batches, mode, group size, method, lr, ...), naming the field."""
     saved_path = run_dir / "config.yaml"
     if not saved_path.exists():
         raise ConfigError(
             f"--resume {run_dir}: config.yaml is missing, so the run's settings cannot be checked; "
             "restore it or start a new run"
         )
-    # a run written before a key was renamed (run.steps) is compared under the new name
-    saved = {
-        RENAMED_KEYS.get(key, key): value
-        for key, value in _flatten(yaml.safe_load(saved_path.read_text()) or {}).items()
-    }
-    for key, value in ADDED_KEYS.items():  # a run written before a key existed ran with its old value
-        saved.setdefault(key, value)
+    # a run written before a key was renamed (run.steps, offpolicy.staleness) is compared under the new
+    # name, and before a key was added (offpolicy.minibatch_split) with the value it ran with
+    saved = _flatten(upgrade_run_config(yaml.safe_load(saved_path.read_text()) or {}))
     now = _flatten(cfg.model_dump(mode="json"))
     for key in sorted(set(saved) | set(now)):
         if saved.get(key) != now.get(key) and not key.startswith(RESUMABLE_FIELDS):
@@ -106,13 +103,3 @@ def check_resume_config(run_dir: Path, cfg: TrainConfig) -> None:
                 "what the run computes, so it cannot continue exactly: drop the override or start a new run. "
                 f"Fields that may change on resume: {', '.join(RESUMABLE_FIELDS)}"
             )
-
-
-def added_key_overrides(run_dir: Path) -> list[str]:
-    """`key=value` overrides for the keys added since RUN_DIR/config.yaml was written (ADDED_KEYS):
-    the value that run ran with, so `bapo train --resume` continues it as it was."""
-    saved_path = run_dir / "config.yaml"
-    if not saved_path.exists():  # check_resume_config refuses it with its own message
-        return []
-    saved = _flatten(yaml.safe_load(saved_path.read_text()) or {})
-    return [f"{key}={value}" for key, value in ADDED_KEYS.items() if key not in saved]

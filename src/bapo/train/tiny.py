@@ -13,7 +13,7 @@ byte-level tokenizer which drops our "\n" tokens; for llama it keeps the saved t
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 PAD, BOS, EOS, UNK = "<pad>", "<bos>", "<eos>", "<unk>"
 # Every character the task can write; anything else encodes as <unk>.
@@ -77,10 +77,6 @@ def build_model(cfg: ModelConfig, tokenizer):
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model
-
-
-def model_settings(cfg: ModelConfig) -> dict:
-    return asdict(cfg)
 
 
 def save_tiny_model(save_dir, cfg: ModelConfig = ModelConfig()):
