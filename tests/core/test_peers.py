@@ -141,6 +141,67 @@ def test_m2po_official_bounds_and_loss_match_its_loop(seed, spread, budget):
     torch.testing.assert_close(grad, expected_grad, rtol=1e-9, atol=1e-12)
 
 
+def probability_batch(seed: int, spread: float = 0.5):
+    """random_batch with every log-prob below 0 (a probability < 1: DPPO reads p = exp(log pi))."""
+    log_prob, old, advantages, mask = random_batch(seed, spread)
+    return log_prob.clamp(max=-1e-3), old, advantages, mask
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(
+    "method, params",
+    [
+        ("dppo-tv", {}),
+        ("dppo-tv", {"delta_low": 0.05, "delta_high": 0.3, "ratio_cap": 1.5}),
+        ("dppo-kl", {}),
+        ("dppo-kl", {"delta_low": 0.01, "delta_high": 0.2, "ratio_cap": 2.0}),
+    ],
+)
+def test_dppo_matches_its_formula(seed, method, params):
+    tensors = probability_batch(seed)
+    loss, grad, metrics = core(method, *tensors, **params)
+    divergence = method.removeprefix("dppo-")
+    expected, expected_grad = ref.dppo(*as_lists(*tensors), divergence=divergence, **params)
+    assert PAPER_AGG_MODES[method] == "seq-mean-token-sum-norm"
+    assert loss == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    torch.testing.assert_close(grad, torch.tensor(expected_grad, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+    log_prob, old, advantages, mask = as_lists(*tensors)
+    outside = sum(
+        1
+        for i in range(BATCH)
+        for t in range(LENGTH)
+        if mask[i][t]
+        and not ref._dppo_keep(
+            math.exp(log_prob[i][t]),
+            math.exp(old[i][t]),
+            advantages[i],
+            divergence,
+            params.get("delta_low", 0.15 if divergence == "tv" else 0.05),
+            params.get("delta_high", 0.15 if divergence == "tv" else 0.05),
+        )
+    )
+    assert 0 < outside < 26  # the batch has tokens on both sides of the trust region
+    assert metrics["clip_frac/dropped"] == pytest.approx(outside / 26)
+    assert (metrics["lower"], metrics["upper"]) == (0.0, math.inf)
+
+
+def test_dppo_masks_by_probability_change_not_by_ratio():
+    """The paper's example: a rare positive token 1e-4 -> 1e-2 (ratio 100, far outside PPO's
+    [0.8, 1.2]) stays inside the TV region (change 0.0099 <= 0.15) and keeps its gradient; a
+    common negative one 0.99 -> 0.8 (ratio 0.81, inside PPO's bounds) leaves it (change 0.19)."""
+    log_prob = torch.tensor([[math.log(1e-2), math.log(0.8)]], dtype=torch.float64)
+    old = torch.tensor([[math.log(1e-4), math.log(0.99)]], dtype=torch.float64)
+    advantages = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 2)
+    _, grad, metrics = core("dppo-tv", log_prob, old, advantages, mask, loss_agg_mode="token-mean")
+    assert grad[0, 0] == pytest.approx(-100.0 / 2) and grad[0, 1] == 0
+    assert metrics["clip_frac/dropped"] == pytest.approx(1 / 2)
+    _, capped, metrics = core("dppo-tv", log_prob, old, advantages, mask, loss_agg_mode="token-mean", ratio_cap=20.0)
+    assert capped[0, 0] == pytest.approx(-20.0 / 2) and metrics["dppo/truncated_frac"] == pytest.approx(1 / 2)
+    _, ppo, _ = core("grpo", log_prob, old, advantages, mask)
+    assert ppo[0, 0] == 0 and ppo[0, 1] != 0  # PPO's ratio clip does the opposite
+
+
 # --- (b) against verl's own functions ---------------------------------------------------------
 
 
@@ -199,6 +260,24 @@ VERL_CASES = [
         {"kl_cov_ratio": 0.2, "ppo_kl_coef": 1.0},
         "token-mean",
     ),
+    # DPPO: verl's clip_ratio_low / _high are the divergence thresholds, clip_ratio_c the ratio cap
+    # (its example of the paper's runs sets 10000: no truncation, core's ratio_cap=None)
+    ("dppo-tv", {}, "dppo_tv", {"clip_ratio_low": 0.15, "clip_ratio_high": 0.15, "clip_ratio_c": 1e4}, "token-mean"),
+    (
+        "dppo-tv",
+        {"delta_low": 0.05, "delta_high": 0.3, "ratio_cap": 1.5},
+        "dppo_tv",
+        {"clip_ratio_low": 0.05, "clip_ratio_high": 0.3, "clip_ratio_c": 1.5},
+        "seq-mean-token-sum-norm",
+    ),
+    ("dppo-kl", {}, "dppo_kl", {"clip_ratio_low": 0.05, "clip_ratio_high": 0.05, "clip_ratio_c": 1e4}, "token-mean"),
+    (
+        "dppo-kl",
+        {"delta_low": 0.01, "delta_high": 0.2, "ratio_cap": 2.0},
+        "dppo_kl",
+        {"clip_ratio_low": 0.01, "clip_ratio_high": 0.2, "clip_ratio_c": 2.0},
+        "seq-mean-token-sum-norm",
+    ),
     ("clip-cov", {"cov_lower": 0.05}, "clip_cov", {"clip_cov_lb": 0.05}, "token-mean"),
     (
         "clip-cov",
@@ -213,7 +292,7 @@ VERL_CASES = [
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.parametrize("method, params, verl_name, verl_config, agg_mode", VERL_CASES)
 def test_equals_verls_own_function(seed, method, params, verl_name, verl_config, agg_mode):
-    tensors = random_batch(seed, 0.5)
+    tensors = probability_batch(seed) if method.startswith("dppo") else random_batch(seed, 0.5)
     torch.manual_seed(seed)  # clip_cov draws with torch's global generator, as verl does
     loss, grad, _ = core(method, *tensors, loss_agg_mode=agg_mode, **params)
     torch.manual_seed(seed)
