@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from bapo.core import PAPER_AGG_MODES, policy_loss
+from bapo.core import PAPER_AGG_MODES, off_policy_sequence_mask, policy_loss
 from tests.core import reference_peers as ref
 
 BATCH, LENGTH = 6, 7
@@ -329,7 +329,13 @@ class _Accelerator:
 
 
 def trl_loss(
-    tensors, loss_type: str, level: str = "token", epsilon: float = 0.2, epsilon_high: float | None = None, **args
+    tensors,
+    loss_type: str,
+    level: str = "token",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    off_policy_mask_threshold: float | None = None,
+    **args,
 ):
     """(loss, gradient) of TRL's own GRPOTrainer._compute_loss on the same tensors: the trainer's
     state is a stub and its forward returns our log-probs, so what runs is TRL's loss code."""
@@ -346,7 +352,8 @@ def trl_loss(
         epsilon_high=epsilon if epsilon_high is None else epsilon_high,
         beta=0.0,
         top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None,
+        off_policy_mask_threshold=off_policy_mask_threshold,
+        get_off_policy_mask=grpo.GRPOTrainer.get_off_policy_mask,
         use_vllm=False,
         aux_loss_enabled=False,
         _entropy_bonus_enabled=False,
@@ -390,6 +397,49 @@ def test_equals_trls_own_loss(seed, method, params, loss_type, settings):
     tensors = random_batch(seed, 0.5)
     loss, grad, _ = core(method, *tensors, **params)
     expected, expected_grad = trl_loss(tensors, loss_type, **settings)
+    assert loss == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-9)
+
+
+# --- off-policy sequence masking (OPSM) against TRL's ------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("threshold", [0.02, 0.1, 0.5])
+def test_off_policy_sequence_mask_equals_trls(seed, threshold):
+    """bapo.core.off_policy_sequence_mask against TRL's GRPOTrainer.get_off_policy_mask: the same
+    keep decision per response (1/|y| sum (log mu - log pi) > delta with A < 0 drops it)."""
+    grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+    log_prob, old, advantages, mask = random_batch(seed, 0.5)
+    keep = off_policy_sequence_mask(log_prob, old, advantages, mask, threshold)
+    expected = grpo.GRPOTrainer.get_off_policy_mask(advantages[:, None], log_prob, old, mask, threshold)
+    torch.testing.assert_close(keep, (expected * mask).to(keep.dtype))
+    dropped = (keep.sum(-1) == 0) & (mask.sum(-1) > 0)
+    assert bool((advantages[dropped] < 0).all())
+
+
+def test_off_policy_sequence_mask_follows_the_formula():
+    # mean log(mu / pi) per response: 0.3, 0.3 (positive advantage: kept anyway), 0.05; padding ignored
+    sampling = torch.tensor([[0.0, 0.0, -9.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    log_prob = torch.tensor([[-0.2, -0.4, 5.0], [-0.3, -0.3, -0.3], [-0.05, -0.05, -0.05]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1]])
+    keep = off_policy_sequence_mask(log_prob, sampling, torch.tensor([-1.0, 1.0, -1.0]), mask, 0.1)
+    assert keep.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+    with pytest.raises(ValueError, match="^threshold"):
+        off_policy_sequence_mask(log_prob, sampling, torch.ones(3), mask, 0.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("method, params, loss_type, settings", [TRL_CASES[i] for i in (0, 2, 4)])
+def test_opsm_as_token_weights_equals_trls_masked_loss(seed, method, params, loss_type, settings):
+    """TRL multiplies its per-token loss by the mask; bapo passes it as importance weights, which
+    policy_loss multiplies into the token loss: the same loss and gradient."""
+    tensors = random_batch(seed, 0.5)
+    log_prob, old, advantages, mask = tensors
+    keep = off_policy_sequence_mask(log_prob, old, advantages, mask, 0.1)
+    assert 0 < float(keep.sum()) < float(mask.sum())  # the mask drops some responses here
+    loss, grad, _ = core(method, *tensors, importance_weights=keep, **params)
+    expected, expected_grad = trl_loss(tensors, loss_type, off_policy_mask_threshold=0.1, **settings)
     assert loss == pytest.approx(expected, rel=1e-6, abs=1e-9)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-9)
 
