@@ -366,9 +366,7 @@ def test_opsm_and_vllm_weights_reach_the_search_and_the_loss_alike(tiny_model_di
     for batch in step:
         log_prob = current_log_prob(bapo, batch)[0]
         mask = batch["completion_mask"]
-        keep = off_policy_sequence_mask(
-            log_prob, batch["sampling_per_token_logps"], batch["advantages"], mask, 0.05
-        )
+        keep = off_policy_sequence_mask(log_prob, batch["sampling_per_token_logps"], batch["advantages"], mask, 0.05)
         expected.append(batch["importance_sampling_ratio"] * keep.float())
     for index, batch in enumerate(step):
         bapo._step = STEPS_PER_GENERATION + index

@@ -608,7 +608,11 @@ def test_pre_pass_and_loss_get_the_same_rollout_weights(monkeypatch):
     monkeypatch.setattr(verl_losses, "policy_loss", spy("loss", "importance_weights"))
     policy_loss_config = BAPOPolicyLossConfig(**{k: v for k, v in LOSS_CONFIG.items() if k != "_target_"})
     config = ActorConfig(
-        strategy="fsdp", ppo_mini_batch_size=4, ppo_micro_batch_size_per_gpu=2, rollout_n=1, policy_loss=policy_loss_config
+        strategy="fsdp",
+        ppo_mini_batch_size=4,
+        ppo_micro_batch_size_per_gpu=2,
+        rollout_n=1,
+        policy_loss=policy_loss_config,
     )
     step = BAPOStep(policy_loss_config.bapo_config())
     step.begin(micro_batches=1)
