@@ -336,7 +336,6 @@ def test_peers_plan_runs_every_lab_method_at_every_setting():
     async delay 2/4/8/16/64, no claim-2 variants; the default plan is unchanged."""
     from bapo.core import POLICY_LOSSES
     from bapo.lab.lab import LabPlan, peer_methods, plan_for
-
     from bapo.lab.run import WEIGHTED_METHODS
 
     methods = peer_methods()
