@@ -260,24 +260,6 @@ VERL_CASES = [
         {"kl_cov_ratio": 0.2, "ppo_kl_coef": 1.0},
         "token-mean",
     ),
-    # DPPO: verl's clip_ratio_low / _high are the divergence thresholds, clip_ratio_c the ratio cap
-    # (its example of the paper's runs sets 10000: no truncation, core's ratio_cap=None)
-    ("dppo-tv", {}, "dppo_tv", {"clip_ratio_low": 0.15, "clip_ratio_high": 0.15, "clip_ratio_c": 1e4}, "token-mean"),
-    (
-        "dppo-tv",
-        {"delta_low": 0.05, "delta_high": 0.3, "ratio_cap": 1.5},
-        "dppo_tv",
-        {"clip_ratio_low": 0.05, "clip_ratio_high": 0.3, "clip_ratio_c": 1.5},
-        "seq-mean-token-sum-norm",
-    ),
-    ("dppo-kl", {}, "dppo_kl", {"clip_ratio_low": 0.05, "clip_ratio_high": 0.05, "clip_ratio_c": 1e4}, "token-mean"),
-    (
-        "dppo-kl",
-        {"delta_low": 0.01, "delta_high": 0.2, "ratio_cap": 2.0},
-        "dppo_kl",
-        {"clip_ratio_low": 0.01, "clip_ratio_high": 0.2, "clip_ratio_c": 2.0},
-        "seq-mean-token-sum-norm",
-    ),
     ("clip-cov", {"cov_lower": 0.05}, "clip_cov", {"clip_cov_lb": 0.05}, "token-mean"),
     (
         "clip-cov",
@@ -286,6 +268,26 @@ VERL_CASES = [
         {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.02, "clip_cov_ub": 0.5},
         "token-mean",
     ),
+]
+
+
+def _dppo_case(method: str, params: dict, agg_mode: str) -> tuple:
+    """verl's dppo_tv / dppo_kl read the divergence thresholds from clip_ratio_low / _high and the
+    ratio cap from clip_ratio_c (its example of the paper's runs: 10000, i.e. core's ratio_cap=None)."""
+    default = 0.15 if method == "dppo-tv" else 0.05
+    verl_config = {
+        "clip_ratio_low": params.get("delta_low", default),
+        "clip_ratio_high": params.get("delta_high", default),
+        "clip_ratio_c": params.get("ratio_cap") or 1e4,
+    }
+    return method, params, method.replace("-", "_"), verl_config, agg_mode
+
+
+VERL_CASES += [
+    _dppo_case("dppo-tv", {}, "token-mean"),
+    _dppo_case("dppo-tv", {"delta_low": 0.05, "delta_high": 0.3, "ratio_cap": 1.5}, "seq-mean-token-sum-norm"),
+    _dppo_case("dppo-kl", {}, "token-mean"),
+    _dppo_case("dppo-kl", {"delta_low": 0.01, "delta_high": 0.2, "ratio_cap": 2.0}, "seq-mean-token-sum-norm"),
 ]
 
 

@@ -573,13 +573,13 @@ def test_pre_pass_and_loss_get_the_same_rollout_weights(monkeypatch):
     bound pre-pass (observe_micro_batch) and the registered loss, through verl's own ppo_loss,
     hand BAPO's search and the loss the same per-token weights. One process, no collectives."""
     from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
-    from verl.workers.config import ActorConfig
     from verl.workers.utils.losses import ppo_loss
 
     import bapo.integrations.verl.losses as verl_losses
     from bapo.core import BAPOStep
     from bapo.integrations.verl import BAPOPolicyLossConfig
     from bapo.integrations.verl.worker import observe_micro_batch
+    from tests.integrations.test_verl_losses import actor_config
 
     model = tiny_qwen2()
     shard = make_shard(1, model)
@@ -607,13 +607,7 @@ def test_pre_pass_and_loss_get_the_same_rollout_weights(monkeypatch):
     monkeypatch.setattr(BAPOStep, "bounds_for", spy("bounds_for", "weights"))
     monkeypatch.setattr(verl_losses, "policy_loss", spy("loss", "importance_weights"))
     policy_loss_config = BAPOPolicyLossConfig(**{k: v for k, v in LOSS_CONFIG.items() if k != "_target_"})
-    config = ActorConfig(
-        strategy="fsdp",
-        ppo_mini_batch_size=4,
-        ppo_micro_batch_size_per_gpu=2,
-        rollout_n=1,
-        policy_loss=policy_loss_config,
-    )
+    config = actor_config("token-mean", policy_loss_config, {})
     step = BAPOStep(policy_loss_config.bapo_config())
     step.begin(micro_batches=1)
     outputs = sequence_outputs(model, data["input_ids"])
