@@ -187,3 +187,31 @@ def decoupled_ppo(log_prob, old, adv, mask, proximal, lower=0.8, upper=1.2, weig
             clipped = (a > 0 and r > upper) or (a < 0 and r < lower)
             grad[i][t] = 0.0 if clipped else -w * r * a / count
     return loss, grad
+
+
+def _dppo_keep(p, q, a, divergence, delta_low, delta_high):
+    """DPPO's trust region: a token leaves it only by moving in its advantage's direction."""
+    if divergence == "tv":
+        return p - q <= delta_high if a > 0 else q - p <= delta_low
+    kl = q * math.log(q / p) + (1.0 - q) * math.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
+    return (kl <= delta_high or p <= q) if a > 0 else (kl <= delta_low or p >= q)
+
+
+def dppo(log_prob, old, adv, mask, divergence="tv", delta_low=None, delta_high=None, ratio_cap=None):
+    """DPPO-Binary-TV / -KL (arXiv 2602.04879): with p = pi(y_t), q = mu(y_t), a token inside the
+    trust region contributes -min(r, cap) A log pi (weight detached: gradient -min(r, cap) A),
+    one outside contributes 0; seq-mean-token-sum-norm: the sum over tokens / (B * T)."""
+    default = 0.15 if divergence == "tv" else 0.05
+    delta_low = default if delta_low is None else delta_low
+    delta_high = default if delta_high is None else delta_high
+    denominator = len(log_prob) * len(log_prob[0])
+    loss, grad = 0.0, [[0.0] * len(row) for row in log_prob]
+    for i, row in enumerate(log_prob):
+        for t in _tokens(mask[i]):
+            p, q, a = math.exp(row[t]), math.exp(old[i][t]), adv[i]
+            if not _dppo_keep(p, q, a, divergence, delta_low, delta_high):
+                continue
+            w = p / q if ratio_cap is None else min(p / q, ratio_cap)
+            loss += -w * a * row[t] / denominator
+            grad[i][t] = -w * a / denominator
+    return loss, grad

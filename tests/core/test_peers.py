@@ -9,7 +9,7 @@ import math
 import pytest
 import torch
 
-from bapo.core import PAPER_AGG_MODES, policy_loss
+from bapo.core import PAPER_AGG_MODES, off_policy_sequence_mask, policy_loss
 from tests.core import reference_peers as ref
 
 BATCH, LENGTH = 6, 7
@@ -141,6 +141,67 @@ def test_m2po_official_bounds_and_loss_match_its_loop(seed, spread, budget):
     torch.testing.assert_close(grad, expected_grad, rtol=1e-9, atol=1e-12)
 
 
+def probability_batch(seed: int, spread: float = 0.5):
+    """random_batch with every log-prob below 0 (a probability < 1: DPPO reads p = exp(log pi))."""
+    log_prob, old, advantages, mask = random_batch(seed, spread)
+    return log_prob.clamp(max=-1e-3), old, advantages, mask
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize(
+    "method, params",
+    [
+        ("dppo-tv", {}),
+        ("dppo-tv", {"delta_low": 0.05, "delta_high": 0.3, "ratio_cap": 1.5}),
+        ("dppo-kl", {}),
+        ("dppo-kl", {"delta_low": 0.01, "delta_high": 0.2, "ratio_cap": 2.0}),
+    ],
+)
+def test_dppo_matches_its_formula(seed, method, params):
+    tensors = probability_batch(seed)
+    loss, grad, metrics = core(method, *tensors, **params)
+    divergence = method.removeprefix("dppo-")
+    expected, expected_grad = ref.dppo(*as_lists(*tensors), divergence=divergence, **params)
+    assert PAPER_AGG_MODES[method] == "seq-mean-token-sum-norm"
+    assert loss == pytest.approx(expected, rel=1e-9, abs=1e-12)
+    torch.testing.assert_close(grad, torch.tensor(expected_grad, dtype=torch.float64), rtol=1e-9, atol=1e-12)
+    log_prob, old, advantages, mask = as_lists(*tensors)
+    outside = sum(
+        1
+        for i in range(BATCH)
+        for t in range(LENGTH)
+        if mask[i][t]
+        and not ref._dppo_keep(
+            math.exp(log_prob[i][t]),
+            math.exp(old[i][t]),
+            advantages[i],
+            divergence,
+            params.get("delta_low", 0.15 if divergence == "tv" else 0.05),
+            params.get("delta_high", 0.15 if divergence == "tv" else 0.05),
+        )
+    )
+    assert 0 < outside < 26  # the batch has tokens on both sides of the trust region
+    assert metrics["clip_frac/dropped"] == pytest.approx(outside / 26)
+    assert (metrics["lower"], metrics["upper"]) == (0.0, math.inf)
+
+
+def test_dppo_masks_by_probability_change_not_by_ratio():
+    """The paper's example: a rare positive token 1e-4 -> 1e-2 (ratio 100, far outside PPO's
+    [0.8, 1.2]) stays inside the TV region (change 0.0099 <= 0.15) and keeps its gradient; a
+    common negative one 0.99 -> 0.8 (ratio 0.81, inside PPO's bounds) leaves it (change 0.19)."""
+    log_prob = torch.tensor([[math.log(1e-2), math.log(0.8)]], dtype=torch.float64)
+    old = torch.tensor([[math.log(1e-4), math.log(0.99)]], dtype=torch.float64)
+    advantages = torch.tensor([[1.0, -1.0]], dtype=torch.float64)
+    mask = torch.ones(1, 2)
+    _, grad, metrics = core("dppo-tv", log_prob, old, advantages, mask, loss_agg_mode="token-mean")
+    assert grad[0, 0] == pytest.approx(-100.0 / 2) and grad[0, 1] == 0
+    assert metrics["clip_frac/dropped"] == pytest.approx(1 / 2)
+    _, capped, metrics = core("dppo-tv", log_prob, old, advantages, mask, loss_agg_mode="token-mean", ratio_cap=20.0)
+    assert capped[0, 0] == pytest.approx(-20.0 / 2) and metrics["dppo/truncated_frac"] == pytest.approx(1 / 2)
+    _, ppo, _ = core("grpo", log_prob, old, advantages, mask)
+    assert ppo[0, 0] == 0 and ppo[0, 1] != 0  # PPO's ratio clip does the opposite
+
+
 # --- (b) against verl's own functions ---------------------------------------------------------
 
 
@@ -210,11 +271,31 @@ VERL_CASES = [
 ]
 
 
+def _dppo_case(method: str, params: dict, agg_mode: str) -> tuple:
+    """verl's dppo_tv / dppo_kl read the divergence thresholds from clip_ratio_low / _high and the
+    ratio cap from clip_ratio_c (its example of the paper's runs: 10000, i.e. core's ratio_cap=None)."""
+    default = 0.15 if method == "dppo-tv" else 0.05
+    verl_config = {
+        "clip_ratio_low": params.get("delta_low", default),
+        "clip_ratio_high": params.get("delta_high", default),
+        "clip_ratio_c": params.get("ratio_cap") or 1e4,
+    }
+    return method, params, method.replace("-", "_"), verl_config, agg_mode
+
+
+VERL_CASES += [
+    _dppo_case("dppo-tv", {}, "token-mean"),
+    _dppo_case("dppo-tv", {"delta_low": 0.05, "delta_high": 0.3, "ratio_cap": 1.5}, "seq-mean-token-sum-norm"),
+    _dppo_case("dppo-kl", {}, "token-mean"),
+    _dppo_case("dppo-kl", {"delta_low": 0.01, "delta_high": 0.2, "ratio_cap": 2.0}, "seq-mean-token-sum-norm"),
+]
+
+
 @pytest.mark.parametrize("seed", range(3))
 @pytest.mark.verl
 @pytest.mark.parametrize("method, params, verl_name, verl_config, agg_mode", VERL_CASES)
 def test_equals_verls_own_function(seed, method, params, verl_name, verl_config, agg_mode):
-    tensors = random_batch(seed, 0.5)
+    tensors = probability_batch(seed) if method.startswith("dppo") else random_batch(seed, 0.5)
     torch.manual_seed(seed)  # clip_cov draws with torch's global generator, as verl does
     loss, grad, _ = core(method, *tensors, loss_agg_mode=agg_mode, **params)
     torch.manual_seed(seed)
@@ -251,7 +332,13 @@ class _Accelerator:
 
 
 def trl_loss(
-    tensors, loss_type: str, level: str = "token", epsilon: float = 0.2, epsilon_high: float | None = None, **args
+    tensors,
+    loss_type: str,
+    level: str = "token",
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    off_policy_mask_threshold: float | None = None,
+    **args,
 ):
     """(loss, gradient) of TRL's own GRPOTrainer._compute_loss on the same tensors: the trainer's
     state is a stub and its forward returns our log-probs, so what runs is TRL's loss code."""
@@ -268,7 +355,8 @@ def trl_loss(
         epsilon_high=epsilon if epsilon_high is None else epsilon_high,
         beta=0.0,
         top_entropy_quantile=1.0,
-        off_policy_mask_threshold=None,
+        off_policy_mask_threshold=off_policy_mask_threshold,
+        get_off_policy_mask=grpo.GRPOTrainer.get_off_policy_mask,
         use_vllm=False,
         aux_loss_enabled=False,
         _entropy_bonus_enabled=False,
@@ -312,6 +400,49 @@ def test_equals_trls_own_loss(seed, method, params, loss_type, settings):
     tensors = random_batch(seed, 0.5)
     loss, grad, _ = core(method, *tensors, **params)
     expected, expected_grad = trl_loss(tensors, loss_type, **settings)
+    assert loss == pytest.approx(expected, rel=1e-6, abs=1e-9)
+    torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-9)
+
+
+# --- off-policy sequence masking (OPSM) against TRL's ------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("threshold", [0.02, 0.1, 0.5])
+def test_off_policy_sequence_mask_equals_trls(seed, threshold):
+    """bapo.core.off_policy_sequence_mask against TRL's GRPOTrainer.get_off_policy_mask: the same
+    keep decision per response (1/|y| sum (log mu - log pi) > delta with A < 0 drops it)."""
+    grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+    log_prob, old, advantages, mask = random_batch(seed, 0.5)
+    keep = off_policy_sequence_mask(log_prob, old, advantages, mask, threshold)
+    expected = grpo.GRPOTrainer.get_off_policy_mask(advantages[:, None], log_prob, old, mask, threshold)
+    torch.testing.assert_close(keep, (expected * mask).to(keep.dtype))
+    dropped = (keep.sum(-1) == 0) & (mask.sum(-1) > 0)
+    assert bool((advantages[dropped] < 0).all())
+
+
+def test_off_policy_sequence_mask_follows_the_formula():
+    # mean log(mu / pi) per response: 0.3, 0.3 (positive advantage: kept anyway), 0.05; padding ignored
+    sampling = torch.tensor([[0.0, 0.0, -9.0], [0.0, 0.0, 0.0], [0.0, 0.0, 0.0]], dtype=torch.float64)
+    log_prob = torch.tensor([[-0.2, -0.4, 5.0], [-0.3, -0.3, -0.3], [-0.05, -0.05, -0.05]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1], [1, 1, 1]])
+    keep = off_policy_sequence_mask(log_prob, sampling, torch.tensor([-1.0, 1.0, -1.0]), mask, 0.1)
+    assert keep.tolist() == [[0.0, 0.0, 0.0], [1.0, 1.0, 1.0], [1.0, 1.0, 1.0]]
+    with pytest.raises(ValueError, match="^threshold"):
+        off_policy_sequence_mask(log_prob, sampling, torch.ones(3), mask, 0.0)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("method, params, loss_type, settings", [TRL_CASES[i] for i in (0, 2, 4)])
+def test_opsm_as_token_weights_equals_trls_masked_loss(seed, method, params, loss_type, settings):
+    """TRL multiplies its per-token loss by the mask; bapo passes it as importance weights, which
+    policy_loss multiplies into the token loss: the same loss and gradient."""
+    tensors = random_batch(seed, 0.5)
+    log_prob, old, advantages, mask = tensors
+    keep = off_policy_sequence_mask(log_prob, old, advantages, mask, 0.1)
+    assert 0 < float(keep.sum()) < float(mask.sum())  # the mask drops some responses here
+    loss, grad, _ = core(method, *tensors, importance_weights=keep, **params)
+    expected, expected_grad = trl_loss(tensors, loss_type, off_policy_mask_threshold=0.1, **settings)
     assert loss == pytest.approx(expected, rel=1e-6, abs=1e-9)
     torch.testing.assert_close(grad, expected_grad, rtol=1e-6, atol=1e-9)
 

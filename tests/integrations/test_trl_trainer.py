@@ -338,6 +338,56 @@ def test_vllm_importance_weights_and_kl_match_trl(tiny_model_dir, tmp_path):
     assert (bapo.bapo_step.solved.lower, bapo.bapo_step.solved.upper) == (expected.lower, expected.upper)
 
 
+def test_opsm_and_vllm_weights_reach_the_search_and_the_loss_alike(tiny_model_dir, tmp_path, monkeypatch):
+    """With TRL's off_policy_mask_threshold (OPSM) and its vLLM IS ratio, BAPO's search (the step's
+    pre-pass) and the loss of every micro-batch get the same per-token weights: the IS ratio times
+    bapo.core.off_policy_sequence_mask of the current log-probs against the sampler's."""
+    from bapo.core import BAPOStep, off_policy_sequence_mask
+    from bapo.integrations.trl import trainer as trainer_module
+
+    bapo = make_trainer(tiny_model_dir, tmp_path, num_iterations=2, off_policy_mask_threshold=0.05)
+    bapo.use_vllm = bapo.vllm_importance_sampling_correction = True  # no vLLM on CPU: its ratio by hand
+    generator = torch.Generator().manual_seed(4)
+    buffer = generation_buffer(bapo, seed=4)
+    for batch in buffer:
+        batch["importance_sampling_ratio"] = torch.rand(batch["completion_mask"].shape, generator=generator) * 2
+        batch["sampling_per_token_logps"] = batch["old_per_token_logps"] + 0.3 * torch.rand(
+            batch["completion_mask"].shape, generator=generator
+        )
+    seen: dict[str, list] = {"observe": [], "loss": []}
+    real_observe, real_loss = BAPOStep.observe, trainer_module.policy_loss
+
+    def observe(self, *args, weights=None, **kwargs):
+        seen["observe"].append(weights)
+        return real_observe(self, *args, weights=weights, **kwargs)
+
+    def loss(*args, importance_weights=None, **kwargs):
+        seen["loss"].append(importance_weights)
+        return real_loss(*args, importance_weights=importance_weights, **kwargs)
+
+    monkeypatch.setattr(BAPOStep, "observe", observe)
+    monkeypatch.setattr(trainer_module, "policy_loss", loss)
+    start_optimizer_step(bapo, buffer, STEPS_PER_GENERATION)  # second pass: stale, a pre-pass runs
+    step = buffer[:ACCUMULATION]
+    expected = []
+    for batch in step:
+        log_prob = current_log_prob(bapo, batch)[0]
+        mask = batch["completion_mask"]
+        keep = off_policy_sequence_mask(log_prob, batch["sampling_per_token_logps"], batch["advantages"], mask, 0.05)
+        expected.append(batch["importance_sampling_ratio"] * keep.float())
+    for index, batch in enumerate(step):
+        bapo._step = STEPS_PER_GENERATION + index
+        bapo._compute_loss(bapo.model, batch)
+    expected_all = torch.cat(expected)
+    assert 0 < float((expected_all.sum(-1) == 0).sum()) < len(expected_all)  # OPSM drops some responses
+    masks = torch.cat([batch["completion_mask"] for batch in step]).bool()
+    for name, parts in seen.items():
+        assert len(parts) == ACCUMULATION, name
+        # the loss's forward runs with grad, the reference's without: float32 rounding apart
+        got = torch.cat(parts)
+        torch.testing.assert_close(got[masks], expected_all[masks], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_training_off_policy_logs_bapo_metrics(tiny_model_dir, tmp_path):
     trainer = make_trainer(tiny_model_dir, tmp_path, max_steps=3, num_iterations=2, bapo_target=0.6)
     trainer.train()
@@ -467,6 +517,8 @@ def test_training_logs_the_share_of_each_optimizer_steps_tokens(tiny_model_dir, 
         ("dcpo", {}),
         ("gspo", {}),
         ("m2po", {"bapo_method_kwargs": '{"budget": 0.02}'}),
+        ("dppo-tv", {}),
+        ("dppo-kl", {"bapo_method_kwargs": '{"ratio_cap": 20.0}'}),
     ],
 )
 def test_every_core_method_trains(tiny_model_dir, tmp_path, method, kwargs):

@@ -565,3 +565,56 @@ def test_plugin_import_installs_the_worker_after_verl_loads_its_workers():
     env = {**os.environ, "PYTHONPATH": os.path.abspath(src), "OMP_NUM_THREADS": "1"}
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_pre_pass_and_loss_get_the_same_rollout_weights(monkeypatch):
+    """verl's rollout correction (rollout_is_weights, e.g. IcePop's "0.5_5.0" in decoupled mode,
+    where old_log_probs are recomputed and the behaviour gap sits in the weights): the worker's
+    bound pre-pass (observe_micro_batch) and the registered loss, through verl's own ppo_loss,
+    hand BAPO's search and the loss the same per-token weights. One process, no collectives."""
+    from verl.trainer.ppo.rollout_corr_helper import compute_rollout_correction_weights
+    from verl.workers.utils.losses import ppo_loss
+
+    import bapo.integrations.verl.losses as verl_losses
+    from bapo.core import BAPOStep
+    from bapo.integrations.verl import BAPOPolicyLossConfig
+    from bapo.integrations.verl.worker import observe_micro_batch
+    from tests.integrations.test_verl_losses import actor_config
+
+    model = tiny_qwen2()
+    shard = make_shard(1, model)
+    generator = torch.Generator().manual_seed(3)
+    mask = shard["response_mask"]
+    rollout_log_prob = shard["old_log_probs"] + 0.8 * torch.randn(mask.shape, generator=generator, dtype=torch.float64)
+    weights, _ = compute_rollout_correction_weights(
+        (shard["old_log_probs"] - rollout_log_prob) * mask, mask, rollout_is="token", rollout_is_threshold="0.5_5.0"
+    )
+    assert 0 < int(((weights == 0) & mask.bool()).sum()) < int(mask.sum())  # IcePop zeroes some tokens
+    shard["rollout_is_weights"] = weights
+    data = no_padding(shard)
+    tu.assign_non_tensor(data, dp_size=1, batch_num_tokens=int(mask.sum()), global_batch_size=None)
+    seen: dict[str, list] = {"observe": [], "bounds_for": [], "loss": []}
+    real = {"observe": BAPOStep.observe, "bounds_for": BAPOStep.bounds_for, "loss": verl_losses.policy_loss}
+
+    def spy(name, keyword):
+        def call(*args, **kwargs):
+            seen[name].append(kwargs.get(keyword))
+            return real[name](*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(BAPOStep, "observe", spy("observe", "weights"))
+    monkeypatch.setattr(BAPOStep, "bounds_for", spy("bounds_for", "weights"))
+    monkeypatch.setattr(verl_losses, "policy_loss", spy("loss", "importance_weights"))
+    policy_loss_config = BAPOPolicyLossConfig(**{k: v for k, v in LOSS_CONFIG.items() if k != "_target_"})
+    config = actor_config("token-mean", policy_loss_config, {})
+    step = BAPOStep(policy_loss_config.bapo_config())
+    step.begin(micro_batches=1)
+    outputs = sequence_outputs(model, data["input_ids"])
+    observe_micro_batch(outputs, data, step=step)
+    step.solve()
+    policy_loss_config.attach_step(step)
+    ppo_loss(config=config, model_output=sequence_outputs(model, data["input_ids"]), data=data)
+    for name, calls in seen.items():
+        assert len(calls) == 1, name
+        torch.testing.assert_close(calls[0].double(), weights, msg=name)

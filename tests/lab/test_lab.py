@@ -275,7 +275,9 @@ def test_a_method_added_to_METHODS_joins_the_default_plan(monkeypatch):
     assert plan.methods[-1] == "m2po" and {Cell("m2po", e) for e in plan.staleness_e} <= set(plan.cells())
 
 
-@pytest.mark.parametrize("method", ["gspo", "cispo", "sapo", "gmpo", "clip-cov", "kl-cov", "m2po", "m2po-official"])
+@pytest.mark.parametrize(
+    "method", ["gspo", "cispo", "sapo", "gmpo", "clip-cov", "kl-cov", "m2po", "m2po-official", "dppo-tv", "dppo-kl"]
+)
 def test_any_registered_loss_runs_by_name_and_each_seed_alone(method):
     """A registered loss outside METHODS runs as Cell(<its name>) with its defaults; losses that
     select over the batch (BATCH_LEVEL_METHODS) select per seed, so a seed's run does not depend
@@ -299,14 +301,46 @@ def test_decoupled_ppo_in_the_lab_clips_against_the_policy_before_the_batch():
     assert not torch.allclose(stale["exact/reward"], stale_grpo["exact/reward"])
 
 
+@pytest.mark.parametrize("method", ["icepop", "opsm"])
+def test_icepop_and_opsm_are_grpo_until_the_data_is_stale(method, monkeypatch):
+    """Without an async delay the behaviour policy is the one before the batch's first update:
+    IcePop's weight pi_prox / mu is 1 (inside [0.5, 5]) and grpo runs unchanged; OPSM's mean
+    log(mu / pi) is 0 at the first update, and its later updates drop a response only once its
+    policy moved by more than 0.5 nats on average. With a delay both differ from grpo."""
+    from bapo.lab import run as lab_run
+
+    if method == "icepop":
+        same = run_cell(Cell(method, staleness=2), TINY).updates
+        grpo = run_cell(Cell("grpo", staleness=2), TINY).updates
+        assert torch.allclose(same["exact/reward"], grpo["exact/reward"], atol=1e-9)
+    stale = run_cell(Cell(method, delay=2), TINY).updates
+    assert torch.isfinite(stale["grad_norm"]).all() and torch.isfinite(stale["exact/entropy"]).all()
+    assert not torch.allclose(stale["exact/reward"], run_cell(Cell("grpo", delay=2), TINY).updates["exact/reward"])
+    seen = []
+    real = lab_run.policy_loss
+
+    def spy(*args, importance_weights=None, **kwargs):
+        seen.append(importance_weights)
+        return real(*args, importance_weights=importance_weights, **kwargs)
+
+    monkeypatch.setattr(lab_run, "policy_loss", spy)
+    run_cell(Cell(method, delay=2), TINY)
+    weights = torch.cat([w.flatten() for w in seen])
+    assert bool((weights == 0).any())  # the mask acts on stale data
+    if method == "opsm":
+        assert set(weights.unique().tolist()) <= {0.0, 1.0}
+
+
 def test_peers_plan_runs_every_lab_method_at_every_setting():
     """`bapo lab --peers`: every registered loss the lab runs (decoupled-ppo too), at E 0/2/4/8 and
     async delay 2/4/8/16/64, no claim-2 variants; the default plan is unchanged."""
     from bapo.core import POLICY_LOSSES
     from bapo.lab.lab import LabPlan, peer_methods, plan_for
+    from bapo.lab.run import WEIGHTED_METHODS
 
     methods = peer_methods()
-    assert set(methods) == set(POLICY_LOSSES) and methods[0] == "grpo"
+    assert set(methods) == set(POLICY_LOSSES) | {"icepop", "opsm"} == set(POLICY_LOSSES) | set(WEIGHTED_METHODS)
+    assert methods[0] == "grpo" and {"dppo-tv", "dppo-kl"} <= set(methods)
     plan = plan_for(peers=True)
     assert plan.config.seeds == 20 and plan_for(peers=True, seeds=3).config.seeds == 3
     settings = ["E=0", "E=2", "E=4", "E=8"] + [f"E=0, async delay {k}" for k in (2, 4, 8, 16, 64)]

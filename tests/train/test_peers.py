@@ -23,6 +23,8 @@ PEERS = {
     "m2po": ("budget", 0.02),
     "m2po-official": ("budget", 0.02),
     "decoupled-ppo": ("weight_cap", 5.0),
+    "dppo-tv": ("delta_high", 0.2),
+    "dppo-kl": ("ratio_cap", 20.0),
 }
 
 
@@ -39,7 +41,7 @@ def test_every_peer_validates_with_its_parameters(tmp_path, method):
         make_config("unused", tmp_path, **{"loss.method": method, "loss.params.bounds": 1.0})
 
 
-@pytest.mark.parametrize("method", ["gspo", "m2po", "clip-cov"])
+@pytest.mark.parametrize("method", ["gspo", "m2po", "clip-cov", "dppo-tv"])
 def test_a_tiny_stale_run_trains_with_a_peer(tiny_model, tmp_path, method):
     overrides = {"loss.method": method, "offpolicy.async_delay": 1, "run.rollout_steps": 3, "optim.lr": 2e-2}
     rows = read_metrics(
@@ -54,6 +56,8 @@ def test_a_tiny_stale_run_trains_with_a_peer(tiny_model, tmp_path, method):
         assert all("m2po/m2" in r and "clip_frac/dropped" in r for r in rows)
     if method == "gspo":
         assert all((r["lower"], r["upper"]) == (1 - 3e-4, 1 + 4e-4) for r in rows)
+    if method == "dppo-tv":  # its trust region drops tokens, counted as the loss's own (dropped)
+        assert all("dppo/truncated_frac" in r and "clip_frac/dropped" in r for r in rows)
 
 
 def test_decoupled_ppo_trains_with_the_proximal_policy_of_each_batch(tiny_model, tmp_path):

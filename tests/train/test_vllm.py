@@ -226,6 +226,21 @@ def test_bapo_train_with_partial_rollout_and_sequence_mis(tmp_path, tiny_llama):
     assert any(row["policy_lag/max"] > 0 for row in rows)  # responses carried over versions
 
 
+def test_bapo_train_with_dppo_icepop_and_opsm(tmp_path, tiny_llama):
+    """The 2026 peers through `bapo train` with a real engine: DPPO-TV, IcePop on the engine gap
+    (its default bounds [0.5, 5.0]) and off-policy sequence masking against the engine."""
+    rows = _train(
+        tmp_path,
+        tiny_llama,
+        "offpolicy.staleness=1",
+        "loss.method=dppo-tv",
+        "rollout.correction=icepop",
+        "loss.off_policy_mask=0.5",
+    )
+    _check_gap(rows, 3)
+    assert all("dppo/truncated_frac" in row and "rollout/is_weight/mean" in row for row in rows)
+
+
 def test_resume_with_vllm_continues_exactly(tmp_path, tiny_llama):
     """A run stopped after rollout step 2 and resumed (a fresh engine, the checkpoint's weights
     pushed, the sampling seeds drawn from the checkpointed generator) logs what the uninterrupted

@@ -20,6 +20,7 @@ from bapo.core.losses import (
     TokenLoss,
     aggregate_loss,
     clipped_surrogate,
+    off_policy_sequence_mask,
     policy_loss,
     register_policy_loss,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "entropy_from_logits",
     "group_advantages",
     "k3_kl",
+    "off_policy_sequence_mask",
     "policy_loss",
     "positive_share",
     "register_policy_loss",

@@ -240,6 +240,30 @@ def dcpo_loss(
     )
 
 
+def off_policy_sequence_mask(
+    log_prob: Tensor, sampling_log_prob: Tensor, advantages: Tensor, mask: Tensor, threshold: float
+) -> Tensor:
+    """Off-policy sequence masking (OPSM, DeepSeek-V3.2, arXiv 2512.02556, Eq. 9; TRL's
+    off_policy_mask_threshold): a negative-advantage response whose mean log-ratio of the sampler
+    to the current policy, (1/|y|) sum_t (log mu(y_t) - log pi(y_t)) over its masked tokens (a k1
+    estimate of KL(mu || pi)), exceeds `threshold` is dropped from the loss:
+        keep_t = A_t >= 0 or KL_seq <= threshold.
+    log_prob [B, T]: the current policy's (read detached); sampling_log_prob [B, T]: the policy that
+    sampled (the inference engine's when there is one, as TRL); advantages [B] or [B, T]; mask [B, T].
+    A NaN log-ratio (a token the engine could not score) counts 0, as in TRL. Returns the 0/1 keep
+    weights [B, T] (0 outside the mask), in log_prob's compute dtype; the caller multiplies them
+    into the token weights the loss and BAPO's search both get."""
+    if not threshold > 0.0:
+        raise ValueError(f"threshold: {threshold} must be > 0 (DeepSeek-V3.2's delta, e.g. TRL's 0.5)")
+    dtype = compute_dtype(log_prob, sampling_log_prob)
+    counted = mask.to(torch.bool)
+    log_ratio = torch.nan_to_num(sampling_log_prob.detach().to(dtype) - log_prob.detach().to(dtype), nan=0.0)
+    log_ratio = torch.where(counted, log_ratio, 0.0)
+    sequence_kl = log_ratio.sum(-1, keepdim=True) / counted.sum(-1, keepdim=True).clamp_min(1)
+    keep = (per_token(advantages.detach().to(dtype), log_ratio) >= 0) | (sequence_kl <= threshold)
+    return (keep & counted).to(dtype)
+
+
 def aggregate_loss(
     token_loss: Tensor, mask: Tensor, mode: str = "token-mean", normalizer: float | Tensor | None = None
 ) -> Tensor:

@@ -1,4 +1,4 @@
-"""BAPO's peers as registered policy losses: GSPO, CISPO, SAPO, GMPO, Clip-Cov, KL-Cov, M2PO.
+"""BAPO's peers as registered policy losses: GSPO, CISPO, SAPO, GMPO, Clip-Cov, KL-Cov, M2PO, DPPO.
 
 Each is its paper's formula with the defaults of the framework function named in its docstring
 (verl 0.9.1's `verl/trainer/ppo/core_algos.py`, TRL's `GRPOTrainer._compute_loss`, the
@@ -334,3 +334,70 @@ def decoupled_ppo_loss(
         ratio=ratio.detach(),
         dropped=dropped,
     )
+
+
+def _check_dppo(delta_low: float, delta_high: float, ratio_cap: float | None) -> None:
+    _check_positive(delta_low=delta_low, delta_high=delta_high)
+    if ratio_cap is not None and not ratio_cap > 0.0:
+        raise ValueError(f"ratio_cap: {ratio_cap} must be > 0 (or None: no truncation)")
+
+
+def _dppo(batch: TokenBatch, keep_positive: Tensor, keep_negative: Tensor, ratio_cap: float | None) -> TokenLoss:
+    """DPPO's loss from its trust-region masks [B, T] (True = the token keeps its gradient): the
+    REINFORCE term -sg(min(r, ratio_cap)) * A * log pi on the kept tokens. The mask of a token
+    follows its advantage's sign (A > 0: keep_positive, else keep_negative)."""
+    keep = torch.where(batch.advantages > 0, keep_positive, keep_negative)
+    weight = batch.ratio.detach() if ratio_cap is None else batch.ratio.detach().clamp(max=ratio_cap)
+    counted = batch.mask.to(torch.bool)
+    truncated = (batch.ratio > ratio_cap) & keep if ratio_cap is not None else torch.zeros_like(keep)
+    return TokenLoss(
+        torch.where(keep, -weight * batch.advantages * batch.log_prob, 0.0),
+        *NO_BOUNDS,
+        metrics={"dppo/truncated_frac": _masked_share(truncated, batch.mask)},
+        dropped=counted & ~keep & (batch.advantages != 0),
+    )
+
+
+@register_policy_loss("dppo-tv", agg_mode="seq-mean-token-sum-norm")
+def dppo_tv_loss(
+    batch: TokenBatch, *, delta_low: float = 0.15, delta_high: float = 0.15, ratio_cap: float | None = None
+) -> TokenLoss:
+    """DPPO-Binary-TV (Qi et al., "Rethinking the Trust Region in LLM Reinforcement Learning",
+    arXiv 2602.04879), verl's `dppo_tv`: a trust region on the probability change of the sampled
+    token rather than on its ratio. With p = pi(y_t), q = pi_behaviour(y_t):
+        keep_t = (p - q <= delta_high) if A > 0 else (p - q >= -delta_low),
+        loss_t = -keep_t * sg(min(r_t, ratio_cap)) * A * log pi(y_t),
+    so a kept token's gradient is min(r, ratio_cap) A grad log pi (the unclipped surrogate's) and a
+    token that moved its probability by more than delta in its advantage's direction has none.
+    Defaults: the paper's runs as verl's example encodes them (examples/dppo_trainer:
+    clip_ratio_low = clip_ratio_high = 0.15, the TV threshold; clip_ratio_c = 10000, i.e. no
+    truncation: ratio_cap None; verl's function falls back to 20 when its config lacks
+    clip_ratio_c, and verl's ActorConfig default is 3.0). Aggregation seq-mean-token-sum-norm
+    (Dr. GRPO, the paper's). Diagnostics: no ratio bound (0, inf); tokens outside the trust
+    region as dropped; metrics dppo/truncated_frac (kept tokens with r > ratio_cap)."""
+    _check_dppo(delta_low, delta_high, ratio_cap)
+    change = batch.log_prob.detach().exp() - batch.old_log_prob.exp()
+    return _dppo(batch, change <= delta_high, change >= -delta_low, ratio_cap)
+
+
+#: verl's dppo_kl adds 1e-8 to both 1 - q and 1 - p (p = 1 would be log 0).
+DPPO_KL_EPS = 1e-8
+
+
+@register_policy_loss("dppo-kl", agg_mode="seq-mean-token-sum-norm")
+def dppo_kl_loss(
+    batch: TokenBatch, *, delta_low: float = 0.05, delta_high: float = 0.05, ratio_cap: float | None = None
+) -> TokenLoss:
+    """DPPO-Binary-KL (arXiv 2602.04879), verl's `dppo_kl`: the trust region is the KL divergence
+    between the Bernoulli distributions (q, 1 - q) and (p, 1 - p) of the sampled token,
+        D_t = q log(q / p) + (1 - q) log((1 - q + 1e-8) / (1 - p + 1e-8)),
+        keep_t = (D_t <= delta_high or p <= q) if A > 0 else (D_t <= delta_low or p >= q),
+    i.e. a token is masked only when it left the region in the direction its advantage pushes;
+    the loss is dppo-tv's, -keep_t * sg(min(r_t, ratio_cap)) * A * log pi(y_t). Defaults: verl's
+    example of the paper's runs (KL threshold 0.05 on both sides, no truncation); aggregation
+    seq-mean-token-sum-norm. Diagnostics as dppo-tv."""
+    _check_dppo(delta_low, delta_high, ratio_cap)
+    log_p, log_q = batch.log_prob.detach(), batch.old_log_prob
+    p, q = log_p.exp(), log_q.exp()
+    divergence = q * (log_q - log_p) + (1.0 - q) * (torch.log(1.0 - q + DPPO_KL_EPS) - torch.log(1.0 - p + DPPO_KL_EPS))
+    return _dppo(batch, (divergence <= delta_high) | (p <= q), (divergence <= delta_low) | (p >= q), ratio_cap)

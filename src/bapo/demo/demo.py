@@ -43,6 +43,8 @@ PEERS = (
     "m2po",
     "m2po-official",
     "decoupled-ppo",
+    "dppo-tv",
+    "dppo-kl",
 )
 
 

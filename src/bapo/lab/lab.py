@@ -19,7 +19,7 @@ from bapo.analysis.claims import Claim, Standing, claims_json, leaderboard, lead
 from bapo.analysis.runs import setting_name
 from bapo.core import POLICY_LOSSES
 from bapo.lab.claims import CLAIM2_METHODS, EFFECT_RESOLUTION, cell_values, lab_claims, lab_measures
-from bapo.lab.run import METHODS, Cell, CellRun, LabConfig, run_cell
+from bapo.lab.run import METHODS, WEIGHTED_METHODS, Cell, CellRun, LabConfig, run_cell
 
 
 def compared_methods() -> tuple[str, ...]:
@@ -32,11 +32,12 @@ def peer_methods() -> tuple[str, ...]:
     """`bapo lab --peers`' methods: grpo, clip-higher, dual-clip and bapo (their METHODS entries),
     then every other registered loss the lab runs (topr, dcpo and the peers of bapo.core.peers, in
     POLICY_LOSSES order, each with its own defaults; decoupled-ppo's proximal policy is the one
-    before each rollout batch's first update). The adaptive-target variant bapo-entropy is left out
+    before each rollout batch's first update), then the weights on GRPO of WEIGHTED_METHODS (IcePop
+    in verl's decoupled mode, TRL's OPSM). The adaptive-target variant bapo-entropy is left out
     (not a paper default)."""
     own = ("grpo", "clip-higher", "dual-clip", "bapo")
     rest = [m for m in POLICY_LOSSES if m not in METHODS]
-    return own + tuple(rest)
+    return own + tuple(rest) + tuple(WEIGHTED_METHODS)
 
 
 # (lab measure, sign: +1 = higher is better, what it ranks) of `bapo lab --peers`' leaderboards

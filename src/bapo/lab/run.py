@@ -38,6 +38,7 @@ from bapo.core import (
     BAPOStep,
     clip_diagnostics,
     group_advantages,
+    off_policy_sequence_mask,
     policy_loss,
     positive_share,
     token_ratio,
@@ -52,7 +53,8 @@ from bapo.lab.policy import (
     token_mean,
 )
 from bapo.train.buffer import BatchBuffer, minibatch_order
-from bapo.train.config import TrainConfig, config_from_dict
+from bapo.train.config import ICEPOP_BOUNDS, TrainConfig, config_from_dict
+from bapo.train.correction import correction_weights
 
 try:  # the adaptive target (BAPOConfig.target_mode="entropy"), where this checkout has it
     from bapo.core.target import EntropyTargetController
@@ -96,18 +98,34 @@ if EntropyTargetController is not None:  # rho0 steered so that entropy holds it
 EXTRA_METHODS: dict[str, tuple[str, dict]] = {"unclipped": ("grpo", {"lower": 0.0, "upper": math.inf})}
 
 
+# Peers that are not a loss but a weight on one (`bapo lab --peers`), each on GRPO's clipped
+# surrogate at its defaults, nothing tuned:
+# - icepop: verl's decoupled mode with token-level IcePop (RolloutCorrectionConfig.decoupled_token_icepop):
+#   the ratio is taken against the recomputed old policy (the one before the rollout batch's first
+#   update, decoupled PPO's proximal policy) and the behaviour gap pi_prox / mu is the correction
+#   weight, zeroed outside ICEPOP_BOUNDS (bapo.train.correction, `rollout.correction=icepop`);
+# - opsm: TRL's off_policy_mask_threshold (DeepSeek-V3.2's OPSM) at OPSM_THRESHOLD, TRL's documented
+#   example value: a negative-advantage response whose mean log(mu / pi) exceeds it is dropped
+#   (bapo.core.off_policy_sequence_mask, `loss.off_policy_mask`).
+WEIGHTED_METHODS: dict[str, tuple[str, dict]] = {"icepop": ("grpo", {}), "opsm": ("grpo", {})}
+OPSM_THRESHOLD = 0.5
+# the methods whose rollout batches carry the proximal log-probs (the policy before their first update)
+NEEDS_PROXIMAL = ("icepop",)
+
+
 def method_loss(name: str) -> tuple[str, dict]:
-    """A lab method's registered loss and parameters: its METHODS, STAGE_METHODS or EXTRA_METHODS
-    entry, or any other registered loss by its own name with its defaults (e.g. Cell("gspo")),
-    outside the default plan. Decoupled PPO's proximal policy is the one before the first update of
-    each rollout batch, as in `bapo train`."""
-    for named in (METHODS, STAGE_METHODS, EXTRA_METHODS):
+    """A lab method's registered loss and parameters: its METHODS, STAGE_METHODS, EXTRA_METHODS or
+    WEIGHTED_METHODS entry, or any other registered loss by its own name with its defaults (e.g.
+    Cell("gspo")), outside the default plan. Decoupled PPO's proximal policy is the one before the
+    first update of each rollout batch, as in `bapo train`."""
+    for named in (METHODS, STAGE_METHODS, EXTRA_METHODS, WEIGHTED_METHODS):
         if name in named:
             return named[name]
     if name in POLICY_LOSSES:
         return name, {}
     raise ValueError(
-        f"method: {name!r} is not one of {sorted(METHODS) + sorted(STAGE_METHODS) + sorted(EXTRA_METHODS)} "
+        f"method: {name!r} is not one of "
+        f"{sorted(METHODS) + sorted(STAGE_METHODS) + sorted(EXTRA_METHODS) + sorted(WEIGHTED_METHODS)} "
         "nor a registered loss "
         "the lab can run "
         f"({sorted(set(POLICY_LOSSES) - set(METHODS))})"
@@ -351,7 +369,8 @@ def _update(
     proximal_log_prob [S, B, D]: the batch's log-probs before its first update (decoupled PPO only)."""
     method, params = method_loss(cell.method)
     # a METHODS entry's own aggregation (all token sums at normalizer 1); another loss's token sum
-    agg_mode = None if any(cell.method in named for named in (METHODS, STAGE_METHODS, EXTRA_METHODS)) else "token-mean"
+    named_methods = (METHODS, STAGE_METHODS, EXTRA_METHODS, WEIGHTED_METHODS)
+    agg_mode = None if any(cell.method in named for named in named_methods) else "token-mean"
     seed_count = rows.shape[0]
 
     def pick(values: Tensor) -> Tensor:  # each seed's mini-batch rows of a [S, B] or [S, B, D] tensor
@@ -369,6 +388,14 @@ def _update(
     entropy_before = token_mean(states_before, prompt, mask)
 
     log_prob = token_log_probs(logits, prompt, tokens)
+    weights = None
+    if cell.method == "icepop" and proximal is not None:  # decoupled: the ratio against the recomputed policy
+        lower, cap = ICEPOP_BOUNDS
+        weights, _ = correction_weights(proximal, old_log_prob, mask, "icepop", "token", cap=cap, lower=lower)
+        old_log_prob, proximal = proximal, None
+    elif cell.method == "opsm":  # the sampler is the behaviour policy (no engine gap here)
+        per_token_advantages = advantages[..., None].expand_as(log_prob)
+        weights = off_policy_sequence_mask(log_prob, old_log_prob, per_token_advantages, mask, OPSM_THRESHOLD)
     ratio = token_ratio(log_prob.detach(), old_log_prob)
     lower, upper = torch.zeros(seed_count, dtype=torch.float64), torch.zeros(seed_count, dtype=torch.float64)
     total = torch.zeros((), dtype=logits.dtype)
@@ -384,6 +411,7 @@ def _update(
             loss_agg_mode=agg_mode,
             normalizer=1.0,
             **({} if proximal is None else {"proximal_log_prob": proximal[members].reshape(-1, length)}),
+            **({} if weights is None else {"importance_weights": weights[members].reshape(-1, length)}),
             **group_params,
         )
         lower[members], upper[members] = metrics["lower"], metrics["upper"]
@@ -477,7 +505,7 @@ def run_cell(cell: Cell, cfg: LabConfig) -> CellRun:
             for seed in seeds
         ]
         proximal = None
-        if method in PROXIMAL_METHODS:  # the policy before this batch's first update
+        if method in PROXIMAL_METHODS or cell.method in NEEDS_PROXIMAL:  # the policy before the first update
             proximal = token_log_probs(policy.logits().detach(), batch.prompt, batch.tokens)
         for update in range(cell.staleness_e + 1):
             rows = torch.stack([schedule[update][1] for schedule in schedules])

@@ -117,6 +117,10 @@ class DataSection(Section):
     shuffle: bool = Field(True, description="reshuffle the prompts every epoch (seeded)")
 
 
+#: IcePop's [lower, upper] on the correction weight: verl's decoupled_token_icepop defaults
+ICEPOP_BOUNDS = (0.5, 5.0)
+
+
 class RolloutSection(Section):
     backend: Literal["hf", "vllm"] = Field(
         "hf",
@@ -140,12 +144,14 @@ class RolloutSection(Section):
         "log-probs from it in fp32), hf = model.generate, auto = lean when the model supports it",
     )
     logprob_batch_size: int = Field(64, gt=0, description="rows per no-grad forward when recomputing log-probs")
-    correction: Literal["none", "tis", "mis"] = Field(
+    correction: Literal["none", "tis", "mis", "icepop"] = Field(
         "none",
         description="backend vllm: rollout/training mismatch correction, weight w = pi_trainer / pi_engine of "
         "the behaviour version on every loss token (verl's rollout correction, TRL's "
         "vllm_importance_sampling_correction): tis = min(w, correction_cap) (truncated IS), mis = w inside "
-        "[correction_lower, correction_cap] else 0 (masked IS); none = weights off (the gap is still logged)",
+        "[correction_lower, correction_cap] else 0 (masked IS); icepop = mis with IcePop's two-sided "
+        "defaults, correction_lower 0.5 and correction_cap 5.0 unless set (verl's decoupled_token_icepop); "
+        "none = weights off (the gap is still logged)",
     )
     correction_level: Literal["token", "sequence"] = Field(
         "token", description="token = w per token; sequence = the product of the response's token ratios"
@@ -174,6 +180,14 @@ class RolloutSection(Section):
             raise ValueError("an empty string would end every response at once; remove it")
         return value
 
+    @model_validator(mode="before")
+    @classmethod
+    def _icepop_defaults(cls, data: Any) -> Any:
+        """correction=icepop: IcePop's bounds [0.5, 5.0] (verl's preset) where the config sets none."""
+        if isinstance(data, dict) and data.get("correction") == "icepop":
+            data = {"correction_lower": ICEPOP_BOUNDS[0], "correction_cap": ICEPOP_BOUNDS[1], **data}
+        return data
+
     @model_validator(mode="after")
     def _check_correction(self) -> RolloutSection:
         if self.correction != "none" and self.backend != "vllm":
@@ -181,7 +195,12 @@ class RolloutSection(Section):
                 f"rollout.correction={self.correction}: corrects the gap between a vLLM engine and the trainer; "
                 "set rollout.backend=vllm, or rollout.correction=none (backend hf has no gap)"
             )
-        if self.correction == "mis" and self.correction_lower >= self.correction_cap:
+        if self.correction == "icepop" and self.correction_lower <= 0:
+            raise ValueError(
+                "rollout.correction_lower=0: icepop masks both tails; set a lower bound > 0 (its default 0.5), "
+                "or rollout.correction=mis for an upper bound alone"
+            )
+        if self.correction in ("mis", "icepop") and self.correction_lower >= self.correction_cap:
             raise ValueError(
                 f"rollout.correction_lower={self.correction_lower} must be below "
                 f"rollout.correction_cap={self.correction_cap}"
@@ -238,14 +257,14 @@ class LossSection(Section):
     method: str = Field(
         "grpo",
         description="a registered bapo.core loss: grpo | clip-higher | dual-clip | topr | dcpo | bapo, or a peer: "
-        "gspo | cispo | cispo-verl | sapo | gmpo | clip-cov | kl-cov | m2po | m2po-official | decoupled-ppo "
-        "(docs/CORE.md)",
+        "gspo | cispo | cispo-verl | sapo | gmpo | clip-cov | kl-cov | m2po | m2po-official | decoupled-ppo | "
+        "dppo-tv | dppo-kl (docs/CORE.md)",
     )
     agg_mode: str | None = Field(
         None,
         description="token-mean | seq-mean-token-sum | seq-mean-token-mean | seq-mean-token-sum-norm; "
         "null = the method's paper's (bapo.core.PAPER_AGG_MODES: token-mean; dcpo, topr seq-mean-token-sum; "
-        "gspo, sapo, gmpo seq-mean-token-mean)",
+        "gspo, sapo, gmpo seq-mean-token-mean; dppo-tv, dppo-kl seq-mean-token-sum-norm)",
     )
     advantages: Literal["auto", "group", "dcpo_smooth"] = Field(
         "auto",
@@ -261,6 +280,13 @@ class LossSection(Section):
         gt=1.0,
         description="cap on the ratio of negative-advantage tokens (verl's clip_ratio_c) for every "
         "loss that takes one (grpo, clip-higher, bapo, dcpo); null = each loss's own default",
+    )
+    off_policy_mask: float | None = Field(
+        None,
+        gt=0,
+        description="off-policy sequence masking (OPSM, DeepSeek-V3.2; TRL's off_policy_mask_threshold): drop "
+        "a negative-advantage response whose mean log(pi_sampler / pi) over its tokens exceeds this (e.g. 0.5); "
+        "the sampler is the vLLM engine with rollout.backend=vllm, else the behaviour policy; null = off",
     )
     bapo: BAPOSection = Field(BAPOSection(), description="BAPO's bound search (loss.method=bapo)")
     scale_by_std: bool = Field(True, description="false = Dr.GRPO advantages (no division by the group std)")

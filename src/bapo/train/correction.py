@@ -9,7 +9,7 @@ the CPU weight packing; this module measures the gap and turns it into per-token
 
 exactly as verl's rollout correction (`compute_rollout_correction_weights`: token or sequence
 level, log-ratio clamped to +-20 before exp; TIS = `clamp(max=cap)`, IcePop/MIS = 0 outside
-[lower, cap]) and TRL's `vllm_importance_sampling_correction` (`token_truncate`,
+[lower, cap], "lower_upper" thresholds) and TRL's `vllm_importance_sampling_correction` (`token_truncate`,
 `sequence_mask`, ...) compute them. The weights multiply the token loss through
 `policy_loss(importance_weights=...)`, and BAPO's bound search gets the same weights.
 """
@@ -48,10 +48,10 @@ def correction_weights(
         return None, ratio.float()
     if mode == "tis":
         weights = ratio.clamp(max=cap)
-    elif mode == "mis":
+    elif mode in ("mis", "icepop"):  # icepop: mis with a lower bound > 0 (config: its defaults [0.5, 5])
         weights = torch.where((ratio >= lower) & (ratio <= cap), ratio, 0.0)
     else:
-        raise ValueError(f"correction mode {mode!r}: use none, tis or mis")
+        raise ValueError(f"correction mode {mode!r}: use none, tis, mis or icepop")
     return torch.where(counted, weights, 0.0).float(), ratio.float()
 
 

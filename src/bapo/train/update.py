@@ -17,6 +17,7 @@ from bapo.core import (
     balance_metrics,
     balance_sums,
     k3_kl,
+    off_policy_sequence_mask,
     policy_loss,
     token_kind_metrics,
     token_kind_sums,
@@ -60,6 +61,18 @@ def behaviour_is_current(batch: Batch, version: int | None) -> bool:
     return version is not None and bool((batch.versions[batch.response_mask] == version).all())
 
 
+def token_weights(mb: Batch, cfg: TrainConfig, log_prob: torch.Tensor) -> torch.Tensor | None:
+    """The per-token weights [n, R] the loss and BAPO's search both get (None: none): the rollout
+    correction's, times the off-policy sequence mask (loss.off_policy_mask) of the current
+    log-probs `log_prob` [n, R] against the sampler's (the engine's when there is one)."""
+    weights, _ = importance_weights(mb, cfg)
+    if cfg.loss.off_policy_mask is None:
+        return weights
+    sampler = mb.engine_log_prob if mb.engine_log_prob is not None else mb.old_log_prob
+    keep = off_policy_sequence_mask(log_prob, sampler, mb.advantages, mb.response_mask, cfg.loss.off_policy_mask)
+    return keep.float() if weights is None else weights * keep.to(weights.dtype)
+
+
 def importance_weights(mb: Batch, cfg: TrainConfig) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     """(rollout-correction weights [n, R] or None, raw engine-vs-trainer ratios [n, R] or None):
     None, None unless the batch carries the engine's log-probs (rollout.backend=vllm)."""
@@ -87,7 +100,7 @@ def _observe_update(
     per update, at the memory of one micro-batch's graph during the others' no-grad forwards)."""
     first = None
     for index, mb in enumerate(micro):
-        ratio = None
+        ratio, log_prob = None, mb.old_log_prob  # fresh: the current policy is the behaviour one
         if not fresh:
             if index == 0:
                 first = _forward(model, mb, cfg)
@@ -96,7 +109,7 @@ def _observe_update(
                 with torch.no_grad():
                     log_prob, _ = _forward(model, mb, cfg, with_entropy=False)
             ratio = token_ratio(log_prob, mb.old_log_prob)
-        weights, _ = importance_weights(mb, cfg)
+        weights = token_weights(mb, cfg, log_prob)
         bapo_step.observe(ratio, mb.advantages, mb.response_mask, weights=weights, behaviour_log_prob=mb.old_log_prob)
     return first
 
@@ -168,7 +181,7 @@ def _micro_batch_loss(
     if digit_ids is not None and entropy is not None:
         kind_mask = torch.isin(mb.response_ids, digit_ids.to(mb.response_ids.device))
         kind_sums = token_kind_sums(entropy, mb.response_mask, kind_mask)
-    weights, _ = importance_weights(mb, cfg)  # the loss and BAPO's search see the same weights
+    weights = token_weights(mb, cfg, log_prob.detach())  # the loss and BAPO's search see the same weights
     ratio = token_ratio(log_prob.detach(), mb.old_log_prob)
     balance = balance_sums(
         ratio,
