@@ -58,6 +58,7 @@ def test_weights_match_the_formula(mode, level, cap, lower):
     assert (weights[~mask] == 0).all()
 
 
+@pytest.mark.verl
 @pytest.mark.parametrize("level", ["token", "sequence"])
 @pytest.mark.parametrize("lower, cap", [(0.5, 5.0), (0.8, 1.25)])
 def test_icepop_equals_verls_rollout_correction(level, lower, cap):
