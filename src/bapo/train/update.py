@@ -49,6 +49,7 @@ def _forward(model, mb: Batch, cfg: TrainConfig, with_entropy: bool = True):
         with_entropy=with_entropy,
         entropy_grad=with_entropy and cfg.loss.entropy_coef > 0,
         autocast=cfg.model.autocast,
+        shared_prompt=cfg.model.shared_prompt_forward,
     )
 
 
@@ -111,6 +112,7 @@ def with_proximal_log_prob(model, batch: Batch, cfg: TrainConfig) -> Batch:
         cfg.rollout.temperature,
         cfg.rollout.logprob_batch_size,
         cfg.model.autocast,
+        cfg.model.shared_prompt_forward,
     )
     return dataclasses.replace(batch, proximal_log_prob=proximal.to(batch.old_log_prob.device))
 
