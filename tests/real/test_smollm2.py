@@ -229,7 +229,7 @@ def test_shared_prompt_forward_equals_the_padded_one_on_the_real_model(smollm2_d
     assert batch.prompt_mask.sum(1).unique().numel() > 1 or not batch.prompt_mask.all()  # prompts of different lengths
     rows = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, mask)
     with torch.no_grad():
-        padded, _ = padded_log_probs(model, *rows, cfg.rollout.temperature)
+        padded, _ = padded_log_probs(model, rows, cfg.rollout.temperature)
     torch.testing.assert_close(batch.old_log_prob[mask], padded[mask], atol=1e-4, rtol=0)  # the segments' recompute
     # a response with EOS, a truncated one: random token ids, so both kinds are there whatever was sampled
     gen = torch.Generator().manual_seed(0)
@@ -242,9 +242,9 @@ def test_shared_prompt_forward_equals_the_padded_one_on_the_real_model(smollm2_d
         found = []
         for forward in (token_log_probs, padded_log_probs):
             model.zero_grad(set_to_none=True)
-            log_prob, entropy = forward(
-                model, batch.prompt_ids, batch.prompt_mask, response_ids, response_mask, 0.7, with_entropy=True
-            )
+            four = (batch.prompt_ids, batch.prompt_mask, response_ids, response_mask)
+            args = (four,) if forward is padded_log_probs else four  # padded_log_probs takes them as one tuple
+            log_prob, entropy = forward(model, *args, 0.7, with_entropy=True)
             (log_prob * weights[:, : log_prob.shape[1]] * response_mask).sum().backward()
             grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
             found.append((log_prob.detach()[response_mask], entropy[response_mask], grad))

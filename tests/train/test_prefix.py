@@ -75,11 +75,10 @@ def _weights(mask: torch.Tensor) -> torch.Tensor:
 
 
 def _log_probs_and_grad(model, forward, rows, entropy_grad=False):
-    prompt_ids, prompt_mask, response_ids, response_mask = rows
+    response_mask = rows[3]
     model.zero_grad(set_to_none=True)
-    log_prob, entropy = forward(
-        model, prompt_ids, prompt_mask, response_ids, response_mask, 0.7, with_entropy=True, entropy_grad=entropy_grad
-    )
+    args = (rows,) if forward is padded_log_probs else rows  # padded_log_probs takes the four as one tuple
+    log_prob, entropy = forward(model, *args, 0.7, with_entropy=True, entropy_grad=entropy_grad)
     loss = (log_prob * _weights(response_mask)).sum()
     if entropy_grad:
         loss = loss + 0.1 * (entropy * response_mask).sum()
@@ -140,10 +139,10 @@ def test_a_wrong_position_is_caught(tiny_llama):
     prompt-length mistake does) moves the log-probs far beyond it."""
     prompt_ids, prompt_mask, response_ids, response_mask = _rows(tiny_llama.config.vocab_size, (5, 9), 4, seed=3)
     with torch.no_grad():
-        right, _ = padded_log_probs(tiny_llama, prompt_ids, prompt_mask, response_ids, response_mask, 0.7)
+        right, _ = padded_log_probs(tiny_llama, (prompt_ids, prompt_mask, response_ids, response_mask), 0.7)
         shifted_mask = torch.cat([torch.ones_like(prompt_mask[:, :1]), prompt_mask], dim=1)
         shifted_ids = torch.cat([prompt_ids[:, :1], prompt_ids], dim=1)  # one more prompt token
-        wrong, _ = padded_log_probs(tiny_llama, shifted_ids, shifted_mask, response_ids, response_mask, 0.7)
+        wrong, _ = padded_log_probs(tiny_llama, (shifted_ids, shifted_mask, response_ids, response_mask), 0.7)
     assert (right - wrong)[response_mask].abs().max() > 100 * LOG_PROB_ATOL
 
 
@@ -168,7 +167,7 @@ def test_partial_rollout_batches_and_their_behaviour_log_probs(tiny_model, tmp_p
     batch = next(b for b in batches if len(b) and (b.response_mask.sum(1) > 3).any())
     rows = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask)
     with torch.no_grad():
-        padded, _ = padded_log_probs(trainer.model, *rows, cfg.rollout.temperature)
+        padded, _ = padded_log_probs(trainer.model, rows, cfg.rollout.temperature)
     torch.testing.assert_close(
         batch.old_log_prob[batch.response_mask], padded[batch.response_mask], atol=LOG_PROB_ATOL, rtol=0
     )
@@ -229,7 +228,7 @@ def test_falls_back_with_one_reason(tiny_llama, caplog):
         for model in (sliding, sliding, checkpointed, checkpointed):
             with torch.no_grad():
                 found, _ = token_log_probs(model, *rows, 0.7)
-                reference, _ = padded_log_probs(model, *rows, 0.7)
+                reference, _ = padded_log_probs(model, rows, 0.7)
             torch.testing.assert_close(found[rows[3]], reference[rows[3]], atol=LOG_PROB_ATOL, rtol=0)
     messages = [record.getMessage() for record in caplog.records]
     assert sum("sliding window" in m for m in messages) == 1

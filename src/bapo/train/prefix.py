@@ -151,22 +151,20 @@ def bucketed(
 
 def shared_prompt_log_probs(
     model,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    response_ids: Tensor,
-    response_mask: Tensor,
+    rows: tuple[Tensor, Tensor, Tensor, Tensor],
+    first_rows: Tensor,
+    group: Tensor,
     temperature: float,
     with_entropy: bool,
     entropy_grad: bool,
     context: Callable[[], contextlib.AbstractContextManager],
-    first_rows: Tensor,
-    group: Tensor,
 ) -> tuple[Tensor, Tensor | None] | None:
     """log pi(y_t | prefix) [N, R] float32 (and the entropy [N, R] when asked) with each of the K
-    distinct prompts encoded once: prompt_ids / prompt_mask [N, P] left-padded, response_ids /
-    response_mask [N, R] right-padded (columns all-padding already trimmed), first_rows [K] and
+    distinct prompts encoded once: rows = (prompt_ids / prompt_mask [N, P] left-padded, response_ids /
+    response_mask [N, R] right-padded, columns all-padding already trimmed), first_rows [K] and
     group [N] from `prompt_groups`. Returns None when the model's cache cannot serve (the reason is
     logged once and remembered for the model). `context()`: the forwards' precision context."""
+    prompt_ids, prompt_mask, response_ids, response_mask = rows
     prompts, prompt_attention = prompt_ids[first_rows], prompt_mask[first_rows].long()
     start = int(prompt_attention.any(0).nonzero()[0])  # the K prompts may need fewer columns than N rows
     prompts, prompt_attention = prompts[:, start:], prompt_attention[:, start:]

@@ -14,6 +14,7 @@ per step finishes everything and this is plain on-policy GRPO sampling.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass, fields
@@ -150,53 +151,23 @@ def token_log_probs(
     keep_r = response_mask.any(0).nonzero()
     width_r = int(keep_r[-1]) + 1 if len(keep_r) else 0
     r_full = response_ids.shape[1]
+    options = (temperature, with_entropy, entropy_grad, autocast)
     if width_r == 0 or len(response_ids) == 0:
-        return padded_log_probs(
-            model,
-            prompt_ids,
-            prompt_mask,
-            response_ids,
-            response_mask,
-            temperature,
-            with_entropy,
-            entropy_grad,
-            autocast,
-        )
-    response_ids, response_mask = response_ids[:, :width_r], response_mask[:, :width_r]
+        return padded_log_probs(model, (prompt_ids, prompt_mask, response_ids, response_mask), *options)
+    rows = (prompt_ids, prompt_mask, response_ids[:, :width_r], response_mask[:, :width_r])
     found = None
     if shared_prompt:
         first_rows, group = prompt_groups(prompt_ids, prompt_mask)
         reason = shared_prompt_reason(model, len(first_rows), len(prompt_ids), prompt_mask)
         if reason is None:
-            found = shared_prompt_log_probs(
-                model,
-                prompt_ids,
-                prompt_mask,
-                response_ids,
-                response_mask,
-                temperature,
-                with_entropy,
-                entropy_grad,
-                lambda: forward_autocast(model, autocast),
-                first_rows,
-                group,
-            )
+            context = functools.partial(forward_autocast, model, autocast)
+            found = shared_prompt_log_probs(model, rows, first_rows, group, *options[:3], context)
         else:
             fall_back(reason)
     if found is None:
         found = bucketed(
-            lambda rows: padded_log_probs(
-                model,
-                prompt_ids[rows],
-                prompt_mask[rows],
-                response_ids[rows],
-                response_mask[rows],
-                temperature,
-                with_entropy,
-                entropy_grad,
-                autocast,
-            ),
-            response_mask.sum(1),
+            lambda bucket: padded_log_probs(model, tuple(part[bucket] for part in rows), *options),
+            rows[3].sum(1),
             width_r,
             call_cost(model),
             with_entropy,
@@ -210,20 +181,19 @@ def token_log_probs(
 
 def padded_log_probs(
     model,
-    prompt_ids: Tensor,
-    prompt_mask: Tensor,
-    response_ids: Tensor,
-    response_mask: Tensor,
+    rows: tuple,
     temperature: float,
     with_entropy: bool = False,
     entropy_grad: bool = False,
     autocast: str = "none",
 ) -> tuple[Tensor, Tensor | None]:
     """`token_log_probs` in one forward over prompt + response, every row padded to the widest:
-    [N, R] float32 log-probs (and entropy). Only the last R+1 positions are projected to the
+    rows = (prompt_ids, prompt_mask, response_ids, response_mask) as token_log_probs takes them
+    -> [N, R] float32 log-probs (and entropy). Only the last R+1 positions are projected to the
     vocabulary, and the log-probs are taken from those logits in float32 chunks
     (bapo.train.logits). Columns that are padding in every row are trimmed first (speed), which
     does not change any value."""
+    prompt_ids, prompt_mask, response_ids, response_mask = rows
     keep_p = prompt_mask.any(0).nonzero()
     start = int(keep_p[0]) if len(keep_p) else prompt_ids.shape[1]
     keep_r = response_mask.any(0).nonzero()
