@@ -203,10 +203,12 @@ def test_update_is_the_same_with_the_switch_off(tiny_model, tmp_path):
     assert on["loss"] == pytest.approx(off["loss"], abs=LOG_PROB_ATOL)
 
 
-def test_falls_back_with_one_reason(tiny_llama, caplog):
+def test_falls_back_with_one_reason(tiny_llama, caplog, monkeypatch):
     """Gradient checkpointing in train mode (no KV cache) and a sliding-window cache run the padded
     forward, each reason logged once; the result is the padded forward's."""
     from transformers import MistralConfig, MistralForCausalLM
+
+    monkeypatch.setattr(prefix, "_logged", set())  # once per process: earlier tests may have logged these
 
     rows = _rows(tiny_llama.config.vocab_size, (5, 8), 3, seed=1)
     torch.manual_seed(0)
