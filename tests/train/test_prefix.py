@@ -258,3 +258,19 @@ def test_length_buckets_partition_rows_and_never_cost_more(lengths, cost):
     assert total <= len(lengths) * max(lengths) + cost
     if cost == 0:  # free calls: one bucket per distinct length
         assert len(buckets) == len(set(lengths))
+
+
+def test_shared_forward_under_bf16_autocast(tiny_llama, shared_calls):
+    """model.autocast=bfloat16: the shared forward's gradient is within test_autocast's bf16 bound
+    (0.025 relative, cosine >= 0.999) of the fp32 padded forward's, as the padded bf16 one must be:
+    the prompt's cached keys / values are bf16 like the padded forward's."""
+    from functools import partial
+
+    from tests.train.test_autocast import GRAD_COSINE_MIN, GRAD_REL_TOL
+
+    rows = _rows(tiny_llama.config.vocab_size, (5, 9, 3), 4, seed=2)
+    _, _, fp32 = _log_probs_and_grad(tiny_llama, padded_log_probs, rows)
+    _, _, bf16 = _log_probs_and_grad(tiny_llama, partial(token_log_probs, autocast="bfloat16"), rows)
+    assert shared_calls == [True]
+    assert float((bf16 - fp32).norm() / fp32.norm()) <= GRAD_REL_TOL
+    assert float(torch.nn.functional.cosine_similarity(bf16, fp32, dim=0)) >= GRAD_COSINE_MIN
