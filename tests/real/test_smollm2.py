@@ -186,3 +186,72 @@ def test_bapo_grpo_trainer_two_off_policy_steps_on_the_real_model(smollm2_dir, t
         # an optimizer step without reward variance has no positive share (logged NaN -> None)
         share = entry["bapo/positive_share"]
         assert (share is not None and 0.0 <= share <= 1.0) or entry["bapo/no_signal"] > 0, entry
+
+
+def test_shared_prompt_forward_equals_the_padded_one_on_the_real_model(smollm2_dir, tmp_path):
+    """SmolLM2-135M (30 layers, vocabulary 49152), the shipped chat prompts (left-padded, different
+    lengths), partial rollout (segments of 4 tokens, sampler hf: every later segment's behaviour
+    log-prob is the trainer's recompute over prompt + earlier segments), replies with and without EOS:
+    the shared-prompt forward's log-probs, entropies and gradient equal one padded forward's.
+
+    Bound (float32): log-probs within 1e-4 absolute (they reach |36| on sampled and random tokens,
+    so <= 3e-6 relative at the largest), entropies within 1e-3 (of ~1-10), gradient within 2e-5
+    relative (L2). Why: the padded forward itself moves by as much when only the batch shape changes
+    (the same rows one at a time instead of 8 together: log-prob 2.7e-5, entropy 1.5e-4, measured
+    here), as float32 sums of 576-1536 terms over 30 layers and a 49152-way log-sum-exp round in
+    another order; the bounds are ~4x that, and ~4x the measured shared-vs-padded gaps (2.3e-5,
+    1.9e-4, 4.4e-6). A wrong position or mask moves log-probs by O(1)."""
+    import torch
+
+    from bapo.train import Trainer, load_config
+    from bapo.train.prefix import _no_cache, shared_prompt_reason
+    from bapo.train.rollout import padded_log_probs, token_log_probs
+
+    cfg = load_config(
+        CONFIG,
+        [
+            f"model.path={smollm2_dir}",
+            f"data.path={DATA}",
+            f"run.output_dir={tmp_path / 'run'}",
+            "rollout.prompts_per_batch=2",
+            "rollout.group_size=4",
+            "rollout.max_new_tokens=10",
+            "rollout.segment_tokens=4",
+            "rollout.sampler=hf",
+            "offpolicy.staleness=0",
+            "run.tensorboard=off",
+        ],
+    )
+    trainer = Trainer(cfg)
+    batch = next(b for b in (trainer.rollout_step()[0] for _ in range(4)) if len(b))  # no update in between
+    trainer.close()
+    model, mask = trainer.model, batch.response_mask
+    assert batch.prompt_mask.sum(1).unique().numel() > 1 or not batch.prompt_mask.all()  # prompts of different lengths
+    rows = (batch.prompt_ids, batch.prompt_mask, batch.response_ids, mask)
+    with torch.no_grad():
+        padded, _ = padded_log_probs(model, rows, cfg.rollout.temperature)
+    torch.testing.assert_close(batch.old_log_prob[mask], padded[mask], atol=1e-4, rtol=0)  # the segments' recompute
+    # a response with EOS, a truncated one: random token ids, so both kinds are there whatever was sampled
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(100, 40000, (len(batch), 12), generator=gen)
+    ids[::2, 5] = trainer.tokenizer.eos_token_id
+    lengths = torch.where(torch.arange(len(batch)) % 2 == 0, 6, 12)
+    random_mask = torch.arange(12) < lengths[:, None]
+    weights = torch.linspace(-1.0, 1.5, random_mask.numel()).reshape(random_mask.shape)
+    for response_ids, response_mask in ((batch.response_ids, mask), (ids, random_mask)):
+        found = []
+        for forward in (token_log_probs, padded_log_probs):
+            model.zero_grad(set_to_none=True)
+            four = (batch.prompt_ids, batch.prompt_mask, response_ids, response_mask)
+            args = (four,) if forward is padded_log_probs else four  # padded_log_probs takes them as one tuple
+            log_prob, entropy = forward(model, *args, 0.7, with_entropy=True)
+            (log_prob * weights[:, : log_prob.shape[1]] * response_mask).sum().backward()
+            grad = torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None])
+            found.append((log_prob.detach()[response_mask], entropy[response_mask], grad))
+        (lp, ent, grad), (ref_lp, ref_ent, ref_grad) = found
+        torch.testing.assert_close(lp, ref_lp, atol=1e-4, rtol=0)
+        torch.testing.assert_close(ent, ref_ent, atol=1e-3, rtol=0)
+        assert float((grad - ref_grad).norm() / ref_grad.norm()) <= 2e-5
+    model.zero_grad(set_to_none=True)
+    # the shared forward ran on this model (no fallback to the padded one it is compared with)
+    assert shared_prompt_reason(model, 2, len(batch), batch.prompt_mask) is None and model not in _no_cache

@@ -106,10 +106,17 @@ def test_loss_dual_clip_reaches_the_loss_and_null_turns_it_off(stale_setup):
 
 
 def _sgd_update(model, batch, cfg, **kwargs):
-    """optimizer_update with SGD(lr=1) on a copy of `model`: (metrics, parameter delta, forward calls)."""
+    """optimizer_update with SGD(lr=1) on a copy of `model`: (metrics, parameter delta, forward
+    passes over the rows' responses; the shared-prompt forward's prompt-only pass, use_cache without
+    a cache yet, is not one)."""
     model = copy.deepcopy(model)
     calls = []
-    model.register_forward_hook(lambda *_: calls.append(1))
+
+    def count(_module, _args, kwargs, _out):
+        if not (kwargs.get("use_cache") and kwargs.get("past_key_values") is None):
+            calls.append(1)
+
+    model.register_forward_hook(count, with_kwargs=True)
     before = [p.detach().clone() for p in model.parameters()]
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     metrics = optimizer_update(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), batch, cfg, **kwargs)

@@ -83,6 +83,16 @@ class ModelSection(Section):
             "on SmolLM2-135M (gradient cosine 0.998; bench/real_model.py)"
         ),
     )
+    shared_prompt_forward: bool = Field(
+        True,
+        description=(
+            "encode each distinct prompt once per forward and let its KV cache serve all its responses (Prefix "
+            "Grouper, arXiv 2506.05433) in the update, the behaviour / proximal recompute and the KL reference: "
+            "log-probs and gradients equal the padded forward's within float32 rounding "
+            "(tests/train/test_prefix.py). Falls back to the padded forward, with the reason logged once, "
+            "where the model's cache cannot serve (gradient checkpointing, sliding-window or static caches)"
+        ),
+    )
     trust_remote_code: bool = Field(False, description="allow the model folder's own Python code")
 
     @field_validator("device")

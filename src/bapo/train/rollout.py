@@ -14,6 +14,7 @@ per step finishes everything and this is plain on-policy GRPO sampling.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 from dataclasses import dataclass, fields
@@ -25,6 +26,14 @@ from bapo.core import PromptRewardHistory, group_advantages
 from bapo.train.config import TrainConfig
 from bapo.train.data import PromptSampler
 from bapo.train.logits import chosen_log_probs
+from bapo.train.prefix import (
+    bucketed,
+    call_cost,
+    fall_back,
+    prompt_groups,
+    shared_prompt_log_probs,
+    shared_prompt_reason,
+)
 from bapo.train.rewards import score
 from bapo.train.sampling import SamplingParams, hf_sample, lean_sample, resolve_sampler
 
@@ -131,13 +140,60 @@ def token_log_probs(
     with_entropy: bool = False,
     entropy_grad: bool = False,
     autocast: str = "none",
+    shared_prompt: bool = True,
 ) -> tuple[Tensor, Tensor | None]:
     """log pi(y_t | prefix) of every response token under logits / T: [N, R] float32, and the
-    per-token entropy [N, R] when asked (differentiable only with entropy_grad). One forward over
-    prompt + response (under `autocast`: model.autocast); only the last R+1 positions are
-    projected to the vocabulary, and the log-probs are taken from those logits in float32 chunks
+    per-token entropy [N, R] when asked (differentiable only with entropy_grad), under `autocast`
+    (model.autocast). With `shared_prompt` (model.shared_prompt_forward) each distinct prompt runs
+    once and its KV cache serves all its rows (bapo.train.prefix), where the model allows it; else
+    `padded_log_probs`. Either way the rows go in buckets of similar response length, so short
+    replies do not pay for the longest one. Equal to one `padded_log_probs` up to float rounding."""
+    keep_r = response_mask.any(0).nonzero()
+    width_r = int(keep_r[-1]) + 1 if len(keep_r) else 0
+    r_full = response_ids.shape[1]
+    options = (temperature, with_entropy, entropy_grad, autocast)
+    if width_r == 0 or len(response_ids) == 0:
+        return padded_log_probs(model, (prompt_ids, prompt_mask, response_ids, response_mask), *options)
+    rows = (prompt_ids, prompt_mask, response_ids[:, :width_r], response_mask[:, :width_r])
+    found = None
+    if shared_prompt:
+        first_rows, group = prompt_groups(prompt_ids, prompt_mask)
+        reason = shared_prompt_reason(model, len(first_rows), len(prompt_ids), prompt_mask)
+        if reason is None:
+            context = functools.partial(forward_autocast, model, autocast)
+            found = shared_prompt_log_probs(model, rows, first_rows, group, *options[:3], context)
+        else:
+            fall_back(reason)
+    if found is None:
+        found = bucketed(
+            lambda bucket: padded_log_probs(model, tuple(part[bucket] for part in rows), *options),
+            rows[3].sum(1),
+            width_r,
+            call_cost(model),
+            with_entropy,
+        )
+    log_prob, entropy = found
+    if width_r < r_full:  # back to the full response width so callers can keep their own masks
+        log_prob = torch.nn.functional.pad(log_prob, (0, r_full - width_r))
+        entropy = None if entropy is None else torch.nn.functional.pad(entropy, (0, r_full - width_r))
+    return log_prob, entropy
+
+
+def padded_log_probs(
+    model,
+    rows: tuple,
+    temperature: float,
+    with_entropy: bool = False,
+    entropy_grad: bool = False,
+    autocast: str = "none",
+) -> tuple[Tensor, Tensor | None]:
+    """`token_log_probs` in one forward over prompt + response, every row padded to the widest:
+    rows = (prompt_ids, prompt_mask, response_ids, response_mask) as token_log_probs takes them
+    -> [N, R] float32 log-probs (and entropy). Only the last R+1 positions are projected to the
+    vocabulary, and the log-probs are taken from those logits in float32 chunks
     (bapo.train.logits). Columns that are padding in every row are trimmed first (speed), which
     does not change any value."""
+    prompt_ids, prompt_mask, response_ids, response_mask = rows
     keep_p = prompt_mask.any(0).nonzero()
     start = int(keep_p[0]) if len(keep_p) else prompt_ids.shape[1]
     keep_r = response_mask.any(0).nonzero()
@@ -168,7 +224,15 @@ def token_log_probs(
 
 @torch.no_grad()
 def batched_log_probs(
-    model, prompt_ids, prompt_mask, response_ids, response_mask, temperature, chunk: int, autocast: str = "none"
+    model,
+    prompt_ids,
+    prompt_mask,
+    response_ids,
+    response_mask,
+    temperature,
+    chunk: int,
+    autocast: str = "none",
+    shared_prompt: bool = True,
 ) -> Tensor:
     """token_log_probs without grad, `chunk` rows at a time, on the model's device -> [N, R] CPU."""
     device = next(model.parameters()).device
@@ -183,6 +247,7 @@ def batched_log_probs(
             response_mask[rows].to(device),
             temperature,
             autocast=autocast,
+            shared_prompt=shared_prompt,
         )
         parts.append(log_prob.cpu())
     return torch.cat(parts) if parts else torch.zeros(response_ids.shape)
@@ -323,16 +388,7 @@ class Rollout:
         # temperature, as verl does), so a fresh batch's ratios are ~1. vLLM: always the trainer's recompute.
         autocast = self.cfg.model.autocast
         if log_prob is None or next(model.parameters()).dtype != torch.float32 or autocast != "none":
-            log_prob = batched_log_probs(
-                model,
-                ctx_ids,
-                ctx_mask,
-                new,
-                new_mask,
-                self.rollout_cfg.temperature,
-                self.rollout_cfg.logprob_batch_size,
-                autocast,
-            )
+            log_prob = self._recompute(model, owners, live, ctx_ids, ctx_mask, new, new_mask)
         lengths = length.tolist()
         for row, seq in enumerate(live):
             kept = lengths[row]
@@ -346,6 +402,31 @@ class Rollout:
             if bool(ended[row]) or len(seq["response"]) >= self.rollout_cfg.max_new_tokens:
                 seq["done"], seq["truncated"] = True, not bool(ended[row])
         return int(length.sum())
+
+    def _recompute(self, model, owners, live, ctx_ids, ctx_mask, new, new_mask) -> Tensor:
+        """Behaviour log-probs [n, budget] of the `new` tokens [n, budget] (`new_mask`) of the `live`
+        rows, recomputed by the trainer's forward. With model.shared_prompt_forward the context is
+        split into the group's prompt (shared by its rows) and each row's earlier segments (partial
+        rollout), which join the response, so a group's prompt still runs once; else the context
+        [n, C] (ctx_ids / ctx_mask) is the prompt."""
+        cfg = self.cfg
+        common = (cfg.rollout.temperature, cfg.rollout.logprob_batch_size, cfg.model.autocast)
+        if not cfg.model.shared_prompt_forward:
+            return batched_log_probs(model, ctx_ids, ctx_mask, new, new_mask, *common, shared_prompt=False)
+        prompt_ids, prompt_mask = pad([self.prompts[group["example"]] for group in owners], self.pad_id, left=True)
+        earlier = torch.tensor([len(seq["response"]) for seq in live])
+        budget = new.shape[1]
+        width = int(earlier.max()) + budget
+        response_ids = torch.full((len(live), width), self.pad_id, dtype=torch.long)
+        response_mask = torch.zeros((len(live), width), dtype=torch.bool)
+        columns = earlier[:, None] + torch.arange(budget)  # [n, budget]: where each row's new tokens go
+        for row, seq in enumerate(live):
+            response_ids[row, : len(seq["response"])] = torch.tensor(seq["response"], dtype=torch.long)
+            response_mask[row, : len(seq["response"])] = True
+        response_ids.scatter_(1, columns, new)
+        response_mask.scatter_(1, columns, new_mask)
+        log_prob = batched_log_probs(model, prompt_ids, prompt_mask, response_ids, response_mask, *common)
+        return log_prob.gather(1, columns)
 
     @torch.no_grad()
     def sample_texts(self, model, version: int, prompts: list[list[int]], n: int, chunk: int = 512) -> list[list[str]]:

@@ -449,6 +449,7 @@ class Trainer:
                 self.cfg.rollout.temperature,
                 self.cfg.rollout.logprob_batch_size,
                 self.cfg.model.autocast,
+                self.cfg.model.shared_prompt_forward,
             )
         metrics["tokens_per_s/rollout"] = metrics["tokens/rollout"] / max(metrics["time/rollout_s"], 1e-9)
         return batch, metrics

@@ -52,6 +52,7 @@ def _forward(model, mb: Batch, cfg: TrainConfig, with_entropy: bool = True):
         with_entropy=with_entropy,
         entropy_grad=with_entropy and cfg.loss.entropy_coef > 0,
         autocast=cfg.model.autocast,
+        shared_prompt=cfg.model.shared_prompt_forward,
     )
 
 
@@ -135,6 +136,7 @@ def with_proximal_log_prob(model, batch: Batch, cfg: TrainConfig, version: int |
         cfg.rollout.temperature,
         cfg.rollout.logprob_batch_size,
         cfg.model.autocast,
+        cfg.model.shared_prompt_forward,
     ).to(batch.old_log_prob.device)
     return dataclasses.replace(batch, proximal_log_prob=torch.where(fresh, batch.old_log_prob, forward))
 
