@@ -310,8 +310,8 @@ def test_icepop_and_opsm_are_grpo_until_the_data_is_stale(method, monkeypatch):
     from bapo.lab import run as lab_run
 
     if method == "icepop":
-        same = run_cell(Cell(method, staleness=2), TINY).updates
-        grpo = run_cell(Cell("grpo", staleness=2), TINY).updates
+        same = run_cell(Cell(method, staleness_e=2), TINY).updates
+        grpo = run_cell(Cell("grpo", staleness_e=2), TINY).updates
         assert torch.allclose(same["exact/reward"], grpo["exact/reward"], atol=1e-9)
     stale = run_cell(Cell(method, delay=2), TINY).updates
     assert torch.isfinite(stale["grad_norm"]).all() and torch.isfinite(stale["exact/entropy"]).all()

@@ -218,7 +218,7 @@ def test_shared_prompt_forward_equals_the_padded_one_on_the_real_model(smollm2_d
             "rollout.max_new_tokens=10",
             "rollout.segment_tokens=4",
             "rollout.sampler=hf",
-            "offpolicy.staleness=0",
+            "offpolicy.async_delay=0",
             "run.tensorboard=off",
         ],
     )

