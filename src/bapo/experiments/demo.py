@@ -23,10 +23,11 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from bapo.demo.task import make_split, write_jsonl
-from bapo.demo.warmstart import WarmStartConfig, warm_start, warmstart_info
+from bapo.experiments.task import make_split
+from bapo.experiments.warmstart import WarmStartConfig, warm_start, warmstart_info
+from bapo.train.data import write_jsonl
 
-VERIFIER = "bapo.demo.task:verify"
+VERIFIER = "bapo.experiments.task:verify"
 # methods whose loss is the same clipped surrogate: on-policy (E=0, no delay) every ratio is
 # exactly 1, nothing is clipped, so their runs are identical and one run stands for them all
 CLIPPED_SURROGATES = ("grpo", "clip-higher", "dual-clip", "bapo")
@@ -223,7 +224,7 @@ class HeldOutHook:
     (bapo study: the run's own vLLM engine, Trainer.sample_texts)."""
 
     def __init__(self, plan, heldout: list[dict], updates_per_batch: int, start: dict, verifier=None, sampler=None):
-        from bapo.demo.task import verify
+        from bapo.experiments.task import verify
 
         self.plan, self.heldout, self.per_batch, self.start = plan, heldout, updates_per_batch, start
         self.verifier, self.sampler = verifier or verify, sampler
@@ -273,8 +274,8 @@ def run_one(
     """Train one run into demo_dir/spec.name; returns (wall seconds, CPU seconds of this process)."""
     import torch
 
-    from bapo.demo.task import read_jsonl
     from bapo.train import train
+    from bapo.train.data import read_jsonl
 
     if threads:
         torch.set_num_threads(threads)
@@ -306,7 +307,7 @@ def evaluate_start(plan: DemoPlan, model_path: Path, heldout: list[dict]) -> dic
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bapo.analysis.evaluate import evaluate
-    from bapo.demo.task import verify
+    from bapo.experiments.task import verify
 
     model = AutoModelForCausalLM.from_pretrained(model_path)
     return evaluate(
@@ -347,7 +348,7 @@ def run_demo(
     from bapo.analysis.report import write_report
     from bapo.analysis.run_claims import run_claims
     from bapo.analysis.runs import find_runs
-    from bapo.demo.progress import DemoProgress
+    from bapo.experiments.progress import DemoProgress
 
     _quiet_hf()
     specs = plan.runs()

@@ -1,7 +1,7 @@
 """`bapo study`: does BAPO help a real pretrained model on stale data?
 
 SmolLM2-135M-Instruct (`bapo smollm2`, offline) learns the in-house arithmetic task of
-bapo.demo.arith in chat form, with rollout.backend=vllm (the colocated vLLM engine samples;
+bapo.experiments.arith in chat form, with rollout.backend=vllm (the colocated vLLM engine samples;
 held-out checks use the same engine, Trainer.sample_texts). One bapo.train run per
 (method, setting, seed), judged by the demo's machinery: the claims engine with 95% intervals
 (bapo.analysis.run_claims), plots with seed bands, report.md, claims.json.
@@ -10,7 +10,7 @@ Methods: grpo, clip-higher, bapo (bapo's default preset), bapo-paper (loss.bapo.
 m2po, decoupled-ppo. Settings: staleness E = 0 and 4 (the paper's axis: E+1 optimizer updates
 per rollout batch) and async delay k = 4 and 16 (a FIFO delay, the axis of M2PO's and AReaL's
 staleness tables). On-policy (E=0, no delay) every ratio is exactly 1, and all six losses then
-give GRPO's gradient (tests/demo/test_study.py checks it), so E=0 is one run per seed, grpo.
+give GRPO's gradient (tests/experiments/test_study.py checks it), so E=0 is one run per seed, grpo.
 
 Every run checkpoints; the study folder holds:
     study.json                       the plan (what --resume continues), timings, CPU seconds
@@ -31,11 +31,11 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
-from bapo.demo.arith import ArithTaskConfig, make_split
-from bapo.demo.demo import HeldOutHook, RunSpec, common_overrides
-from bapo.demo.task import read_jsonl, write_jsonl
+from bapo.experiments.arith import ArithTaskConfig, make_split
+from bapo.experiments.demo import HeldOutHook, RunSpec, common_overrides
+from bapo.train.data import read_jsonl, write_jsonl
 
-VERIFIER = "bapo.demo.arith:verify"
+VERIFIER = "bapo.experiments.arith:verify"
 # study method -> the bapo.train overrides that make it
 METHODS: dict[str, dict[str, object]] = {
     "grpo": {"loss.method": "grpo"},
@@ -247,8 +247,8 @@ def _start_scores(trainer, plan: StudyPlan, heldout: list[dict], path: Path) -> 
     import hashlib
 
     from bapo.analysis.evaluate import score_samples
-    from bapo.demo.arith import verify
-    from bapo.demo.warmstart import cache_root
+    from bapo.experiments.arith import verify
+    from bapo.experiments.warmstart import cache_root
 
     if path.exists():
         return json.loads(path.read_text())
@@ -280,7 +280,7 @@ def run_one(plan: StudyPlan, spec: RunSpec, study_dir: Path, threads: int | None
     resumed from a checkpoint."""
     import torch
 
-    from bapo.demo.arith import verify
+    from bapo.experiments.arith import verify
     from bapo.train import train
     from bapo.train.checkpoint import checkpoints
 
@@ -317,7 +317,7 @@ def drop_checkpoints(run_dir: Path) -> None:
 
 def _child(args) -> None:
     plan, spec, study_dir, threads = args
-    from bapo.demo.demo import _quiet_hf
+    from bapo.experiments.demo import _quiet_hf
 
     _quiet_hf()
     run_one(plan, spec, study_dir, threads)
