@@ -7,9 +7,10 @@ from dataclasses import replace
 import pytest
 
 from bapo.analysis.plots import FIGURES
-from bapo.experiments.demo import PROFILES, DemoPlan, RunSpec, run_demo, train_config
+from bapo.experiments.demo import PROFILES, DemoPlan, run_demo, train_config
+from bapo.experiments.harness import RunSpec, cache_root
 from bapo.experiments.task import TaskConfig
-from bapo.experiments.warmstart import SFTConfig, WarmStartConfig, cache_root, warm_start
+from bapo.experiments.warmstart import SFTConfig, WarmStartConfig, warm_start
 from bapo.train.tiny import ModelConfig
 
 

@@ -107,7 +107,7 @@ def test_every_study_method_gives_grpos_update_on_policy(char_model, tmp_path):
 
     plan = tiny_plan(char_model, prompts_per_batch=4, group_size=4)
     spec_cfg = {}
-    from bapo.experiments.demo import RunSpec
+    from bapo.experiments.harness import RunSpec
     from bapo.experiments.study import prepare
 
     prepare(plan, tmp_path / "study")
@@ -139,7 +139,7 @@ def test_decoupled_ppo_trains_as_grpo_at_staleness_e_without_delay(char_model, t
     so the weight is exp(0) = 1 exactly and x * 1 = x; both runs then do the same operations on the
     same numbers. (A second forward would differ from the sampler's log-probs in the last bits on
     some instruction sets: AVX2 did, AVX-512 did not.)"""
-    from bapo.experiments.demo import RunSpec
+    from bapo.experiments.harness import RunSpec
     from bapo.experiments.study import prepare, train_config
     from bapo.train import Trainer
 
@@ -203,12 +203,13 @@ def test_tiny_study_writes_report_and_resume_skips_finished_runs(char_model, tmp
     # --resume: a finished run is not rerun; a run with a checkpoint and no done.json resumes from it
     import shutil
 
+    import bapo.experiments.harness as harness
     import bapo.experiments.study as study
     import bapo.train
 
     unfinished, spec = study_dir / names[-1], plan.runs()[-1]
     shutil.rmtree(unfinished)  # interrupted after its first rollout step: a checkpoint, no done.json
-    monkeypatch.setattr(study, "drop_checkpoints", lambda run_dir: None)
+    monkeypatch.setattr(harness, "drop_checkpoints", lambda run_dir: None)
     study.run_one(replace(plan, rollout_steps=1), spec, study_dir, threads=1)
     (unfinished / "done.json").unlink()
     assert (unfinished / "checkpoints").is_dir()

