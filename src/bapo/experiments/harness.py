@@ -1,6 +1,7 @@
 """The harness `bapo demo` and `bapo study` share: what one run is, how a plan becomes bapo.train
 configs, the held-out hook, the run's records, child-process runs and resume.
 
+    RunPlan          what the harness reads of a plan (DemoPlan, StudyPlan)
     RunSpec          one run: method, staleness E, async delay k, partial rollout, seed
     plan_from        a profile with some fields replaced
     run_overrides    the bapo.train overrides every run shares; load_run_config turns them into a config
@@ -11,8 +12,8 @@ configs, the held-out hook, the run's records, child-process runs and resume.
     is_done, resume_point, mark_done, write_json   records and resume (done.json, checkpoints)
     cache_root       $BAPO_CACHE
 
-A plan is any frozen dataclass with prompts_per_batch, group_size, lr, rollout_steps,
-max_new_tokens, eval_every, eval_prompts, eval_k_during and final_k (DemoPlan, StudyPlan).
+A plan is a frozen dataclass that has RunPlan's fields (DemoPlan, StudyPlan); its runs() lists
+the RunSpecs it trains, in order.
 """
 
 from __future__ import annotations
@@ -24,6 +25,25 @@ import time
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
+from typing import Protocol
+
+
+class RunPlan(Protocol):
+    """What the harness reads of a plan."""
+
+    prompts_per_batch: int  # per rollout step, each with group_size responses
+    group_size: int
+    lr: float
+    rollout_steps: int  # per run
+    eval_every: int  # rollout steps between held-out checks ...
+    eval_prompts: int  # ... on this many held-out prompts ...
+    eval_k_during: int  # ... with this many samples each
+    final_k: int  # final held-out avg@k / pass@k on every held-out prompt
+
+    @property
+    def max_new_tokens(self) -> int: ...
+
+    def runs(self) -> list[RunSpec]: ...
 
 
 def cache_root() -> Path:
@@ -68,7 +88,9 @@ def plan_from(profiles: dict, profile: str, **changes):
     return replace(profiles[profile], **{name: value for name, value in changes.items() if value is not None})
 
 
-def run_overrides(plan, spec: RunSpec, *, model_path: Path, data_path: Path, run_dir: Path, verifier: str) -> dict:
+def run_overrides(
+    plan: RunPlan, spec: RunSpec, *, model_path: Path, data_path: Path, run_dir: Path, verifier: str
+) -> dict:
     """The bapo.train overrides every demo and study run shares: the model and data, the plan's
     rollout size at temperature 1, the method and its off-policy setting (E+1 mini-batches, FIFO
     delay), the seed and a quiet run folder (no tensorboard, no progress bar, no checkpoints).
@@ -113,11 +135,11 @@ class HeldOutHook:
     held-out heldout/avg@k, heldout/pass@k on the last row, so that a run's metrics.jsonl alone
     carries everything the report needs.
 
-    `plan`: a plan (see the module's docstring). Samples come from HF generate on the hook's
+    Samples come from HF generate on the hook's
     model (bapo.analysis.evaluate), or from `sampler(prompts, k) -> [len(prompts)][k] texts` when
     set (bapo study: the run's own vLLM engine, Trainer.sample_texts)."""
 
-    def __init__(self, plan, heldout: list[dict], updates_per_batch: int, start: dict, verifier, sampler=None):
+    def __init__(self, plan: RunPlan, heldout: list[dict], updates_per_batch: int, start: dict, verifier, sampler=None):
         self.plan, self.heldout, self.per_batch, self.start = plan, heldout, updates_per_batch, start
         self.verifier, self.sampler = verifier, sampler
 
