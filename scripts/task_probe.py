@@ -7,7 +7,7 @@ behind the study's choice of task (docs/STUDY.md, "Why this task").
 Each candidate is a prompt format (system turn, user turn) over a range of operands; `--questions`
 of its questions (drawn with `--seed`) are sampled `--samples` times each by vLLM at every
 temperature of `--temperatures`, in fp32 (eager: a probe is too short to repay vLLM's compile),
-and scored by the study's own check (the last integer of the reply, bapo.demo.arith.verify). A
+and scored by the study's own check (the last integer of the reply, bapo.experiments.arith.verify). A
 task suits GRPO when the start policy solves a fair share of it (neither ~0, where no group holds
 a positive sample, nor ~1): the study looked for 10-60% (docs/STUDY.md).
 Columns: accuracy per temperature, tokens per reply and the share of replies cut at the budget
@@ -23,7 +23,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from bapo.demo.arith import ArithTaskConfig, operands, question, verify
+from bapo.experiments.arith import ArithTaskConfig, operands, question, verify
 from bapo.train.data import format_prompt
 
 _JUST = "What is {a} + {b}? Answer with just the number."
@@ -96,7 +96,7 @@ CANDIDATES = (
 
 
 def study_candidate() -> Candidate:
-    """The study's task as it is configured (bapo.demo.arith defaults), for comparison."""
+    """The study's task as it is configured (bapo.experiments.arith defaults), for comparison."""
     cfg = ArithTaskConfig()
     return Candidate(
         "study task (a 2-19 + b 2-29, just the number)",
@@ -110,7 +110,7 @@ def study_candidate() -> Candidate:
 
 def questions(candidate: Candidate, n: int, seed: int) -> list[tuple[int, int, int]]:
     """n (a, b, answer) drawn without replacement from the candidate's operand space (the study
-    task's enumeration, bapo.demo.arith.operands, over the candidate's ranges and op)."""
+    task's enumeration, bapo.experiments.arith.operands, over the candidate's ranges and op)."""
     (a_min, a_max), (b_min, b_max) = candidate.a_range, candidate.b_range
     space = ArithTaskConfig(ops=(candidate.op,), a_min=a_min, a_max=a_max, b_min=b_min, b_max=b_max)
     drawn = [(a, b, answer) for a, _, b, answer in operands(space)]

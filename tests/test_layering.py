@@ -1,6 +1,6 @@
 """Every import in src/bapo points down the layering (docs/ARCHITECTURE.md):
 
-    core  <-  train  <-  analysis  <-  demo, lab
+    core  <-  train  <-  analysis  <-  lab  <-  experiments
     core, train  <-  integrations.verl, integrations.trl          cli may import anything
 
 `bapo.core` is torch + numpy + the standard library only, and imports nothing heavy at run time.
@@ -27,13 +27,13 @@ ALLOWED_LAYERS: dict[str, set[str]] = {
     "core": set(),
     "train": {"core"},
     "analysis": {"core", "train"},
-    "demo": {"core", "train", "analysis", "lab"},  # the demo runs the lab first
+    "experiments": {"core", "train", "analysis", "lab"},  # the demo runs the lab first
     "lab": {"core", "train", "analysis"},
     # the package's own __init__, and verl_plugin.py: verl's entry point, which imports bapo.integrations.verl
     "integrations": {"integrations.verl"},
     "integrations.verl": {"core", "train", "integrations"},
     "integrations.trl": {"core", "train", "integrations"},
-    "cli": {"core", "train", "analysis", "demo", "lab", "integrations", "integrations.verl", "integrations.trl"},
+    "cli": {"core", "train", "analysis", "experiments", "lab", "integrations", "integrations.verl", "integrations.trl"},
     "__main__": {"cli"},  # `python -m bapo`
 }
 # Third-party packages bapo.core may import; everything else it imports must be the standard library.
@@ -78,7 +78,7 @@ def imports_of(path: Path) -> list[Import]:
             if node.level:  # relative: "." is `package`, each further dot one level up
                 anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
                 base = ".".join(anchor + ([base] if base else []))
-            # `from bapo.demo import model` imports the module bapo.demo.model; `import Name` imports base
+            # `from bapo.experiments import model` imports the module bapo.experiments.model; `import Name` imports base
             names = [f"{base}.{alias.name}" if is_module(f"{base}.{alias.name}") else base for alias in node.names]
         else:
             continue
@@ -122,7 +122,7 @@ def test_bapo_imports_point_down_the_layering():
                 continue
             may = ", ".join(f"bapo.{layer}" for layer in sorted(allowed)) or "nothing from bapo"
             violations.append(f"{where(imp)} imports bapo.{target}, but bapo.{own or '(root)'} may import {may}")
-    layering = "core <- train <- analysis <- lab <- demo; integrations: core, train"
+    layering = "core <- train <- analysis <- lab <- experiments; integrations: core, train"
     assert not violations, f"imports against the layering ({layering}):\n" + "\n".join(violations)
 
 
@@ -159,7 +159,7 @@ def test_import_bapo_core_loads_no_heavy_package():
 @pytest.mark.parametrize(
     ("source", "expected"),
     [
-        ("from bapo.demo import model\n", "bapo.demo.model"),
+        ("from bapo.experiments import model\n", "bapo.experiments.model"),
         ("from ..core import search\n", "bapo.core.search"),
         ("from . import buffer\n", "bapo.train.buffer"),
         ("def f():\n    import bapo.analysis.claims\n", "bapo.analysis.claims"),
@@ -168,10 +168,15 @@ def test_import_bapo_core_loads_no_heavy_package():
 def test_import_reader_resolves_relative_nested_and_submodule_imports(tmp_path, monkeypatch, source, expected):
     # the checker itself must not miss the forms it claims to read
     fake_src = tmp_path / "src"
-    for package in ("bapo", "bapo/core", "bapo/train", "bapo/demo", "bapo/analysis"):
+    for package in ("bapo", "bapo/core", "bapo/train", "bapo/experiments", "bapo/analysis"):
         (fake_src / package).mkdir(parents=True, exist_ok=True)
         (fake_src / package / "__init__.py").write_text("")
-    for module in ("bapo/core/search.py", "bapo/train/buffer.py", "bapo/demo/model.py", "bapo/analysis/claims.py"):
+    for module in (
+        "bapo/core/search.py",
+        "bapo/train/buffer.py",
+        "bapo/experiments/model.py",
+        "bapo/analysis/claims.py",
+    ):
         (fake_src / module).write_text("")
     monkeypatch.setattr(sys.modules[__name__], "SRC", fake_src)
     probe = fake_src / "bapo" / "train" / "probe.py"

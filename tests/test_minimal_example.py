@@ -29,8 +29,8 @@ def tiny_policy(tmp_path_factory) -> str:
     so that groups have reward variance and the losses see non-zero advantages."""
     import torch
 
-    from bapo.demo.task import TaskConfig
-    from bapo.demo.warmstart import ModelConfig, SFTConfig, WarmStartConfig, warm_start
+    from bapo.experiments.task import TaskConfig
+    from bapo.experiments.warmstart import ModelConfig, SFTConfig, WarmStartConfig, warm_start
 
     torch.set_num_threads(1)
     cfg = WarmStartConfig(

@@ -20,7 +20,8 @@ def tiny_model_dir(tmp_path):
 
 @pytest.fixture
 def heldout_file(tmp_path):
-    from bapo.demo.task import TaskConfig, make_split, write_jsonl
+    from bapo.experiments.task import TaskConfig, make_split
+    from bapo.train.data import write_jsonl
 
     _, heldout = make_split(TaskConfig(n_train=10, n_heldout=6))
     return write_jsonl(heldout, tmp_path / "heldout.jsonl")

@@ -4,8 +4,10 @@ import pytest
 from typer.testing import CliRunner
 
 from bapo.analysis.evaluate import evaluate, pass_at_k
+from bapo.cli.eval_cmd import eval_verifier
 from bapo.cli.main import app
-from bapo.demo.task import eval_verifier, read_jsonl, verify
+from bapo.experiments.task import verify
+from bapo.train.data import read_jsonl
 
 
 def test_pass_at_k_estimator():

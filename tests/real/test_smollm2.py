@@ -40,7 +40,7 @@ SMALL = [
 
 @pytest.fixture(scope="module")
 def smollm2_dir():
-    from bapo.cli.smollm2 import convert
+    from bapo.experiments.smollm2 import convert
 
     return convert()
 

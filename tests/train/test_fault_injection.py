@@ -27,7 +27,7 @@ KILL_SEED = 20261202  # fixed so CI is reproducible; the kill points differ per 
 @pytest.fixture(scope="module")
 def demo_setup(tmp_path_factory):
     """The demo's random-init Llama and char tokenizer, its arithmetic prompts, a config."""
-    from bapo.demo.task import TaskConfig, make_split
+    from bapo.experiments.task import TaskConfig, make_split
     from bapo.train.tiny import ModelConfig, build_model, build_tokenizer
 
     root = tmp_path_factory.mktemp("fault")

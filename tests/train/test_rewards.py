@@ -36,6 +36,15 @@ def test_import_path_and_bad_names():
         resolve_verifier("exactly")
 
 
+def test_a_verifier_under_the_renamed_bapo_demo_is_refused_naming_its_new_path():
+    # runs written before the move name bapo.demo.*: one line with the replacement, and the new
+    # path it names is a verifier that exists
+    with pytest.raises(ValueError, match=r"bapo\.demo is now bapo\.experiments: use 'bapo\.experiments\.arith:verify'"):
+        resolve_verifier("bapo.demo.arith:verify")
+    assert callable(resolve_verifier("bapo.experiments.arith:verify"))
+    assert callable(resolve_verifier("bapo.experiments.task:verify"))
+
+
 def test_raising_slow_and_nonfinite_verifiers_give_zero_and_are_counted():
     def flaky(response, example):
         if response == "boom":

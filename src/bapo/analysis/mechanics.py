@@ -5,7 +5,7 @@ Both answer a reader's first question about a comparison that shows no differenc
 methods differ at all in this setting? Two methods whose every update logged exactly the same loss
 and gradient norm, in every shared seed, almost surely trained the same weights: equal logs are
 necessary for identical training, not proof of it (e.g. decoupled PPO and GRPO without an async
-delay, where the proximal policy is the behaviour policy, which tests/demo/test_study.py checks
+delay, where the proximal policy is the behaviour policy, which tests/experiments/test_study.py checks
 weight for weight; or BAPO's two presets where the search never left their common start bounds).
 Exact equality: on a non-deterministic device identical methods may not be found. A BAPO run
 whose search met the target at its start bounds in most updates is a fixed clip at those bounds.

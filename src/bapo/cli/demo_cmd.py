@@ -24,7 +24,7 @@ def demo(
 ):
     """The paper's claims, checked: the mechanism lab, then grpo / clip-higher / dual-clip / bapo
     on a tiny LLM at staleness E = 0, 2, 4 (E+1 optimizer updates per rollout batch)."""
-    from bapo.demo.demo import plan_for, run_demo
+    from bapo.experiments.demo import plan_for, run_demo
 
     if quick and full:
         raise typer.BadParameter("choose one of --quick and --full")

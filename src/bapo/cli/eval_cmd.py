@@ -97,7 +97,6 @@ def evaluate_command(
     from transformers.utils import logging as hf_logging
 
     from bapo.analysis.evaluate import evaluate as run_eval
-    from bapo.demo.task import eval_verifier as load_verifier
 
     hf_logging.disable_progress_bar()  # stdout carries only the JSON line
     if device == "auto":
@@ -112,12 +111,27 @@ def evaluate_command(
         typer.echo(f"warning: {message}", err=True)
     with user_errors():
         try:
-            score = load_verifier(verifier, rows)
+            score = eval_verifier(verifier, rows)
         except ValueError as err:
             raise ConfigError(f"--verifier {verifier}: {err}") from None
     scores = run_eval(lm, tok, rows, k=k, verifier=score, batch_size=batch_size, seed=seed, **settings)
     scores.update(model=model_path, seed=seed, **{f"sampling/{key}": value for key, value in settings.items()})
     typer.echo(json.dumps(scores))
+
+
+def eval_verifier(name: str, rows: list[dict] | None = None):
+    """The verifier `bapo eval --verifier NAME` uses: "demo" (the demo task's strict checker),
+    "auto" (demo when every row is a prompt of that task, else "math"), or any bapo.train
+    verifier name ("math", "exact", "pkg.module:attr")."""
+    from bapo.experiments.task import is_task_prompt, verify
+
+    if name == "auto":
+        name = "demo" if rows and all(is_task_prompt(r["prompt"]) for r in rows) else "math"
+    if name == "demo":
+        return verify
+    from bapo.train import resolve_verifier
+
+    return resolve_verifier(name)
 
 
 def register(app: typer.Typer) -> None:

@@ -5,7 +5,7 @@ import os
 
 import typer
 
-from bapo.cli import demo_cmd, eval_cmd, lab_cmd, smollm2, study_cmd, train_cmd
+from bapo.cli import demo_cmd, eval_cmd, lab_cmd, smollm2_cmd, study_cmd, train_cmd
 from bapo.cli.errors import DEBUG_ENV
 
 HELP = """Stable off-policy RL for language models: GRPO with BAPO's adaptive
@@ -36,7 +36,7 @@ train_cmd.register(app)
 demo_cmd.register(app)
 lab_cmd.register(app)
 eval_cmd.register(app)
-smollm2.register(app)
+smollm2_cmd.register(app)
 study_cmd.register(app)
 
 if __name__ == "__main__":

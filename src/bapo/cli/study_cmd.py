@@ -41,7 +41,7 @@ def study(
     --gpu: the same cells on CUDA with HF rollout, larger (5 seeds)."""
     import time
 
-    from bapo.demo.study import load_plan, plan_for, run_study, write_study_report
+    from bapo.experiments.study import load_plan, plan_for, run_study, write_study_report
 
     def ints(text: str | None) -> tuple[int, ...] | None:
         if text is None:
@@ -64,7 +64,7 @@ def study(
             raise typer.BadParameter("--report needs --resume DIR")
         if quick and gpu:
             raise typer.BadParameter("--quick and --gpu are two plans: give one")
-        from bapo.demo.study import METHODS
+        from bapo.experiments.study import METHODS
 
         chosen = tuple(m.strip() for m in methods.split(",")) if methods else None
         unknown = [m for m in chosen or () if m not in METHODS]
@@ -88,7 +88,7 @@ def study(
         if plan.model == "smollm2":
             from dataclasses import replace
 
-            from bapo.cli.smollm2 import convert
+            from bapo.experiments.smollm2 import convert
 
             plan = replace(plan, model=str(convert()))  # the converted folder (cached), saved in study.json
         study_dir = out or Path("runs") / time.strftime("study-%Y%m%d-%H%M%S")
@@ -99,7 +99,7 @@ def study(
         typer.echo(f"report: {report}" if report else "no finished run yet")
         if results is not None and report:
             from bapo.analysis.report import replace_block
-            from bapo.demo.study import TABLES_END, TABLES_START, study_tables
+            from bapo.experiments.study import TABLES_END, TABLES_START, study_tables
 
             block = study_tables(plan, study_dir, f"bapo study --resume {study_dir}")
             try:
@@ -109,7 +109,7 @@ def study(
             typer.echo(f"wrote the study tables into {results}")
         return
     started = time.time()
-    from bapo.demo.study import RunFailed
+    from bapo.experiments.study import RunFailed
 
     try:
         run_study(plan, study_dir, threads=threads, log=lambda line: typer.echo(line))

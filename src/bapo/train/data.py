@@ -194,3 +194,19 @@ def digit_token_ids(tokenizer) -> list[int]:
         for token, token_id in vocab.items()
         if token_id not in special and any(char.isdigit() and char.isascii() for char in token)
     )
+
+
+def write_jsonl(rows: list[dict], path: str | Path) -> Path:
+    """One JSON object per line (the parent folder is made)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w") as f:
+        for r in rows:
+            f.write(json.dumps(r) + "\n")
+    return path
+
+
+def read_jsonl(path: str | Path) -> list[dict]:
+    """The rows of a JSONL file (blank lines skipped)."""
+    with Path(path).open() as f:
+        return [json.loads(line) for line in f if line.strip()]

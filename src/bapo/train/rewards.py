@@ -90,6 +90,9 @@ def resolve_verifier(name: str, answer_key: str = "answer", format_pattern: str 
     if ":" not in name:
         raise ValueError(f"reward.verifier={name!r}: use one of {', '.join(BUILTIN)} or 'package.module:attr'")
     module_name, _, attr = name.partition(":")
+    if module_name.split(".")[:2] == ["bapo", "demo"]:  # the package was renamed: refused, never guessed at
+        moved = "bapo.experiments" + name[len("bapo.demo") :]
+        raise ValueError(f"reward.verifier={name!r}: bapo.demo is now bapo.experiments: use {moved!r}")
     try:
         fn = getattr(importlib.import_module(module_name), attr)
     except (ImportError, AttributeError) as err:

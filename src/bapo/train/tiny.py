@@ -1,7 +1,7 @@
 """The built-in tiny policy: a character tokenizer made with `tokenizers` and a small Llama.
 
 One builder for the demo's warm start, the tests, the TRL example and the benches (it lives in
-bapo.train so that bapo.integrations can use it without importing bapo.demo).
+bapo.train so that bapo.integrations can use it without importing bapo.experiments).
 
 Both are plain Hugging Face objects (`PreTrainedTokenizerFast`, `LlamaForCausalLM`), so once
 saved with `save_pretrained` they load with `AutoTokenizer` / `AutoModelForCausalLM` and go

@@ -16,7 +16,7 @@ SFT_STEP_COST = 0.15  # one SFT step (64 x ~30 tokens) / one RL update (128 roll
 
 class DemoProgress:
     def __init__(self, plan, specs, enabled: bool = True):
-        from bapo.demo.warmstart import cache_root
+        from bapo.experiments.harness import cache_root
 
         cached = (cache_root() / f"warmstart-{plan.warmstart.key()}" / "warmstart.json").exists()
         self.sft_total = 0 if cached else plan.warmstart.sft.steps

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bapo.demo.arith import ArithTaskConfig, make_split, problems, verify
-from bapo.demo.study import HEADLINE_METHODS, METHODS, PEERS, PROFILES, StudyPlan, load_plan, run_study
+from bapo.experiments.arith import ArithTaskConfig, make_split, problems, verify
+from bapo.experiments.study import HEADLINE_METHODS, METHODS, PEERS, PROFILES, StudyPlan, load_plan, run_study
 from bapo.train.tiny import ModelConfig, save_tiny_model
 
 TASK = ArithTaskConfig(a_min=2, a_max=9, b_min=2, b_max=9, n_heldout=6, n_train=40, system_prompt="", max_new_tokens=4)
@@ -73,7 +73,7 @@ def test_a_plan_whose_batch_e_plus_1_does_not_divide_fails_at_once():
 def test_autocast_auto_is_resolved_when_the_plan_is_made_and_kept_on_resume(monkeypatch):
     """A study made on a bf16 machine keeps bf16 when resumed on an AVX2-only one, and vice versa:
     study.json holds the resolved value, never "auto"."""
-    import bapo.demo.study as study
+    import bapo.experiments.study as study
 
     for native, expected in ((True, "bfloat16"), (False, "none")):
         monkeypatch.setattr(study, "native_bf16", lambda native=native: native)
@@ -101,14 +101,14 @@ def test_task_split_is_disjoint_and_the_verifier_reads_the_last_integer():
 def test_every_study_method_gives_grpos_update_on_policy(char_model, tmp_path):
     """The reason E=0 is one run per seed: with every ratio 1 (a batch the current weights just
     generated), each of the six losses moves the weights exactly as grpo does."""
-    from bapo.demo.study import train_config
+    from bapo.experiments.study import train_config
     from bapo.train import Trainer
     from bapo.train.update import optimizer_update
 
     plan = tiny_plan(char_model, prompts_per_batch=4, group_size=4)
     spec_cfg = {}
-    from bapo.demo.demo import RunSpec
-    from bapo.demo.study import prepare
+    from bapo.experiments.harness import RunSpec
+    from bapo.experiments.study import prepare
 
     prepare(plan, tmp_path / "study")
     for method in METHODS:
@@ -139,8 +139,8 @@ def test_decoupled_ppo_trains_as_grpo_at_staleness_e_without_delay(char_model, t
     so the weight is exp(0) = 1 exactly and x * 1 = x; both runs then do the same operations on the
     same numbers. (A second forward would differ from the sampler's log-probs in the last bits on
     some instruction sets: AVX2 did, AVX-512 did not.)"""
-    from bapo.demo.demo import RunSpec
-    from bapo.demo.study import prepare, train_config
+    from bapo.experiments.harness import RunSpec
+    from bapo.experiments.study import prepare, train_config
     from bapo.train import Trainer
 
     plan = tiny_plan(char_model, prompts_per_batch=4, group_size=4)
@@ -188,7 +188,7 @@ def test_tiny_study_writes_report_and_resume_skips_finished_runs(char_model, tmp
     from typer.testing import CliRunner
 
     from bapo.cli.main import app
-    from bapo.demo.study import TABLES_END, TABLES_START
+    from bapo.experiments.study import TABLES_END, TABLES_START
 
     results = tmp_path / "RESULTS.md"
     results.write_text(f"# Results\n{TABLES_START}\nOLD-BLOCK\n{TABLES_END}\nafter\n")
@@ -203,12 +203,13 @@ def test_tiny_study_writes_report_and_resume_skips_finished_runs(char_model, tmp
     # --resume: a finished run is not rerun; a run with a checkpoint and no done.json resumes from it
     import shutil
 
-    import bapo.demo.study as study
+    import bapo.experiments.harness as harness
+    import bapo.experiments.study as study
     import bapo.train
 
     unfinished, spec = study_dir / names[-1], plan.runs()[-1]
     shutil.rmtree(unfinished)  # interrupted after its first rollout step: a checkpoint, no done.json
-    monkeypatch.setattr(study, "drop_checkpoints", lambda run_dir: None)
+    monkeypatch.setattr(harness, "drop_checkpoints", lambda run_dir: None)
     study.run_one(replace(plan, rollout_steps=1), spec, study_dir, threads=1)
     (unfinished / "done.json").unlink()
     assert (unfinished / "checkpoints").is_dir()
@@ -266,7 +267,7 @@ def test_gpu_plan_has_the_full_plans_cells_larger_and_on_cuda():
 def test_study_gpu_without_cuda_fails_in_one_line_before_any_work(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import bapo.cli.smollm2 as smollm2
+    import bapo.experiments.smollm2 as smollm2
     from bapo.cli.main import app
 
     monkeypatch.setattr(smollm2, "convert", lambda *a, **k: pytest.fail("converted the model before the check"))
@@ -293,7 +294,7 @@ def _task_probe():
 def test_task_probe_draws_valid_questions_and_probes_the_study_task_as_configured():
     """The probe behind the study's task choice: its draws are distinct, inside the operand ranges,
     answered right (a - b >= 0 for subtraction), and its "study task" row is the task the study
-    trains on (bapo.demo.arith's defaults), prompt for prompt."""
+    trains on (bapo.experiments.arith's defaults), prompt for prompt."""
     probe = _task_probe()
     for candidate in probe.CANDIDATES:
         drawn = probe.questions(candidate, 100, seed=0)
@@ -316,7 +317,7 @@ def test_task_probe_draws_valid_questions_and_probes_the_study_task_as_configure
 def test_study_without_vllm_fails_in_one_line_before_any_work(tmp_path, monkeypatch, resume):
     from typer.testing import CliRunner
 
-    import bapo.cli.smollm2 as smollm2
+    import bapo.experiments.smollm2 as smollm2
     from bapo.cli.main import app
     from tests.train.test_cli import one_line_error, without_vllm
 

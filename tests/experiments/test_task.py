@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bapo.demo.task import (
+from bapo.experiments.task import (
     TaskConfig,
     candidates,
     demonstrations,
@@ -112,7 +112,7 @@ def test_too_small_task_space_fails_loudly():
 def test_the_full_demo_profile_runs_every_peer_bapo_train_supports():
     """`bapo demo --full` names every registered loss (the peers included) in every setting; not run here."""
     from bapo.core import POLICY_LOSSES
-    from bapo.demo.demo import PEERS, plan_for, train_config
+    from bapo.experiments.demo import PEERS, plan_for, train_config
 
     runs = plan_for("full").runs()
     assert set(PEERS) == set(POLICY_LOSSES) - {"grpo", "clip-higher", "dual-clip", "topr", "dcpo", "bapo"}

