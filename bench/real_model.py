@@ -18,19 +18,22 @@ thread unless OMP_NUM_THREADS says otherwise, in every part:
       bapo.train.vllm_engine.push_weights on CPU, where TRL's own sync fails): generation tokens/s of
       its `_generate_and_score_completions` (generate + rewards + old log-probs), 2 optimizer steps per
       generation, the first generation warm-up; vs rollout-vllm.
-  (c) push share: the weight push's seconds over the rollout step's seconds (rollout-vllm).
+  (c) push share: the weight push's seconds over the rollout step's seconds (rollout-vllm; rollout-vllm-lora:
+      the same with model.lora, which pushes the merged weights W + s * B @ A).
   (d) update tokens/s on one saved batch (the lean rollout's, P*G rows), --updates timed
       optimizer updates after one warm-up each, --repeats rounds in alternating order (the
       fastest round of each system kept), micro-batch M, AdamW: bapo fp32 (model.autocast=none),
       bapo bf16 (model.autocast=bfloat16), TRL's GRPOTrainer._compute_loss (its loss path: TRL's own
       log-prob forward, dapo loss, fp32, gradient checkpointing off as in bapo) + backward + the same
-      clip and AdamW step; --baseline-src runs bapo fp32 of another source tree on the same batch.
+      clip and AdamW step; --baseline-src runs bapo fp32 of another source tree on the same batch;
+      bapo LoRA (model.lora.rank=--lora-rank, alpha 2x rank, all-linear, fp32): AdamW over the adapters.
       bapo runs loss.method=--method (default bapo, scope step) on a stale batch (version unknown):
       the step scope's pre-pass runs, as in every update after a rollout's first.
   precision: model.autocast=bfloat16 against fp32 on the first M rows of that batch
       (bapo.train.update.autocast_error): loss and gradient relative error, gradient cosine.
 vLLM parts and --baseline-src run in their own processes (one vLLM engine per process). Not a
-test: prints a table and the ratios against the issue's goals (bench/README.md).
+test: prints a table and the ratios against the issue's goals (bench/README.md). --only PART,...
+runs those parts alone (e.g. --only update-bapo-fp32,update-bapo-lora).
 """
 
 from __future__ import annotations
@@ -58,6 +61,9 @@ GOALS = {
     "vllm_vs_hf": ("rollout tok/s, backend vllm over sampler hf", ">=", 10.0),
     "push_share": ("weight push s / rollout step s (vllm)", "<=", 0.05),
     "update_bf16_vs_baseline": ("update tok/s, bapo bf16 over the baseline's fp32 (today)", ">=", 3.0),
+    # issue 36 part 3: LoRA updates
+    "update_lora_vs_fp32": ("update tok/s, bapo LoRA over bapo's full fine-tune (fp32)", ">=", 2.5),
+    "push_share_lora": ("weight push s / rollout step s (vllm, LoRA: merged weights)", "<=", 0.05),
 }
 
 
@@ -168,13 +174,13 @@ def load_batch(workdir: Path):
     return Batch(**torch.load(workdir / "batch.pt"))
 
 
-def bench_bapo_update(options, workdir: Path, name: str, autocast: str) -> dict:
+def bench_bapo_update(options, workdir: Path, name: str, autocast: str, **extra) -> dict:
     """(d): --updates timed optimizer updates (after one warm-up) of bapo.train on the saved batch."""
     from bapo.train.update import optimizer_update
 
     batch = load_batch(workdir)
     # model.autocast is given only when not "none": a --baseline-src tree may predate the option
-    overrides = {} if autocast == "none" else {"model.autocast": autocast}
+    overrides = ({} if autocast == "none" else {"model.autocast": autocast}) | extra
     trainer = trainer_for(options, workdir, name, **overrides)
     seconds = 0.0
     for index in range(options.updates + 1):
@@ -281,6 +287,11 @@ def bench_precision(options, workdir: Path) -> dict:
     return error
 
 
+def lora(options) -> dict:
+    """model.lora overrides of the LoRA parts: rank --lora-rank, alpha 2 x rank, every linear layer."""
+    return {"model.lora.rank": options.lora_rank, "model.lora.alpha": 2 * options.lora_rank}
+
+
 PARTS = {
     "rollout-lean": lambda o, w: bench_rollout(o, w, "rollout-lean", **{"rollout.sampler": "lean"}),
     "rollout-hf": lambda o, w: bench_rollout(o, w, "rollout-hf", **{"rollout.sampler": "hf"}),
@@ -298,15 +309,19 @@ PARTS = {
     "rollout-vllm-fp32": lambda o, w: bench_rollout(
         o, w, "rollout-vllm-fp32", **{"rollout.backend": "vllm", "rollout.vllm_dtype": "float32"}
     ),
+    "rollout-vllm-lora": lambda o, w: bench_rollout(
+        o, w, "rollout-vllm-lora", **{"rollout.backend": "vllm", "rollout.vllm_dtype": "bfloat16", **lora(o)}
+    ),
     "trl-vllm": bench_trl_vllm,
     "update-bapo-fp32": lambda o, w: bench_bapo_update(o, w, "update-bapo-fp32", "none"),
     "update-bapo-bf16": lambda o, w: bench_bapo_update(o, w, "update-bapo-bf16", "bfloat16"),
+    "update-bapo-lora": lambda o, w: bench_bapo_update(o, w, "update-bapo-lora", "none", **lora(o)),
     "update-baseline-fp32": lambda o, w: bench_bapo_update(o, w, "update-baseline-fp32", "none"),
     "update-trl": bench_trl_update,
     "precision": bench_precision,
 }
-UPDATE_PARTS = ("update-bapo-fp32", "update-bapo-bf16", "update-baseline-fp32", "update-trl")
-VLLM_PARTS = ("rollout-vllm", "rollout-vllm-autocast", "rollout-vllm-fp32", "trl-vllm")
+UPDATE_PARTS = ("update-bapo-fp32", "update-bapo-bf16", "update-bapo-lora", "update-baseline-fp32", "update-trl")
+VLLM_PARTS = ("rollout-vllm", "rollout-vllm-autocast", "rollout-vllm-fp32", "rollout-vllm-lora", "trl-vllm")
 
 
 def in_subprocess(part: str, argv: list[str], workdir: Path, src: str | None = None) -> dict:
@@ -352,6 +367,12 @@ def ratios(results: dict) -> dict:
         "push_share": tps("rollout-vllm", "push_share"),
         "push_share_autocast": tps("rollout-vllm-autocast", "push_share"),
         "push_share_fp32": tps("rollout-vllm-fp32", "push_share"),
+        "push_share_lora": tps("rollout-vllm-lora", "push_share"),
+        "push_s_lora_vs_full": ratio(
+            ratio(tps("rollout-vllm-lora", "push_s"), tps("rollout-vllm-lora", "pushes")),
+            ratio(tps("rollout-vllm", "push_s"), tps("rollout-vllm", "pushes")),
+        ),
+        "update_lora_vs_fp32": ratio(tps("update-bapo-lora", "update_tok_s"), fp32),
         "update_bf16_vs_fp32": ratio(bf16, fp32),
         "update_bf16_vs_baseline": ratio(bf16, baseline),
         "update_fp32_vs_baseline": ratio(fp32, baseline),
@@ -375,6 +396,8 @@ def main() -> None:
     parser.add_argument("--method", default="bapo", help="bapo's loss.method in the update parts")
     parser.add_argument("--baseline-src", default=None, help="another bapo source tree: its fp32 update as 'today'")
     parser.add_argument("--vllm-fp32", action="store_true", help="also backend vllm with a float32 engine")
+    parser.add_argument("--lora-rank", type=int, default=16, help="model.lora.rank of the LoRA parts")
+    parser.add_argument("--only", default=None, help="comma-separated parts to run (default: all)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
@@ -412,9 +435,16 @@ def main() -> None:
             return in_subprocess(part, argv, workdir, src=str(Path(options.baseline_src).resolve()))
         return PARTS[part](options, workdir)
 
+    only = set(options.only.split(",")) if options.only else set(PARTS)
+    if only - set(PARTS):
+        parser.error(f"--only: unknown part(s) {sorted(only - set(PARTS))}; parts: {', '.join(PARTS)}")
+    if only & {*UPDATE_PARTS, "precision"}:
+        only.add("rollout-lean")  # its batch is the one the update parts train on
     wanted = []
     for part in PARTS:
-        if part in VLLM_PARTS and not has_vllm:
+        if part not in only:
+            skipped[part] = "not in --only"
+        elif part in VLLM_PARTS and not has_vllm:
             skipped[part] = f"vllm is not importable in {sys.executable}: run under a Python with vllm"
         elif part == "rollout-vllm-fp32" and not options.vllm_fp32:
             skipped[part] = "no --vllm-fp32"

@@ -264,3 +264,16 @@ def test_full_fine_tune_is_unchanged_without_lora(tiny_model, tmp_path):
     run = train(cfg, examples=arithmetic_examples(), verifier=digit_share)
     assert len(read_metrics(run)) == 1
     assert not (run / "checkpoints" / "step_000001" / "adapter").exists()
+
+
+def test_the_lora_vs_full_example_differs_from_its_full_run_in_lora_and_lr_only():
+    """examples/configs/smollm2_lora_grpo.yaml: the LoRA arm and its full fine-tune arm (model.lora=null
+    optim.lr=1e-5, the header's command) are the same run but for the adapter and the learning rate."""
+    path, model = "examples/configs/smollm2_lora_grpo.yaml", "model.path=x"
+    lora = load_config(path, [model]).model_dump()
+    full = load_config(path, [model, "model.lora=null", "optim.lr=1e-5"]).model_dump()
+    assert lora["model"]["lora"]["rank"] == 1 and full["model"]["lora"]["rank"] is None
+    assert lora["optim"]["lr"] == pytest.approx(10 * full["optim"]["lr"])
+    for config in (lora, full):
+        config["model"].pop("lora"), config["optim"].pop("lr")
+    assert lora == full
