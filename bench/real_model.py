@@ -10,7 +10,8 @@ The model is SmolLM2-135M-Instruct converted offline from the installed llm-smol
 no chat template), P prompts x G responses, <= L new tokens, temperature 1, fp32 weights, 1 torch
 thread unless OMP_NUM_THREADS says otherwise, in every part:
   (a) rollout-lean / rollout-hf / rollout-vllm: rollout tokens/s of `bapo.train.Trainer.rollout_step`
-      with rollout.sampler=lean, sampler=hf (HF generate), backend=vllm (a colocated vllm.LLM with a
+      with rollout.sampler=lean (rollout-lean-lora: on the LoRA-adapted model), sampler=hf (HF
+      generate), backend=vllm (a colocated vllm.LLM with a
       bfloat16 engine, as TRL's; --vllm-fp32 adds a float32 engine; the behaviour log-probs
       recomputed by the fp32 trainer in both). One warm-up rollout, then --rollouts timed ones; with
       vLLM each timed rollout follows an optimizer update (lr 1e-6), so it pushes new weights as in training.
@@ -295,6 +296,10 @@ def lora(options) -> dict:
 PARTS = {
     "rollout-lean": lambda o, w: bench_rollout(o, w, "rollout-lean", **{"rollout.sampler": "lean"}),
     "rollout-hf": lambda o, w: bench_rollout(o, w, "rollout-hf", **{"rollout.sampler": "hf"}),
+    # the lean sampler on the adapted model: peft's LoRA layers run in every decode step
+    "rollout-lean-lora": lambda o, w: bench_rollout(
+        o, w, "rollout-lean-lora", **{"rollout.sampler": "lean", **lora(o)}
+    ),
     # bf16 engine: what TRL's colocated engine runs too (vLLM's dtype "auto" downcasts an fp32 checkpoint)
     "rollout-vllm": lambda o, w: bench_rollout(
         o, w, "rollout-vllm", **{"rollout.backend": "vllm", "rollout.vllm_dtype": "bfloat16"}
@@ -363,6 +368,7 @@ def ratios(results: dict) -> dict:
         "vllm_fp32_vs_hf": ratio(tps("rollout-vllm-fp32", "rollout_tok_s"), tps("rollout-hf", "rollout_tok_s")),
         "vllm_vs_lean": ratio(tps("rollout-vllm", "rollout_tok_s"), tps("rollout-lean", "rollout_tok_s")),
         "lean_vs_hf": ratio(tps("rollout-lean", "rollout_tok_s"), tps("rollout-hf", "rollout_tok_s")),
+        "lean_lora_vs_lean": ratio(tps("rollout-lean-lora", "rollout_tok_s"), tps("rollout-lean", "rollout_tok_s")),
         "bapo_vllm_vs_trl_vllm": ratio(tps("rollout-vllm", "rollout_tok_s"), tps("trl-vllm", "rollout_tok_s")),
         "push_share": tps("rollout-vllm", "push_share"),
         "push_share_autocast": tps("rollout-vllm-autocast", "push_share"),

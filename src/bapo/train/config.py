@@ -97,7 +97,9 @@ class LoraSection(Section):
 
     @model_validator(mode="after")
     def _rank_when_configured(self) -> LoraSection:
-        given = sorted(self.model_fields_set - {"rank"})
+        # a field changed from its default (not merely written out: a run's config.yaml holds every key)
+        given = [name for name, info in type(self).model_fields.items() if getattr(self, name) != info.default]
+        given = [name for name in given if name != "rank"]
         if self.rank is None and given:
             raise ValueError(
                 f"model.lora.{given[0]} is set but model.lora.rank is null (LoRA off): set model.lora.rank "
