@@ -12,7 +12,8 @@ The model is SmolLM2-135M-Instruct converted offline from the installed llm-smol
 no chat template), P prompts x G responses, <= L new tokens, temperature 1, fp32 weights, 1 torch
 thread unless OMP_NUM_THREADS says otherwise, in every part:
   (a) rollout-lean / rollout-hf / rollout-vllm: rollout tokens/s of `bapo.train.Trainer.rollout_step`
-      with rollout.sampler=lean, sampler=hf (HF generate), backend=vllm (a colocated vllm.LLM with a
+      with rollout.sampler=lean (rollout-lean-lora: on the LoRA-adapted model), sampler=hf (HF
+      generate), backend=vllm (a colocated vllm.LLM with a
       bfloat16 engine, as TRL's; --vllm-fp32 adds a float32 engine; the behaviour log-probs
       recomputed by the fp32 trainer in both). One warm-up rollout, then --rollouts timed ones; with
       vLLM each timed rollout follows an optimizer update (lr 1e-6), so it pushes new weights as in training.
@@ -20,20 +21,22 @@ thread unless OMP_NUM_THREADS says otherwise, in every part:
       bapo.train.vllm_engine.push_weights on CPU, where TRL's own sync fails): generation tokens/s of
       its `_generate_and_score_completions` (generate + rewards + old log-probs), 2 optimizer steps per
       generation, the first generation warm-up; vs rollout-vllm.
-  (c) push share: the weight push's seconds over the rollout step's seconds (rollout-vllm).
+  (c) push share: the weight push's seconds over the rollout step's seconds (rollout-vllm; rollout-vllm-lora:
+      the same with model.lora, which pushes the merged weights W + s * B @ A).
   (d) update tokens/s on one saved batch (the lean rollout's, P*G rows), --updates timed
       optimizer updates after one warm-up each, --repeats rounds in alternating order (the
       fastest round of each system kept), micro-batch M, AdamW: bapo fp32 (model.autocast=none),
       bapo bf16 (model.autocast=bfloat16), TRL's GRPOTrainer._compute_loss (its loss path: TRL's own
       log-prob forward, dapo loss, fp32, gradient checkpointing off as in bapo) + backward + the same
-      clip and AdamW step; --baseline-src runs bapo fp32 of another source tree on the same batch.
+      clip and AdamW step; --baseline-src runs bapo fp32 of another source tree on the same batch;
+      bapo LoRA (model.lora.rank=--lora-rank, alpha 2x rank, all-linear, fp32): AdamW over the adapters.
       bapo runs loss.method=--method (default bapo, scope step) on a stale batch (version unknown):
       the step scope's pre-pass runs, as in every update after a rollout's first.
       update-bapo-fp32-padded: bapo fp32 with model.shared_prompt_forward=false (every row encodes
       its prompt; length buckets still on), next to update-bapo-fp32 (each prompt encoded once).
 --study-prompts: the real-model study's prompts (docs/study/full/data/train.jsonl through SmolLM2's
-chat template, ~45 tokens) instead of the bare addition rows. --parts: only these parts (and
-rollout-lean, which makes the update parts' batch).
+chat template, ~45 tokens) instead of the bare addition rows. --parts (or --only) PART,...: only
+these parts (and rollout-lean when an update part needs its batch).
   precision: model.autocast=bfloat16 against fp32 on the first M rows of that batch
       (bapo.train.update.autocast_error): loss and gradient relative error, gradient cosine.
 vLLM parts and --baseline-src run in their own processes (one vLLM engine per process). Not a
@@ -67,6 +70,9 @@ GOALS = {
     "update_bf16_vs_baseline": ("update tok/s, bapo bf16 over the baseline's fp32 (today)", ">=", 3.0),
     # issue 36: each prompt encoded once per group (and no padding waste) at the study's shapes
     "update_fp32_vs_baseline": ("update tok/s, bapo fp32 over the baseline's fp32 (today)", ">=", 1.5),
+    # issue 36 part 3: LoRA updates
+    "update_lora_vs_fp32": ("update tok/s, bapo LoRA over bapo's full fine-tune (fp32)", ">=", 2.5),
+    "push_share_lora": ("weight push s / rollout step s (vllm, LoRA: merged weights)", "<=", 0.05),
 }
 STUDY_PROMPTS = Path(__file__).resolve().parents[1] / "docs" / "study" / "full" / "data" / "train.jsonl"
 
@@ -179,16 +185,13 @@ def load_batch(workdir: Path):
     return Batch(**torch.load(workdir / "batch.pt"))
 
 
-def bench_bapo_update(options, workdir: Path, name: str, autocast: str, shared_prompt: bool = True) -> dict:
+def bench_bapo_update(options, workdir: Path, name: str, autocast: str, **extra) -> dict:
     """(d): --updates timed optimizer updates (after one warm-up) of bapo.train on the saved batch."""
     from bapo.train.update import optimizer_update
 
     batch = load_batch(workdir)
-    # model.autocast / shared_prompt_forward are given only when not the default: a --baseline-src
-    # tree may predate the option
-    overrides = {} if autocast == "none" else {"model.autocast": autocast}
-    if not shared_prompt:
-        overrides["model.shared_prompt_forward"] = "false"
+    # model.autocast is given only when not "none": a --baseline-src tree may predate the option
+    overrides = ({} if autocast == "none" else {"model.autocast": autocast}) | extra
     trainer = trainer_for(options, workdir, name, **overrides)
     seconds = 0.0
     for index in range(options.updates + 1):
@@ -295,9 +298,18 @@ def bench_precision(options, workdir: Path) -> dict:
     return error
 
 
+def lora(options) -> dict:
+    """model.lora overrides of the LoRA parts: rank --lora-rank, alpha 2 x rank, every linear layer."""
+    return {"model.lora.rank": options.lora_rank, "model.lora.alpha": 2 * options.lora_rank}
+
+
 PARTS = {
     "rollout-lean": lambda o, w: bench_rollout(o, w, "rollout-lean", **{"rollout.sampler": "lean"}),
     "rollout-hf": lambda o, w: bench_rollout(o, w, "rollout-hf", **{"rollout.sampler": "hf"}),
+    # the lean sampler on the adapted model: peft's LoRA layers run in every decode step
+    "rollout-lean-lora": lambda o, w: bench_rollout(
+        o, w, "rollout-lean-lora", **{"rollout.sampler": "lean", **lora(o)}
+    ),
     # bf16 engine: what TRL's colocated engine runs too (vLLM's dtype "auto" downcasts an fp32 checkpoint)
     "rollout-vllm": lambda o, w: bench_rollout(
         o, w, "rollout-vllm", **{"rollout.backend": "vllm", "rollout.vllm_dtype": "bfloat16"}
@@ -312,16 +324,29 @@ PARTS = {
     "rollout-vllm-fp32": lambda o, w: bench_rollout(
         o, w, "rollout-vllm-fp32", **{"rollout.backend": "vllm", "rollout.vllm_dtype": "float32"}
     ),
+    "rollout-vllm-lora": lambda o, w: bench_rollout(
+        o, w, "rollout-vllm-lora", **{"rollout.backend": "vllm", "rollout.vllm_dtype": "bfloat16", **lora(o)}
+    ),
     "trl-vllm": bench_trl_vllm,
     "update-bapo-fp32": lambda o, w: bench_bapo_update(o, w, "update-bapo-fp32", "none"),
-    "update-bapo-fp32-padded": lambda o, w: bench_bapo_update(o, w, "update-bapo-fp32-padded", "none", False),
+    "update-bapo-fp32-padded": lambda o, w: bench_bapo_update(
+        o, w, "update-bapo-fp32-padded", "none", **{"model.shared_prompt_forward": "false"}
+    ),
     "update-bapo-bf16": lambda o, w: bench_bapo_update(o, w, "update-bapo-bf16", "bfloat16"),
+    "update-bapo-lora": lambda o, w: bench_bapo_update(o, w, "update-bapo-lora", "none", **lora(o)),
     "update-baseline-fp32": lambda o, w: bench_bapo_update(o, w, "update-baseline-fp32", "none"),
     "update-trl": bench_trl_update,
     "precision": bench_precision,
 }
-UPDATE_PARTS = ("update-bapo-fp32", "update-bapo-fp32-padded", "update-bapo-bf16", "update-baseline-fp32", "update-trl")
-VLLM_PARTS = ("rollout-vllm", "rollout-vllm-autocast", "rollout-vllm-fp32", "trl-vllm")
+UPDATE_PARTS = (
+    "update-bapo-fp32",
+    "update-bapo-fp32-padded",
+    "update-bapo-bf16",
+    "update-bapo-lora",
+    "update-baseline-fp32",
+    "update-trl",
+)
+VLLM_PARTS = ("rollout-vllm", "rollout-vllm-autocast", "rollout-vllm-fp32", "rollout-vllm-lora", "trl-vllm")
 
 
 def in_subprocess(part: str, argv: list[str], workdir: Path, src: str | None = None) -> dict:
@@ -363,10 +388,17 @@ def ratios(results: dict) -> dict:
         "vllm_fp32_vs_hf": ratio(tps("rollout-vllm-fp32", "rollout_tok_s"), tps("rollout-hf", "rollout_tok_s")),
         "vllm_vs_lean": ratio(tps("rollout-vllm", "rollout_tok_s"), tps("rollout-lean", "rollout_tok_s")),
         "lean_vs_hf": ratio(tps("rollout-lean", "rollout_tok_s"), tps("rollout-hf", "rollout_tok_s")),
+        "lean_lora_vs_lean": ratio(tps("rollout-lean-lora", "rollout_tok_s"), tps("rollout-lean", "rollout_tok_s")),
         "bapo_vllm_vs_trl_vllm": ratio(tps("rollout-vllm", "rollout_tok_s"), tps("trl-vllm", "rollout_tok_s")),
         "push_share": tps("rollout-vllm", "push_share"),
         "push_share_autocast": tps("rollout-vllm-autocast", "push_share"),
         "push_share_fp32": tps("rollout-vllm-fp32", "push_share"),
+        "push_share_lora": tps("rollout-vllm-lora", "push_share"),
+        "push_s_lora_vs_full": ratio(
+            ratio(tps("rollout-vllm-lora", "push_s"), tps("rollout-vllm-lora", "pushes")),
+            ratio(tps("rollout-vllm", "push_s"), tps("rollout-vllm", "pushes")),
+        ),
+        "update_lora_vs_fp32": ratio(tps("update-bapo-lora", "update_tok_s"), fp32),
         "update_bf16_vs_fp32": ratio(bf16, fp32),
         "update_bf16_vs_baseline": ratio(bf16, baseline),
         "update_fp32_vs_baseline": ratio(fp32, baseline),
@@ -392,9 +424,12 @@ def main() -> None:
     parser.add_argument("--method", default="bapo", help="bapo's loss.method in the update parts")
     parser.add_argument("--baseline-src", default=None, help="another bapo source tree: its fp32 update as 'today'")
     parser.add_argument("--vllm-fp32", action="store_true", help="also backend vllm with a float32 engine")
+    parser.add_argument("--lora-rank", type=int, default=16, help="model.lora.rank of the LoRA parts")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--study-prompts", action="store_true", help="the study's chat prompts (~45 tokens)")
-    parser.add_argument("--parts", default=None, help="comma-separated parts to run (rollout-lean always runs)")
+    parser.add_argument(
+        "--parts", "--only", dest="parts", default=None, help="comma-separated parts to run (default: all)"
+    )
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     options = parser.parse_args()
@@ -434,10 +469,12 @@ def main() -> None:
             return in_subprocess(part, argv, workdir, src=str(Path(options.baseline_src).resolve()))
         return PARTS[part](options, workdir)
 
-    wanted = []
-    chosen = set(options.parts.split(",")) | {"rollout-lean"} if options.parts else set(PARTS)
+    chosen = set(options.parts.split(",")) if options.parts else set(PARTS)
     if chosen - set(PARTS):
         parser.error(f"--parts: unknown {sorted(chosen - set(PARTS))}; choose from {', '.join(PARTS)}")
+    if chosen & {*UPDATE_PARTS, "precision"}:
+        chosen.add("rollout-lean")  # its batch is the one the update parts train on
+    wanted = []
     for part in PARTS:
         if part not in chosen:
             skipped[part] = "not in --parts"

@@ -63,15 +63,30 @@ def _gap(engine, model, tokenizer, contexts, budget=16):
     return float((reference - sampled.log_prob)[valid].abs().max()), int(valid.sum())
 
 
-def engine_gaps(model_path: str, dtype: str = "float32") -> dict:
+def engine_gaps(model_path: str, dtype: str = "float32", lora: str = "full") -> dict:
     """Start an engine on `model_path`, push the trainer's weights, sample, compare with an HF
     forward; perturb every weight (a new policy version), push, compare again. Runs in its own
-    process (`python -m tests.train.test_vllm PATH`): one vllm.LLM per process."""
+    process (`python -m tests.train.test_vllm PATH [DTYPE [lora]]`): one vllm.LLM per process.
+    lora="lora": the trainer's model carries LoRA adapters (model.lora, random B so that they
+    change the model) and only the adapters are perturbed: the engine must sample from the merged
+    weights, not from the base it was started on (gap_base_v1: the engine vs the bare base)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from bapo.train import config_from_dict, vllm_engine
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+    if lora == "lora":
+        from types import SimpleNamespace
+
+        from bapo.train.lora import add_lora
+
+        section = SimpleNamespace(rank=2, alpha=4.0, target_modules="all-linear", dropout=0.0)
+        add_lora(model, section, seed=0)
+        torch.manual_seed(1)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if "lora_B" in name:
+                    param.normal_(0, 0.05)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     cfg = config_from_dict(
         {
@@ -88,9 +103,13 @@ def engine_gaps(model_path: str, dtype: str = "float32") -> dict:
     torch.manual_seed(0)
     with torch.no_grad():  # a new policy version: every weight moves, the tied embedding too
         for param in model.parameters():
-            param.add_(torch.randn_like(param) * 0.01)
+            if param.requires_grad:  # every weight; with LoRA the adapters (the base is frozen)
+                param.add_(torch.randn_like(param) * (0.05 if lora == "lora" else 0.01))
     engine.sync(model, 1)
     out["gap_v1"], out["tokens_v1"] = _gap(engine, model, tokenizer, contexts)
+    if lora == "lora":
+        base = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32).eval()
+        out["gap_base_v1"] = _gap(engine, base, tokenizer, contexts)[0]
     out["push_s"] = engine.push_seconds / engine.pushes
     out["stop"] = _stop_string_check(engine, tokenizer, contexts)
     return out
@@ -126,8 +145,8 @@ def _stop_string_check(engine, tokenizer, contexts, budget=16) -> dict:
     }
 
 
-def _engine_gaps_in_a_process(model_path: str) -> dict:
-    result = json_from_module("tests.train.test_vllm", model_path, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+def _engine_gaps_in_a_process(model_path: str, *args: str) -> dict:
+    result = json_from_module("tests.train.test_vllm", model_path, *args, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     print(model_path, result)
     return result
 
@@ -148,6 +167,17 @@ def test_push_makes_the_engine_equal_to_the_trainer(which, request):
     assert result["tokens_v0"] > 8 and result["gap_v0"] < GAP
     assert result["tokens_v1"] > 8 and result["gap_v1"] < GAP
     assert result["stop"]["stopped"] > 0 and result["stop"]["ok"], result["stop"]
+
+
+def test_push_of_a_lora_policy_sends_the_merged_weights(tiny_llama):
+    """model.lora: the engine samples from base + scale * B @ A (bapo.train.lora.merged_weights),
+    version after version, as the HF forward of the adapted model does."""
+    pytest.importorskip("peft")
+    result = _engine_gaps_in_a_process(tiny_llama, "float32", "lora")
+    assert result["pushed_twice"] == [True, False]
+    assert result["tokens_v0"] > 8 and result["gap_v0"] < GAP
+    assert result["tokens_v1"] > 8 and result["gap_v1"] < GAP
+    assert result["gap_base_v1"] > 100 * GAP  # the adapters matter: the base alone is far off
 
 
 def _bapo_train(args: list[str]) -> None:
@@ -253,6 +283,16 @@ def test_bapo_train_with_the_engines_log_probs_as_the_behaviour_ones(tmp_path, t
         assert "rollout/is_ratio/mean" not in row  # no correction: the denominator is the engine's
     first_updates = rows[::2]  # ratio = pi_trainer / pi_engine at the batch's first update
     assert all(abs(row["ratio/mean"] - 1) < 0.01 for row in first_updates), [r["ratio/mean"] for r in first_updates]
+
+
+def test_bapo_train_with_lora(tmp_path, tiny_llama):
+    """model.lora through the whole loop: after every update the engine gets the merged weights, so
+    the engine's log-probs stay those of the trainer's adapted model (the gap the rows log)."""
+    pytest.importorskip("peft")
+    lora = ("model.lora.rank=4", "optim.lr=2e-2", "offpolicy.mini_batches=2")
+    rows = _train(tmp_path, tiny_llama, *lora, "reward.verifier=format", "reward.format_pattern=[0-4]")
+    _check_gap(rows, 6)
+    assert rows[-1]["rollout/batch/version_max"] == 4  # sampled by the policy of update 4, pushed merged
 
 
 def test_resume_with_vllm_continues_exactly(tmp_path, tiny_llama):

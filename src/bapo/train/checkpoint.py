@@ -23,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from bapo.train.lora import ADAPTER_DIR, merged_weights, save_adapter
+
 LATEST = "latest"
 MANIFEST = "manifest.json"
 PREFIX = "update_"  # + optimizer updates done, 6 digits
@@ -148,13 +150,22 @@ def quarantine(checkpoint: Path) -> Path:
 
 
 def save_checkpoint(
-    run_dir: Path, updates: int, model, tokenizer, state: dict, keep: int, save_optimizer: str = "latest"
+    run_dir: Path,
+    updates: int,
+    model,
+    tokenizer,
+    state: dict,
+    keep: int,
+    save_optimizer: str = "latest",
+    adapter=None,
 ) -> Path:
     """Write the checkpoint after `updates` optimizer updates atomically; prune to the newest `keep`.
 
     save_optimizer: "all" keeps the optimizer state in every checkpoint, "latest" strips it from
     the older ones when a newer one is written (they stay loadable, model-only), "none" never
     writes it (such checkpoints are model-only: resume refuses them unless asked, see trainer).
+    adapter: the PeftModel of a LoRA run (model.lora): `model/` then holds the merged weights (what
+    `bapo eval` and HF tools load) and `adapter/` the adapter alone (what resume loads onto the base).
     Raises CheckpointError naming the last good checkpoint when the write fails (disk full ...);
     the partial directory is removed and the older checkpoints are untouched.
     """
@@ -166,7 +177,11 @@ def save_checkpoint(
     if save_optimizer == "none":
         state = {**state, "optimizer": None}
     try:
-        model.save_pretrained(tmp / "model", safe_serialization=True)
+        if adapter is None:
+            model.save_pretrained(tmp / "model", safe_serialization=True)
+        else:
+            model.save_pretrained(tmp / "model", state_dict=merged_weights(model), safe_serialization=True)
+            save_adapter(adapter, tmp / ADAPTER_DIR)
         tokenizer.save_pretrained(tmp / "model")
         torch.save(state, tmp / "state.pt")
         _write_manifest(tmp)

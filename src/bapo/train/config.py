@@ -7,6 +7,7 @@ nearest valid name, a bad value names the field and what would fix it.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import math
 import os
 import re
@@ -68,6 +69,68 @@ def vllm_missing(
     )
 
 
+class LoraSection(Section):
+    """model.lora: LoRA adapters (peft) trained instead of every weight; off while rank is null."""
+
+    rank: int | None = Field(
+        None,
+        gt=0,
+        description="LoRA rank r; null = LoRA off (full fine-tune). On: peft adapters on target_modules, the "
+        "base weights frozen, AdamW over the adapters only, the KL reference = the base (adapters disabled), "
+        "vLLM gets the merged weights, checkpoints hold the adapter (adapter/) and the merged model (model/)",
+    )
+    alpha: float = Field(
+        32.0, gt=0, description="lora_alpha: the adapter's update is scaled by alpha / rank (TRL's guide: 32)"
+    )
+    target_modules: str | list[str] = Field(
+        "all-linear",
+        description="all-linear (every linear layer but the LM head, as peft / TRL) or module names, e.g. "
+        "[q_proj, v_proj]",
+    )
+    dropout: float = Field(
+        0.0,
+        ge=0,
+        lt=1,
+        description="lora_dropout, active in the update's gradient forward only (log-prob forwards run without it)",
+    )
+
+    @field_validator("target_modules", mode="before")
+    @classmethod
+    def _list_from_text(cls, value: Any) -> Any:
+        # a command-line override reaches a field that accepts a string verbatim: `[q_proj, v_proj]`
+        # or `q_proj,v_proj` mean the list
+        if isinstance(value, str) and value.strip().startswith("["):
+            with contextlib.suppress(yaml.YAMLError):
+                return parse_yaml(value)
+        if isinstance(value, str) and "," in value:
+            return [name.strip() for name in value.split(",") if name.strip()]
+        return value
+
+    @field_validator("target_modules")
+    @classmethod
+    def _some_modules(cls, value: str | list[str]) -> str | list[str]:
+        if (isinstance(value, str) and not value.strip()) or (isinstance(value, list) and not value):
+            raise ValueError("no module named; use all-linear or a list of module names like [q_proj, v_proj]")
+        return value
+
+    @model_validator(mode="after")
+    def _rank_when_configured(self) -> LoraSection:
+        # a field changed from its default (not merely written out: a run's config.yaml holds every key)
+        given = [name for name, info in type(self).model_fields.items() if getattr(self, name) != info.default]
+        given = [name for name in given if name != "rank"]
+        if self.rank is None and given:
+            raise ValueError(
+                f"model.lora.{given[0]} is set but model.lora.rank is null (LoRA off): set model.lora.rank "
+                f"(e.g. 16) to train LoRA adapters, or drop model.lora.{given[0]}"
+            )
+        if self.rank is not None and importlib.util.find_spec("peft") is None:
+            raise ValueError(
+                f"model.lora.rank={self.rank} needs peft, which is not installed: pip install 'bapo[train]' "
+                "(or pip install peft), or set model.lora.rank=null"
+            )
+        return self
+
+
 class ModelSection(Section):
     path: str = Field(..., description="local model folder (saved with save_pretrained) or Hugging Face id")
     dtype: Literal["float32", "bfloat16", "float16"] = Field("float32", description="weights dtype (float32 on CPU)")
@@ -94,6 +157,12 @@ class ModelSection(Section):
         ),
     )
     trust_remote_code: bool = Field(False, description="allow the model folder's own Python code")
+    lora: LoraSection = Field(LoraSection(), description="LoRA updates (peft); off while model.lora.rank is null")
+
+    @field_validator("lora", mode="before")
+    @classmethod
+    def _null_is_off(cls, value: Any) -> Any:
+        return {} if value is None else value  # `lora: null` in a YAML file: LoRA off
 
     @field_validator("device")
     @classmethod

@@ -43,6 +43,7 @@ from bapo.train.data import (
     special_token_warnings,
     tokenize_prompts,
 )
+from bapo.train.lora import ADAPTER_DIR, adapter_dropout, add_lora, load_adapter
 from bapo.train.metrics import MetricsLog, NoSignalWarning, ProgressFn, make_progress
 from bapo.train.rewards import resolve_verifier
 from bapo.train.rollout import Batch, Rollout, batched_log_probs
@@ -177,6 +178,20 @@ def _load_model(cfg: TrainConfig, source: str):
     return model, tokenizer
 
 
+def _load_policy(cfg: TrainConfig, checkpoint: Path | None):
+    """(model, tokenizer, peft model or None): the policy a run starts from (checkpoint None: model.path)
+    or resumes. With model.lora.rank set, LoRA adapters are injected into the base at model.path (the
+    base is frozen, so resume needs only the checkpoint's adapter/, loaded exactly onto it); else the
+    checkpoint's model/ folder is the whole policy."""
+    if cfg.model.lora.rank is None:
+        return (*_load_model(cfg, str(checkpoint / "model") if checkpoint else cfg.model.path), None)
+    model, tokenizer = _load_model(cfg, cfg.model.path)
+    lora = add_lora(model, cfg.model.lora, cfg.run.seed)
+    if checkpoint is not None:
+        load_adapter(lora, checkpoint / ADAPTER_DIR)
+    return model, tokenizer, lora
+
+
 class Trainer:
     def __init__(
         self,
@@ -192,7 +207,7 @@ class Trainer:
         self.cfg, self.on_update = cfg, on_update
         self.verifier = verifier or self._resolve_verifier(cfg)
         examples = _check_data(cfg, examples, verifier is not None)
-        if resume is None:
+        if resume is None or cfg.model.lora.rank is not None:  # a LoRA resume loads the base from model.path
             check_model_path(cfg.model.path)
         self.run_dir = Path(resume) if resume is not None else Path(cfg.run.output_dir)
         if resume is not None and not self.run_dir.is_dir():
@@ -215,7 +230,7 @@ class Trainer:
             problem = verify_checkpoint(candidate)
             if problem is None:
                 try:
-                    self.model, self.tokenizer = _load_model(cfg, str(candidate / "model"))
+                    self.model, self.tokenizer, self.lora = _load_policy(cfg, candidate)
                     state = load_state(candidate)
                     checkpoint = candidate
                     break
@@ -233,18 +248,20 @@ class Trainer:
                 "(renamed to corrupt_update_*); start afresh with run.overwrite=true"
             )
         if checkpoint is None:
-            self.model, self.tokenizer = _load_model(cfg, cfg.model.path)
+            self.model, self.tokenizer, self.lora = _load_policy(cfg, None)
         if cfg.model.gradient_checkpointing:
             self.model.gradient_checkpointing_enable()
+            if self.lora is not None:  # frozen embeddings: the checkpointed blocks' inputs must carry grad
+                self.model.enable_input_require_grads()
         # dropout off for rollout and update alike (as verl): behaviour and current log-probs
         # must come from the same function of the weights; checkpointing needs train mode.
         self.model.train(cfg.model.gradient_checkpointing)
         self.ref_model = None
-        if cfg.loss.kl_coef > 0:  # KL to the initial model, also after a resume
+        if cfg.loss.kl_coef > 0 and self.lora is None:  # KL to the initial model, also after a resume
             self.ref_model = _load_model(cfg, cfg.model.path)[0].eval().requires_grad_(False)
 
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(),
+            [param for param in self.model.parameters() if param.requires_grad],  # LoRA: the adapters only
             lr=cfg.optim.lr,
             betas=cfg.optim.betas,
             eps=cfg.optim.eps,
@@ -439,20 +456,31 @@ class Trainer:
         """One rollout batch from the current policy (+ reference log-probs when KL is on).
         Metrics carry time/rollout_s and tokens/rollout (new tokens generated)."""
         batch, metrics = self.rollout.step(self.model, self.version)
-        if self.ref_model is not None and len(batch):
-            batch.ref_log_prob = batched_log_probs(
-                self.ref_model,
-                batch.prompt_ids,
-                batch.prompt_mask,
-                batch.response_ids,
-                batch.response_mask,
-                self.cfg.rollout.temperature,
-                self.cfg.rollout.logprob_batch_size,
-                self.cfg.model.autocast,
-                self.cfg.model.shared_prompt_forward,
-            )
+        if self.cfg.loss.kl_coef > 0 and len(batch):
+            with self._reference_model() as reference:
+                batch.ref_log_prob = batched_log_probs(
+                    reference,
+                    batch.prompt_ids,
+                    batch.prompt_mask,
+                    batch.response_ids,
+                    batch.response_mask,
+                    self.cfg.rollout.temperature,
+                    self.cfg.rollout.logprob_batch_size,
+                    self.cfg.model.autocast,
+                    self.cfg.model.shared_prompt_forward,
+                )
         metrics["tokens_per_s/rollout"] = metrics["tokens/rollout"] / max(metrics["time/rollout_s"], 1e-9)
         return batch, metrics
+
+    @contextmanager
+    def _reference_model(self) -> Iterator[torch.nn.Module]:
+        """The KL reference, the initial model: with LoRA the policy itself with its adapters
+        disabled (peft's disable_adapter: the frozen base, no second copy), else the frozen copy."""
+        if self.lora is None:
+            yield self.ref_model
+            return
+        with self.lora.disable_adapter():
+            yield self.model
 
     def update_step(self, batch: Batch) -> list[dict]:
         """offpolicy.epochs x offpolicy.mini_batches optimizer updates on one batch; one metrics
@@ -482,16 +510,17 @@ class Trainer:
             mini = batch.select(rows_idx)
             # optimizer updates between the policy that generated each token and this update
             policy_lag = (self.version - mini.versions[mini.response_mask]).float()
-            metrics = optimizer_update(
-                self.model,
-                self.optimizer,
-                self.scheduler,
-                mini.to(device),
-                self.cfg,
-                self.bapo_step,
-                self.version,
-                digit_ids=self.digit_ids,
-            )
+            with adapter_dropout(self.model):  # model.lora.dropout (a no-op without it)
+                metrics = optimizer_update(
+                    self.model,
+                    self.optimizer,
+                    self.scheduler,
+                    mini.to(device),
+                    self.cfg,
+                    self.bapo_step,
+                    self.version,
+                    digit_ids=self.digit_ids,
+                )
             if self.bapo_step:  # the next update's rho0 from this update's entropy
                 self.bapo_step.end(metrics.get("entropy", float("nan")))
             self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["skipped"] else 0
@@ -568,6 +597,7 @@ class Trainer:
                 state,
                 self.cfg.run.keep_checkpoints,
                 self.cfg.run.save_optimizer,
+                adapter=self.lora,
             )
         except CheckpointError as err:
             raise TrainingStopped(str(err)) from None

@@ -29,6 +29,7 @@ import time
 import torch
 
 from bapo.train.checkpoint import rng_state, set_rng_state
+from bapo.train.lora import merged_weights
 from bapo.train.sampling import Sampled, SamplingParams
 
 
@@ -104,7 +105,9 @@ class VLLMEngine:
         if self.version == version:
             return False
         started = time.perf_counter()
-        push_weights(self.llm, [(name, tensor.detach()) for name, tensor in model.state_dict().items()], self.tied)
+        # LoRA (model.lora): the merged weights W + scale * B @ A under the base's names, so the engine
+        # samples from the current adapted policy; the trained model is not merged in place
+        push_weights(self.llm, list(merged_weights(model).items()), self.tied)
         self.version = version
         self.pushes += 1
         self.push_seconds += time.perf_counter() - started
