@@ -159,7 +159,7 @@ def test_a_lora_run_trains_the_adapters_only_and_takes_its_kl_reference_from_the
 @pytest.mark.parametrize(
     "extra",
     [
-        {"offpolicy.staleness": 1, "loss.kl_coef": 0.05},
+        {"offpolicy.async_delay": 1, "loss.kl_coef": 0.05},
         {"loss.method": "bapo", "offpolicy.mini_batches": 2, "optim.micro_batch_size": 6, "model.lora.dropout": 0.1},
     ],
     ids=["fifo-kl", "bapo-minibatch-dropout"],
@@ -180,7 +180,7 @@ def test_lora_checkpoint_holds_the_adapter_and_the_merged_model_and_bapo_eval_re
     cfg = make_config(tiny_model, tmp_path / "run", **LORA, **{"run.rollout_steps": 2, "run.checkpoint_every": 2})
     trainer = Trainer(cfg, examples=examples, verifier=digit_share)
     trainer.fit()
-    checkpoint = tmp_path / "run" / "checkpoints" / "step_000002"
+    checkpoint = tmp_path / "run" / "checkpoints" / "update_000002"
     assert (checkpoint / "adapter" / "adapter_model.safetensors").is_file()
     saved = _plain(checkpoint / "model")  # a plain HF model folder: the merged weights
     ids, mask = pad([trainer.tokenizer.encode("3+4=12")] * 2, 0, left=True)
@@ -263,7 +263,8 @@ def test_full_fine_tune_is_unchanged_without_lora(tiny_model, tmp_path):
     cfg = make_config(tiny_model, tmp_path / "run", **{"run.rollout_steps": 1, "run.checkpoint_every": 1})
     run = train(cfg, examples=arithmetic_examples(), verifier=digit_share)
     assert len(read_metrics(run)) == 1
-    assert not (run / "checkpoints" / "step_000001" / "adapter").exists()
+    assert (run / "checkpoints" / "update_000001" / "model").is_dir()
+    assert not (run / "checkpoints" / "update_000001" / "adapter").exists()
 
 
 def test_the_lora_vs_full_example_differs_from_its_full_run_in_lora_and_lr_only():
