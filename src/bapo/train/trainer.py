@@ -43,9 +43,10 @@ from bapo.train.data import (
     special_token_warnings,
     tokenize_prompts,
 )
+from bapo.train.logprobs import batched_log_probs
 from bapo.train.metrics import MetricsLog, NoSignalWarning, ProgressFn, make_progress
 from bapo.train.rewards import resolve_verifier
-from bapo.train.rollout import Batch, Rollout, batched_log_probs
+from bapo.train.rollout import Batch, Rollout
 from bapo.train.rundir import RunLock, check_resume_config, holds_run
 from bapo.train.update import optimizer_update, with_proximal_log_prob
 
@@ -492,8 +493,6 @@ class Trainer:
                 self.version,
                 digit_ids=self.digit_ids,
             )
-            if self.bapo_step:  # the next update's rho0 from this update's entropy
-                self.bapo_step.end(metrics.get("entropy", float("nan")))
             self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["skipped"] else 0
             metrics["tokens_per_s/update"] = metrics["tokens/update"] / max(metrics["time/update_s"], 1e-9)
             rows.append(

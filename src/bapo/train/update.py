@@ -26,7 +26,8 @@ from bapo.core import (
 from bapo.core.losses import PROXIMAL_METHODS, resolve_loss_params
 from bapo.train.config import TrainConfig
 from bapo.train.correction import correction_weights, mismatch_metrics
-from bapo.train.rollout import Batch, batched_log_probs, token_log_probs
+from bapo.train.logprobs import batched_log_probs, token_log_probs
+from bapo.train.rollout import Batch
 
 
 def _normalizer(cfg: TrainConfig, batch: Batch) -> float:
@@ -262,8 +263,9 @@ def optimizer_update(
     method's own metrics (mean over micro-batches), grad_norm
     (before clipping), lr, skipped (1 when the loss or gradient was non-finite and no step was taken).
     bapo_step: method bapo's per-update protocol (bounds, rho0, bapo/search/* and bapo/target);
-    the trainer passes its run-long one and calls its `end` after the update; None = a fresh
-    BAPOStep of cfg.loss.bapo for this update alone. version: the policy version of the current
+    this function owns one update of it: `begin` before the micro-batches, `end` with the update's
+    entropy after them (the next update's rho0). The trainer passes its run-long one; None = a
+    fresh BAPOStep of cfg.loss.bapo for this update alone. version: the policy version of the current
     weights; when every token of `batch` has it (just generated, first update), the step-scope
     search needs no extra forward. digit_ids: the token ids that spell a digit
     (bapo.train.data.digit_token_ids); given, the metrics add entropy/digit, entropy/other and
@@ -341,6 +343,8 @@ def optimizer_update(
             "time/update_s": time.perf_counter() - start,
         }
     )
+    if bapo_step is not None:  # the next update's rho0 from this update's entropy
+        bapo_step.end(out.get("entropy", float("nan")))
     return out
 
 
