@@ -122,7 +122,7 @@ def _identity(run_dir: Path) -> tuple[str, str, int]:
     if config_file.exists():
         import yaml
 
-        from bapo.train.config import upgrade_run_config
+        from bapo.train.config_io import upgrade_run_config
 
         cfg = upgrade_run_config(yaml.safe_load(config_file.read_text()) or {})
         method = cfg.get("loss", {}).get("method", run_dir.name)

