@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from bapo.core.search import BAPOConfig, BoundStats, SearchResult
+from bapo.core.search import BoundStats, SearchResult
+from bapo.core.search_config import BAPOConfig
 from bapo.core.search_metrics import search_metrics
 from bapo.core.target import EntropyTargetController, token_mean_over_ranks
 

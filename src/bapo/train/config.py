@@ -17,7 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, create_model, field_validator, model_validator
 
 from bapo.core import BAPOConfig
-from bapo.core.search import PRESETS
+from bapo.core.search_config import PRESETS
 
 
 class ConfigError(ValueError):
