@@ -346,37 +346,3 @@ def optimizer_update(
     if bapo_step is not None:  # the next update's rho0 from this update's entropy
         bapo_step.end(out.get("entropy", float("nan")))
     return out
-
-
-def autocast_error(model, batch: Batch, cfg: TrainConfig) -> dict[str, float]:
-    """How far model.autocast=bfloat16 moves one update's loss and gradient on `batch` (one
-    micro-batch, on the model's device) from fp32: {loss_fp32, loss_bf16, loss_rel_err =
-    |bf16 - fp32| / |fp32|, grad_rel_err = ||g_bf16 - g_fp32|| / ||g_fp32|| over the flattened
-    gradient of every parameter, grad_cosine}. The model's .grad is cleared afterwards."""
-    device = next(model.parameters()).device
-    batch = batch.to(device)
-    found: dict[str, tuple[float, torch.Tensor]] = {}
-    for mode in ("none", "bfloat16"):
-        run_cfg = cfg.model_copy(deep=True)
-        run_cfg.model.autocast = mode
-        bapo_step = None
-        if run_cfg.loss.method == "bapo":
-            bapo_step = BAPOStep(run_cfg.loss.bapo_config())
-            bapo_step.begin(micro_batches=1)
-        model.zero_grad(set_to_none=True)
-        stats = ClipStats.empty(device)
-        loss, *_ = _micro_batch_loss(
-            model, batch, run_cfg, loss_params(run_cfg), _normalizer(run_cfg, batch), bapo_step, stats
-        )
-        loss.backward()
-        grad = torch.cat([p.grad.flatten().double() for p in model.parameters() if p.grad is not None])
-        found[mode] = (float(loss.detach()), grad)
-    model.zero_grad(set_to_none=True)
-    (loss32, grad32), (loss16, grad16) = found["none"], found["bfloat16"]
-    return {
-        "loss_fp32": loss32,
-        "loss_bf16": loss16,
-        "loss_rel_err": abs(loss16 - loss32) / max(abs(loss32), 1e-30),
-        "grad_rel_err": float((grad16 - grad32).norm() / grad32.norm().clamp_min(1e-30)),
-        "grad_cosine": float(torch.nn.functional.cosine_similarity(grad16, grad32, dim=0)),
-    }
