@@ -159,8 +159,7 @@ class Rollout:
         self.in_flight, self.ready = state["in_flight"], state["ready"]
         self.sampler.load_state_dict(state["sampler"])
         self.history = PromptRewardHistory()
-        if "history" in state:  # checkpoints from before DCPO's smooth advantages have none
-            self.history.load_state_dict(state["history"])
+        self.history.load_state_dict(state["history"])
 
     # -- one rollout step -------------------------------------------------------------------
     def step(self, model, version: int) -> tuple[Batch, dict]:

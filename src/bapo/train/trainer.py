@@ -609,12 +609,11 @@ class Trainer:
             raise TrainingStopped(str(err)) from None
 
     def _load(self, state: dict, checkpoint: Path) -> None:
-        # "step": the key of checkpoints written before rollout steps and updates were named apart
-        self.rollout_steps_done = state["rollout_steps_done"] if "rollout_steps_done" in state else state["step"]
+        self.rollout_steps_done = state["rollout_steps_done"]
         self.version = state["version"]
         self.nonfinite_streak = state["nonfinite_streak"]
-        self.zero_variance_streak = state.get("zero_variance_streak", 0)
-        self.entropy_was_low = state.get("entropy_was_low", False)
+        self.zero_variance_streak = state["zero_variance_streak"]
+        self.entropy_was_low = state["entropy_was_low"]
         if state["optimizer"] is None:
             warnings.warn(
                 f"resuming from {checkpoint.name}, which holds no optimizer state "
@@ -626,8 +625,8 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.buffer.load_state_dict(state["buffer"])
         self.rollout.load_state_dict(state["rollout"])
-        if self.bapo_step:  # "bapo_target": the key of checkpoints written before BAPOStep
-            self.bapo_step.load_state_dict(state.get("bapo_step", state.get("bapo_target")), source=checkpoint.name)
+        if self.bapo_step:
+            self.bapo_step.load_state_dict(state["bapo_step"], source=checkpoint.name)
         set_rng_state(state["rng"])
 
     def close(self) -> None:
