@@ -66,15 +66,6 @@ def test_a_partial_last_line_from_a_kill_is_skipped_on_read_and_resume(tmp_path)
     ]
 
 
-def test_a_metrics_file_written_before_the_rename_reads_step_as_update(tmp_path):
-    """Old runs' rows carry "step" (optimizer updates done); the reader maps it to "update"."""
-    (tmp_path / "metrics.jsonl").write_text(
-        '{"step": 1, "rollout_step": 0, "loss": 0.5}\n{"step": 2, "rollout_step": 0}\n'
-    )
-    rows = read_metrics(tmp_path)
-    assert rows == [{"update": 1, "rollout_step": 0, "loss": 0.5}, {"update": 2, "rollout_step": 0}]
-
-
 def test_the_old_run_steps_key_fails_naming_its_new_name():
     from bapo.train.config import ConfigError
     from bapo.train.config_io import load_config
