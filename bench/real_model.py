@@ -38,7 +38,7 @@ thread unless OMP_NUM_THREADS says otherwise, in every part:
 chat template, ~45 tokens) instead of the bare addition rows. --parts (or --only) PART,...: only
 these parts (and rollout-lean when an update part needs its batch).
   precision: model.autocast=bfloat16 against fp32 on the first M rows of that batch
-      (bapo.train.update.autocast_error): loss and gradient relative error, gradient cosine.
+      (autocast_error): loss and gradient relative error, gradient cosine.
 vLLM parts and --baseline-src run in their own processes (one vLLM engine per process). Not a
 test: prints a table and the ratios against the issue's goals (bench/README.md).
 """
@@ -283,11 +283,46 @@ def float32_head(model):
         del head.forward
 
 
-def bench_precision(options, workdir: Path) -> dict:
-    """bf16 autocast vs fp32 on the first micro-batch of the saved batch (bapo.train.update.autocast_error),
-    and the same with the output head in float32 ("fp32_head")."""
-    from bapo.train.update import autocast_error
+def autocast_error(model, batch, cfg) -> dict[str, float]:
+    """How far model.autocast=bfloat16 moves one update's loss and gradient on `batch` (one
+    micro-batch, on the model's device) from fp32: {loss_fp32, loss_bf16, loss_rel_err =
+    |bf16 - fp32| / |fp32|, grad_rel_err = ||g_bf16 - g_fp32|| / ||g_fp32|| over the flattened
+    gradient of every parameter, grad_cosine}. The model's .grad is cleared afterwards."""
+    from bapo.core import BAPOStep, ClipStats
+    from bapo.train.update import _micro_batch_loss, _normalizer, loss_params
 
+    device = next(model.parameters()).device
+    batch = batch.to(device)
+    found: dict[str, tuple[float, torch.Tensor]] = {}
+    for mode in ("none", "bfloat16"):
+        run_cfg = cfg.model_copy(deep=True)
+        run_cfg.model.autocast = mode
+        bapo_step = None
+        if run_cfg.loss.method == "bapo":
+            bapo_step = BAPOStep(run_cfg.loss.bapo_config())
+            bapo_step.begin(micro_batches=1)
+        model.zero_grad(set_to_none=True)
+        stats = ClipStats.empty(device)
+        loss, *_ = _micro_batch_loss(
+            model, batch, run_cfg, loss_params(run_cfg), _normalizer(run_cfg, batch), bapo_step, stats
+        )
+        loss.backward()
+        grad = torch.cat([p.grad.flatten().double() for p in model.parameters() if p.grad is not None])
+        found[mode] = (float(loss.detach()), grad)
+    model.zero_grad(set_to_none=True)
+    (loss32, grad32), (loss16, grad16) = found["none"], found["bfloat16"]
+    return {
+        "loss_fp32": loss32,
+        "loss_bf16": loss16,
+        "loss_rel_err": abs(loss16 - loss32) / max(abs(loss32), 1e-30),
+        "grad_rel_err": float((grad16 - grad32).norm() / grad32.norm().clamp_min(1e-30)),
+        "grad_cosine": float(torch.nn.functional.cosine_similarity(grad16, grad32, dim=0)),
+    }
+
+
+def bench_precision(options, workdir: Path) -> dict:
+    """bf16 autocast vs fp32 on the first micro-batch of the saved batch (autocast_error),
+    and the same with the output head in float32 ("fp32_head")."""
     batch = load_batch(workdir)
     batch = batch.select(torch.arange(min(options.micro_batch, len(batch))))
     trainer = trainer_for(options, workdir, "precision")

@@ -9,8 +9,8 @@ from bapo.analysis.run_claims import run_claims
 from bapo.analysis.runs import Run, find_runs, group_runs, setting_name, upgrade_names
 from bapo.cli.main import app
 
-# a few updates of real demo runs (metrics.jsonl as written, before "step" was renamed "update":
-# the plot and compare tests below are also the tests that old runs stay readable)
+# a few updates of real demo runs (metrics.jsonl as written then, under the names of the committed
+# study records, docs/study/full: staleness/* for the policy lag)
 RECORDED = Path(__file__).parent / "fixtures" / "recorded"
 
 
@@ -22,24 +22,10 @@ def test_recorded_runs_load_with_identity():
     assert all(r.rows and r.final.get("k") == 8 for r in runs)
 
 
-def test_old_runs_written_with_step_read_as_update():
-    """The recorded rows carry the legacy "step"; the reader gives every row "update" instead."""
-    assert '"step": 1,' in next(RECORDED.glob("*/metrics.jsonl")).read_text()
-    for run in find_runs([RECORDED]):
-        assert all("update" in row and "step" not in row for row in run.rows)
-        updates, _ = run.series("entropy")
-        assert updates == list(range(1, len(run.rows) + 1))
-
-
 def test_old_metric_names_read_as_the_trainers():
-    """The recorded rows carry the loss's bapo/reached and bapo/steps; the reader gives the
-    trainer's bapo/search/* names instead, and a row that has both keeps the new value."""
-    assert '"bapo/reached": 1.0' in next(RECORDED.glob("bapo-*/metrics.jsonl")).read_text()
-    bapo = [run for run in find_runs([RECORDED]) if run.method == "bapo"]
-    for run in bapo:
-        assert all("bapo/reached" not in row and "bapo/steps" not in row for row in run.rows)
-        assert run.values("bapo/search/reached") and run.values("bapo/search/steps")
-    assert upgrade_names({"bapo/reached": 0.0, "bapo/search/reached": 1.0}) == {"bapo/search/reached": 1.0}
+    """The study records' policy lag, logged as staleness/*, reads as the trainer's policy_lag/*,
+    and a row that has both keeps the new value."""
+    assert upgrade_names({"staleness/max": 0.0, "policy_lag/max": 1.0}) == {"policy_lag/max": 1.0}
     assert upgrade_names({"bapo/no_signal": 1.0}) == {"bapo/no_signal": 1.0}  # the diagnostics' own name
     # the policy lag in optimizer updates was logged as staleness/*, which is the paper's E's name
     assert '"staleness/max": ' in next(RECORDED.glob("grpo-*/metrics.jsonl")).read_text()

@@ -163,15 +163,6 @@ def test_state_round_trips_through_json_and_a_fresh_step_resumes_exactly():
     assert resumed.target == step.target != 0.5
 
 
-def test_a_bare_controller_state_of_older_checkpoints_loads():
-    step = BAPOStep(entropy_config())
-    step.begin()
-    step.end(1.0)
-    resumed = BAPOStep(entropy_config())
-    resumed.load_state_dict(step.controller.state_dict())  # verl's bapo_target_rank<r>.json, the trainer's key
-    assert resumed.state_dict() == step.state_dict()
-
-
 def test_missing_state_warns_in_entropy_mode_and_starts_afresh():
     step = BAPOStep(entropy_config())
     step.begin()

@@ -204,8 +204,8 @@ def test_shared_prompt_forward_equals_the_padded_one_on_the_real_model(smollm2_d
     import torch
 
     from bapo.train import Trainer, load_config
+    from bapo.train.logprobs import padded_log_probs, token_log_probs
     from bapo.train.prefix import _no_cache, shared_prompt_reason
-    from bapo.train.rollout import padded_log_probs, token_log_probs
 
     cfg = load_config(
         CONFIG,

@@ -18,9 +18,11 @@ import torch
 from bapo.train import ConfigError, config_from_dict
 from bapo.train import logits as logits_module
 from bapo.train.logits import chosen_log_probs, plain_log_probs
-from bapo.train.rollout import Batch, token_log_probs
+from bapo.train.logprobs import token_log_probs
+from bapo.train.rollout import Batch
 from bapo.train.tiny import ModelConfig, build_model, build_tokenizer
-from bapo.train.update import autocast_error, optimizer_update
+from bapo.train.update import optimizer_update
+from bench.real_model import autocast_error
 
 LOSS_REL_TOL = 2e-3
 GRAD_REL_TOL = 0.025

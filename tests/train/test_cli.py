@@ -66,17 +66,9 @@ def test_a_partial_last_line_from_a_kill_is_skipped_on_read_and_resume(tmp_path)
     ]
 
 
-def test_a_metrics_file_written_before_the_rename_reads_step_as_update(tmp_path):
-    """Old runs' rows carry "step" (optimizer updates done); the reader maps it to "update"."""
-    (tmp_path / "metrics.jsonl").write_text(
-        '{"step": 1, "rollout_step": 0, "loss": 0.5}\n{"step": 2, "rollout_step": 0}\n'
-    )
-    rows = read_metrics(tmp_path)
-    assert rows == [{"update": 1, "rollout_step": 0, "loss": 0.5}, {"update": 2, "rollout_step": 0}]
-
-
 def test_the_old_run_steps_key_fails_naming_its_new_name():
-    from bapo.train.config import ConfigError, load_config
+    from bapo.train.config import ConfigError
+    from bapo.train.config_io import load_config
 
     with pytest.raises(ConfigError, match=r"^run\.steps was renamed run\.rollout_steps") as err:
         load_config(None, ["run.steps=3"])
@@ -87,7 +79,8 @@ def test_the_old_run_steps_key_fails_naming_its_new_name():
 def test_the_old_offpolicy_staleness_key_is_refused_naming_async_delay_and_E(tmp_path):
     """offpolicy.staleness was the async delay k; a reader of the paper means E by it, so it is
     refused (override, config file, command line), never read as either."""
-    from bapo.train.config import ConfigError, load_config
+    from bapo.train.config import ConfigError
+    from bapo.train.config_io import load_config
 
     why = r"\(it was the async delay k; the paper's staleness E is offpolicy\.mini_batches x offpolicy\.epochs - 1\)"
     with pytest.raises(ConfigError, match=r"^offpolicy\.staleness was renamed offpolicy\.async_delay") as err:
@@ -105,7 +98,7 @@ def test_the_old_offpolicy_staleness_key_is_refused_naming_async_delay_and_E(tmp
 def test_bapo_train_resumes_a_run_folder_written_before_the_renames(tiny_model, tmp_path):
     """A run folder written before checkpoints/step_N became update_N and offpolicy.staleness became
     offpolicy.async_delay (its config.yaml) resumes from `bapo train --resume` alone: its own
-    records are read under the new names (checkpoint.py and config.upgrade_run_config)."""
+    records are read under the new names (checkpoint.py and config_io.upgrade_run_config)."""
     config = write_setup(tiny_model, tmp_path)
     runner = CliRunner()
     result = runner.invoke(app, ["train", str(config), "offpolicy.async_delay=1", "run.checkpoint_every=1"])

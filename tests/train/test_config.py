@@ -144,7 +144,8 @@ def test_missing_model_path_says_how_to_set_it(tmp_path):
 def test_print_config_lists_every_key_with_default_and_description():
     from pydantic import BaseModel
 
-    from bapo.train.config import TrainConfig, describe_config
+    from bapo.train.config import TrainConfig
+    from bapo.train.config_io import describe_config
 
     text = describe_config("examples/configs/bapo_math.yaml", ["run.tensorboard=off"])
 
@@ -182,7 +183,7 @@ def test_print_config_describes_every_bapo_key_with_bapo_configs_own_help():
     from dataclasses import fields
 
     from bapo.core import BAPOConfig
-    from bapo.train.config import describe_config
+    from bapo.train.config_io import describe_config
 
     lines = {line.split(":")[0].strip(): line for line in describe_config(None, []).splitlines()}
     for spec in fields(BAPOConfig):

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from bapo.train import Trainer, read_metrics, train
-from bapo.train.rollout import Batch, token_log_probs
+from bapo.train.logprobs import token_log_probs
+from bapo.train.rollout import Batch
 from tests.helpers import arithmetic_examples, digit_share, make_config
 
 

@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("peft")
 
 from bapo.train import ConfigError, Trainer, read_metrics, train  # noqa: E402
-from bapo.train.config import load_config  # noqa: E402
+from bapo.train.config_io import load_config  # noqa: E402
 from bapo.train.lora import adapter_dropout, add_lora, merged_weights  # noqa: E402
 from bapo.train.rollout import batched_log_probs, pad  # noqa: E402
 from bapo.train.sampling import SamplingParams, hf_sample, lean_sample  # noqa: E402
@@ -245,7 +245,7 @@ def test_lora_config_values():
     cfg = load_config(None, ["model.path=x", "model.lora.rank=4", "model.lora.target_modules=q_proj,v_proj"])
     assert cfg.model.lora.rank == 4 and cfg.model.lora.target_modules == ["q_proj", "v_proj"]
     assert load_config(None, ["model.path=x"]).model.lora.rank is None  # off by default
-    from bapo.train.config import describe_config
+    from bapo.train.config_io import describe_config
 
     text = describe_config(None, ["model.path=x"])
     assert "  lora:" in text and "    rank: null  # LoRA rank" in text and "all-linear" in text
@@ -299,7 +299,7 @@ def test_lora_trains_under_gradient_checkpointing(tiny_model, tmp_path):
 def test_a_saved_config_with_every_lora_key_at_its_default_loads(tmp_path):
     """A run's config.yaml writes every key out (model.lora.alpha: 32.0 with rank null): that is
     LoRA off, not a half-set section."""
-    from bapo.train.config import config_from_dict
+    from bapo.train.config_io import config_from_dict
 
     saved = load_config(None, ["model.path=x"]).model_dump(mode="json")
     assert config_from_dict(saved).model.lora.rank is None

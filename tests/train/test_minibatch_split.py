@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from bapo.train import ConfigError, load_config
 from bapo.train.buffer import minibatch_order
-from bapo.train.config import load_run_config
+from bapo.train.config_io import load_run_config
 from bapo.train.rundir import check_resume_config
 from bapo.train.seeding import MINIBATCH_SPLIT, seeded_generator
 
@@ -114,7 +114,7 @@ def test_groups_need_not_divide_evenly():
 
 def test_a_run_written_before_the_key_resumes_with_the_row_split(tmp_path):
     """A config.yaml without offpolicy.minibatch_split is a run that split rows: `bapo train --resume`
-    keeps rows (config.upgrade_run_config, through load_run_config), and a resume that would switch
+    keeps rows (config_io.upgrade_run_config, through load_run_config), and a resume that would switch
     it to groups is refused."""
     cfg = load_config("examples/configs/bapo_math.yaml", ["offpolicy.minibatch_split=rows"])
     old = cfg.model_dump(mode="json")

@@ -23,11 +23,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import bapo.train.logprobs as logprobs_module
 import bapo.train.prefix as prefix
-import bapo.train.rollout as rollout_module
 from bapo.train import Trainer
+from bapo.train.logprobs import padded_log_probs, token_log_probs
 from bapo.train.prefix import length_buckets, prompt_groups
-from bapo.train.rollout import pad, padded_log_probs, token_log_probs
+from bapo.train.rollout import pad
 from bapo.train.tiny import ModelConfig, build_model, build_tokenizer
 from bapo.train.update import optimizer_update
 from tests.helpers import arithmetic_examples, digit_share, make_config
@@ -92,14 +93,14 @@ def _log_probs_and_grad(model, forward, rows, entropy_grad=False):
 def shared_calls(monkeypatch):
     """Counts the shared-prompt forwards that ran (not fallbacks), so no test passes by falling back."""
     calls = []
-    real = rollout_module.shared_prompt_log_probs
+    real = logprobs_module.shared_prompt_log_probs
 
     def spy(*args, **kwargs):
         out = real(*args, **kwargs)
         calls.append(out is not None)
         return out
 
-    monkeypatch.setattr(rollout_module, "shared_prompt_log_probs", spy)
+    monkeypatch.setattr(logprobs_module, "shared_prompt_log_probs", spy)
     return calls
 
 

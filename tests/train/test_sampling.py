@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from bapo.train.rollout import batched_log_probs, pad
+from bapo.train.logprobs import batched_log_probs
+from bapo.train.rollout import pad
 from bapo.train.sampling import (
     SamplingParams,
     hf_sample,

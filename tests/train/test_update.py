@@ -7,7 +7,7 @@ import torch
 
 from bapo.core import policy_loss, positive_share, search_bounds, token_ratio
 from bapo.train import Trainer
-from bapo.train.rollout import token_log_probs
+from bapo.train.logprobs import token_log_probs
 from bapo.train.update import behaviour_is_current, optimizer_update
 from tests.helpers import arithmetic_examples, digit_share, make_config
 

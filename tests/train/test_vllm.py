@@ -46,7 +46,8 @@ def tiny_llama(tmp_path_factory):
 
 def _gap(engine, model, tokenizer, contexts, budget=16):
     """max |engine log-prob - HF forward log-prob| over the sampled tokens (up to EOS)."""
-    from bapo.train.rollout import batched_log_probs, pad
+    from bapo.train.logprobs import batched_log_probs
+    from bapo.train.rollout import pad
     from bapo.train.sampling import SamplingParams
 
     sampled = engine.sample(

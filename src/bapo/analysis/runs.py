@@ -1,8 +1,7 @@
 """Reading finished runs back: metrics.jsonl rows, what each run was, its final evaluation.
 
 A run directory holds `metrics.jsonl` (one JSON object per optimizer update, written by bapo.train,
-with "update" and "rollout_step"; files written before "step" was renamed "update" are read the
-same way by `bapo.train.read_metrics`);
+with "update" and "rollout_step");
 held-out scores are rows' `heldout/avg@k`, `heldout/pass@k` (the demo's hook writes them; the
 last row that has them is the final policy's). The demo adds `demo_run.json`
 ({"method", "setting", "seed"}); a `bapo lab` cell holds every seed's rows in one file, each naming
@@ -20,12 +19,10 @@ from pathlib import Path
 
 from bapo.train.metrics import read_metrics
 
-# Metric names of older runs -> today's (the trainer's schema, bapo.core.search_metrics): the one
-# place they are mapped, so that every reader of finished runs (plots, report, claims) sees one name.
+# Metric names of the committed study records (docs/study/full) -> today's (the trainer's schema):
+# the one place they are mapped, so that every reader of finished runs (plots, report, claims) sees
+# one name.
 LEGACY_METRICS = {
-    "bapo/reached": "bapo/search/reached",
-    "bapo/steps": "bapo/search/steps",
-    "bapo/pos_neg": "bapo/search/pos_neg",
     # optimizer updates between a token's behaviour policy and the update (was named like the paper's E)
     "staleness/mean": "policy_lag/mean",
     "staleness/max": "policy_lag/max",
@@ -122,7 +119,7 @@ def _identity(run_dir: Path) -> tuple[str, str, int]:
     if config_file.exists():
         import yaml
 
-        from bapo.train.config import upgrade_run_config
+        from bapo.train.config_io import upgrade_run_config
 
         cfg = upgrade_run_config(yaml.safe_load(config_file.read_text()) or {})
         method = cfg.get("loss", {}).get("method", run_dir.name)

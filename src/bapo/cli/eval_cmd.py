@@ -65,8 +65,10 @@ def evaluate_command(
 
     with user_errors():
         from bapo.train import ConfigError, load_config
-        from bapo.train.config import DataSection, check_model_path, load_run_config
+        from bapo.train.config import DataSection
+        from bapo.train.config_io import load_run_config
         from bapo.train.data import load_examples
+        from bapo.train.trainer import check_model_path
 
         model_path, run_config = resolve_model(model)
         cfg = load_config(config) if config else load_run_config(run_config.parent) if run_config else None

@@ -40,7 +40,7 @@ def train_command(
 ) -> None:
     """Train a causal LM with GRPO / BAPO (and baselines) on verifier rewards."""
     from bapo.train import TrainingStopped, load_config, train
-    from bapo.train.config import describe_config, load_run_config
+    from bapo.train.config_io import describe_config, load_run_config
     from bapo.train.trainer import TrainingAborted, TrainingInterrupted
 
     with user_errors():

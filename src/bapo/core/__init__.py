@@ -26,14 +26,13 @@ from bapo.core.losses import (
 )
 from bapo.core.peers import BATCH_LEVEL_METHODS, NO_BOUNDS  # registers the peer losses (gspo, cispo, ...)
 from bapo.core.search import (
-    BAPOConfig,
     BoundStats,
     SearchResult,
-    candidate_grid,
     positive_share,
     search_bounds,
     token_contributions,
 )
+from bapo.core.search_config import BAPOConfig, candidate_grid
 from bapo.core.search_metrics import BALANCE_FIELDS, balance_metrics, balance_sums, search_metrics
 from bapo.core.step import BAPOStep, MissingStepStateWarning
 from bapo.core.target import EntropyTargetController, token_mean_over_ranks

@@ -10,7 +10,8 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from bapo.core.search import SCOPES, BAPOConfig, SearchResult, token_contributions
+from bapo.core.search import SearchResult, token_contributions
+from bapo.core.search_config import SCOPES, BAPOConfig
 
 
 def search_metrics(searches: Sequence[tuple[SearchResult, int]], scope: str) -> dict[str, float]:

@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from bapo.core.search import BAPOConfig, BoundStats, SearchResult
+from bapo.core.search import BoundStats, SearchResult
+from bapo.core.search_config import BAPOConfig
 from bapo.core.search_metrics import search_metrics
 from bapo.core.target import EntropyTargetController, token_mean_over_ranks
 
@@ -264,8 +265,7 @@ class BAPOStep:
     def load_state_dict(self, state: dict | None, source: str = "the checkpoint") -> None:
         """Restore `state_dict()`'s output. None (a checkpoint without it): under
         target_mode="entropy" warn (MissingStepStateWarning, naming `source`) and start the
-        controller afresh from config.target; in fixed mode there is nothing to restore.
-        A bare controller state (checkpoints written before BAPOStep) is accepted too."""
+        controller afresh from config.target; in fixed mode there is nothing to restore."""
         if state is None:
             if self.config.target_mode == "entropy":
                 warnings.warn(
@@ -277,4 +277,4 @@ class BAPOStep:
                 )
             self.controller = type(self.controller)(self.config)
             return
-        self.controller.load_state_dict(state.get("controller", state))
+        self.controller.load_state_dict(state["controller"])

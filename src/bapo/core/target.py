@@ -16,7 +16,7 @@ import math
 import torch
 import torch.distributed as dist
 
-from bapo.core.search import BAPOConfig
+from bapo.core.search_config import BAPOConfig
 
 
 class EntropyTargetController:

@@ -26,7 +26,7 @@ from pathlib import Path
 from bapo.experiments.harness import (
     HeldOutHook,
     RunSpec,
-    load_run_config,
+    config_from_overrides,
     plan_from,
     quiet_hf,
     run_overrides,
@@ -137,7 +137,7 @@ def train_config(plan: DemoPlan, spec: RunSpec, model_path: Path, data_path: Pat
     overrides["loss.bapo.target"] = plan.bapo_target
     if spec.partial_rollout:
         overrides["rollout.segment_tokens"] = plan.segment_tokens
-    return load_run_config(overrides)
+    return config_from_overrides(overrides)
 
 
 def run_one(

@@ -4,7 +4,7 @@ configs, the held-out hook, the run's records, child-process runs and resume.
     RunPlan          what the harness reads of a plan (DemoPlan, StudyPlan)
     RunSpec          one run: method, staleness E, async delay k, partial rollout, seed
     plan_from        a profile with some fields replaced
-    run_overrides    the bapo.train overrides every run shares; load_run_config turns them into a config
+    run_overrides    the bapo.train overrides every run shares; config_from_overrides turns them into a config
     HeldOutHook      held-out scores written into the run's own metrics.jsonl rows
     train_run        one run: its record (demo_run.json), then bapo.train with the hook
     run_in_child     one run in a fresh spawned process (the study: its vLLM engine dies with it)
@@ -120,7 +120,7 @@ def run_overrides(
     }
 
 
-def load_run_config(overrides: dict):
+def config_from_overrides(overrides: dict):
     """The bapo.train config of these overrides (the same schema `bapo train` reads from YAML)."""
     from bapo.train import load_config
 

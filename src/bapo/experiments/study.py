@@ -34,8 +34,8 @@ from bapo.experiments.harness import (
     HeldOutHook,
     RunSpec,
     cache_root,
+    config_from_overrides,
     is_done,
-    load_run_config,
     mark_done,
     plan_from,
     resume_point,
@@ -232,7 +232,7 @@ def train_config(plan: StudyPlan, spec: RunSpec, model: Path, study_dir: Path, r
         overrides["rollout.vllm_enforce_eager"] = plan.vllm_enforce_eager
     if plan.autocast is not None:
         overrides["model.autocast"] = plan.autocast
-    return load_run_config(overrides)
+    return config_from_overrides(overrides)
 
 
 def _start_scores(trainer, plan: StudyPlan, heldout: list[dict], path: Path) -> dict:

@@ -24,13 +24,11 @@ def save_step_state(folder: str, rank: int, state: dict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def load_step_state(folder: str, rank: int, legacy_names: tuple[str, ...] = ()) -> dict | None:
+def load_step_state(folder: str, rank: int) -> dict | None:
     """The saved state, or None when the checkpoint has none (BAPOStep.load_state_dict(None)
-    then warns and starts afresh). legacy_names: JSON files of earlier bapo versions, read when
-    the current one is missing ("{rank}" is filled in)."""
-    for name in (STATE_FILE, *legacy_names):
-        path = os.path.join(folder, name.format(rank=rank))
-        if os.path.exists(path):
-            with open(path) as file:
-                return json.load(file)
-    return None
+    then warns and starts afresh)."""
+    path = step_state_path(folder, rank)
+    if not os.path.exists(path):
+        return None
+    with open(path) as file:
+        return json.load(file)

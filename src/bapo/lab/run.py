@@ -53,7 +53,8 @@ from bapo.lab.policy import (
     token_mean,
 )
 from bapo.train.buffer import BatchBuffer, minibatch_order
-from bapo.train.config import ICEPOP_BOUNDS, TrainConfig, config_from_dict
+from bapo.train.config import ICEPOP_BOUNDS, TrainConfig
+from bapo.train.config_io import config_from_dict
 from bapo.train.correction import correction_weights
 
 try:  # the adaptive target (BAPOConfig.target_mode="entropy"), where this checkout has it

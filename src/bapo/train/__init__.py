@@ -7,7 +7,8 @@
 Heavy libraries (transformers, datasets) load only when a Trainer is built.
 """
 
-from bapo.train.config import ConfigError, TrainConfig, config_from_dict, load_config
+from bapo.train.config import ConfigError, TrainConfig
+from bapo.train.config_io import config_from_dict, load_config
 from bapo.train.metrics import read_metrics
 from bapo.train.rewards import Verifier, extract_answer, resolve_verifier
 from bapo.train.trainer import Trainer, TrainingStopped, train

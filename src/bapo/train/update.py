@@ -26,7 +26,8 @@ from bapo.core import (
 from bapo.core.losses import PROXIMAL_METHODS, resolve_loss_params
 from bapo.train.config import TrainConfig
 from bapo.train.correction import correction_weights, mismatch_metrics
-from bapo.train.rollout import Batch, batched_log_probs, token_log_probs
+from bapo.train.logprobs import batched_log_probs, token_log_probs
+from bapo.train.rollout import Batch
 
 
 def _normalizer(cfg: TrainConfig, batch: Batch) -> float:
@@ -262,8 +263,9 @@ def optimizer_update(
     method's own metrics (mean over micro-batches), grad_norm
     (before clipping), lr, skipped (1 when the loss or gradient was non-finite and no step was taken).
     bapo_step: method bapo's per-update protocol (bounds, rho0, bapo/search/* and bapo/target);
-    the trainer passes its run-long one and calls its `end` after the update; None = a fresh
-    BAPOStep of cfg.loss.bapo for this update alone. version: the policy version of the current
+    this function owns one update of it: `begin` before the micro-batches, `end` with the update's
+    entropy after them (the next update's rho0). The trainer passes its run-long one; None = a
+    fresh BAPOStep of cfg.loss.bapo for this update alone. version: the policy version of the current
     weights; when every token of `batch` has it (just generated, first update), the step-scope
     search needs no extra forward. digit_ids: the token ids that spell a digit
     (bapo.train.data.digit_token_ids); given, the metrics add entropy/digit, entropy/other and
@@ -341,38 +343,6 @@ def optimizer_update(
             "time/update_s": time.perf_counter() - start,
         }
     )
+    if bapo_step is not None:  # the next update's rho0 from this update's entropy
+        bapo_step.end(out.get("entropy", float("nan")))
     return out
-
-
-def autocast_error(model, batch: Batch, cfg: TrainConfig) -> dict[str, float]:
-    """How far model.autocast=bfloat16 moves one update's loss and gradient on `batch` (one
-    micro-batch, on the model's device) from fp32: {loss_fp32, loss_bf16, loss_rel_err =
-    |bf16 - fp32| / |fp32|, grad_rel_err = ||g_bf16 - g_fp32|| / ||g_fp32|| over the flattened
-    gradient of every parameter, grad_cosine}. The model's .grad is cleared afterwards."""
-    device = next(model.parameters()).device
-    batch = batch.to(device)
-    found: dict[str, tuple[float, torch.Tensor]] = {}
-    for mode in ("none", "bfloat16"):
-        run_cfg = cfg.model_copy(deep=True)
-        run_cfg.model.autocast = mode
-        bapo_step = None
-        if run_cfg.loss.method == "bapo":
-            bapo_step = BAPOStep(run_cfg.loss.bapo_config())
-            bapo_step.begin(micro_batches=1)
-        model.zero_grad(set_to_none=True)
-        stats = ClipStats.empty(device)
-        loss, *_ = _micro_batch_loss(
-            model, batch, run_cfg, loss_params(run_cfg), _normalizer(run_cfg, batch), bapo_step, stats
-        )
-        loss.backward()
-        grad = torch.cat([p.grad.flatten().double() for p in model.parameters() if p.grad is not None])
-        found[mode] = (float(loss.detach()), grad)
-    model.zero_grad(set_to_none=True)
-    (loss32, grad32), (loss16, grad16) = found["none"], found["bfloat16"]
-    return {
-        "loss_fp32": loss32,
-        "loss_bf16": loss16,
-        "loss_rel_err": abs(loss16 - loss32) / max(abs(loss32), 1e-30),
-        "grad_rel_err": float((grad16 - grad32).norm() / grad32.norm().clamp_min(1e-30)),
-        "grad_cosine": float(torch.nn.functional.cosine_similarity(grad16, grad32, dim=0)),
-    }

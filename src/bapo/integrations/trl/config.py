@@ -16,7 +16,7 @@ from trl import GRPOConfig
 
 from bapo.core import POLICY_LOSSES, PROXIMAL_METHODS, BAPOConfig
 from bapo.core.losses import configurable_parameters, resolve_loss_params
-from bapo.core.search import PRESETS
+from bapo.core.search_config import PRESETS
 
 #: TRL `loss_type` -> `bapo.core` `loss_agg_mode`. The normalizer of each (so that the summed
 #: micro-batch losses equal TRL's loss of the whole optimizer step) is set by the trainer.

@@ -64,8 +64,6 @@ logger = logging.getLogger(__name__)
 
 # What the pre-pass reads from each micro-batch, besides the model's log-probs.
 PROBE_FIELDS = ("response_mask", "old_log_probs", "advantages")
-# The controller state file of bapo versions before BAPOStep (a bare controller state dict).
-LEGACY_STATE_FILES = ("bapo_target_rank{rank}.json",)
 
 
 def observe_micro_batch(
@@ -213,7 +211,7 @@ class BAPOTrainingWorker(TrainingWorker):
         """verl's checkpoint, then the BAPOStep state saved beside it (missing: a warning naming
         local_path, and the controller starts afresh; BAPOStep.load_state_dict)."""
         # read before verl may delete local_path
-        state = load_step_state(local_path, rank(), LEGACY_STATE_FILES) if local_path is not None else None
+        state = load_step_state(local_path, rank()) if local_path is not None else None
         result = super().load_checkpoint(local_path, hdfs_path, del_local_after_load)
         policy_loss = bound_search_config(self.loss_fn)
         if policy_loss is not None:
