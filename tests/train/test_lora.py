@@ -21,8 +21,9 @@ pytest.importorskip("peft")
 
 from bapo.train import ConfigError, Trainer, read_metrics, train  # noqa: E402
 from bapo.train.config_io import load_config  # noqa: E402
+from bapo.train.logprobs import batched_log_probs  # noqa: E402
 from bapo.train.lora import adapter_dropout, add_lora, merged_weights  # noqa: E402
-from bapo.train.rollout import batched_log_probs, pad  # noqa: E402
+from bapo.train.rollout import pad  # noqa: E402
 from bapo.train.sampling import SamplingParams, hf_sample, lean_sample  # noqa: E402
 from tests.helpers import arithmetic_examples, digit_share, make_config  # noqa: E402
 from tests.train.test_resume import check_resume_is_exact  # noqa: E402

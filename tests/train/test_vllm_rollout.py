@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from bapo.train import Trainer
-from bapo.train.rollout import Rollout, pad, token_log_probs
+from bapo.train.logprobs import token_log_probs
+from bapo.train.rollout import Rollout, pad
 from bapo.train.sampling import lean_sample
 from tests.helpers import arithmetic_examples, digit_share, make_config
 
