@@ -99,3 +99,21 @@ def json_from_module(module: str, *args: str, **env: str):
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def batch_log_probs(trainer, batch):
+    """[N, R] log-probs of `batch`'s response tokens under the trainer's current weights (no grad)."""
+    import torch
+
+    from bapo.train.logprobs import token_log_probs
+
+    with torch.no_grad():
+        log_prob, _ = token_log_probs(
+            trainer.model,
+            batch.prompt_ids,
+            batch.prompt_mask,
+            batch.response_ids,
+            batch.response_mask,
+            trainer.cfg.rollout.temperature,
+        )
+    return log_prob

@@ -9,7 +9,7 @@ from bapo.core import policy_loss, positive_share, search_bounds, token_ratio
 from bapo.train import Trainer
 from bapo.train.logprobs import token_log_probs
 from bapo.train.update import behaviour_is_current, optimizer_update
-from tests.helpers import arithmetic_examples, digit_share, make_config
+from tests.helpers import arithmetic_examples, batch_log_probs, digit_share, make_config
 
 
 def batch_log_prob(model, batch, cfg):
@@ -69,15 +69,7 @@ def test_micro_batches_give_the_same_update(stale_setup, method):
     assert split["grad_norm"] == pytest.approx(full["grad_norm"], rel=1e-4)
     torch.testing.assert_close(d_split, d_full, atol=1e-5, rtol=1e-4)
     if method == "bapo":  # bounds of the whole update, not of any one micro-batch
-        with torch.no_grad():
-            lp, _ = token_log_probs(
-                trainer.model,
-                batch.prompt_ids,
-                batch.prompt_mask,
-                batch.response_ids,
-                batch.response_mask,
-                trainer.cfg.rollout.temperature,
-            )
+        lp = batch_log_probs(trainer, batch)
         found = search_bounds(
             token_ratio(lp, batch.old_log_prob),
             batch.advantages,
@@ -212,15 +204,7 @@ def test_proximal_log_prob_reuses_the_behaviour_log_prob_where_the_current_weigh
     fresh = fresh_rows[:, None] & batch.response_mask
     stale = ~fresh_rows[:, None] & batch.response_mask
     assert torch.equal(proximal[fresh], batch.old_log_prob[fresh])  # the same numbers, copied
-    with torch.no_grad():
-        recomputed, _ = token_log_probs(
-            trainer.model,
-            batch.prompt_ids,
-            batch.prompt_mask,
-            batch.response_ids,
-            batch.response_mask,
-            trainer.cfg.rollout.temperature,
-        )
+    recomputed = batch_log_probs(trainer, batch)
     torch.testing.assert_close(proximal[stale], recomputed[stale], atol=1e-5, rtol=1e-5)  # float32 forward rounding
     assert (proximal[stale] - batch.old_log_prob[stale]).abs().max() > 1e-3  # three updates moved them
 

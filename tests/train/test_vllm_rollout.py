@@ -9,10 +9,9 @@ import pytest
 import torch
 
 from bapo.train import Trainer
-from bapo.train.logprobs import token_log_probs
 from bapo.train.rollout import Rollout, pad
 from bapo.train.sampling import lean_sample
-from tests.helpers import arithmetic_examples, digit_share, make_config
+from tests.helpers import arithmetic_examples, batch_log_probs, digit_share, make_config
 
 OFFSET = 0.03
 
@@ -123,15 +122,7 @@ def test_engine_log_probs_as_the_behaviour_ones_recompute_one_group_and_log_the_
     assert metrics["rollout/logp_diff/mean"] == pytest.approx(OFFSET, abs=2e-5)
     assert metrics["rollout/logp_diff/max"] == pytest.approx(OFFSET, abs=2e-5)
     # the stored behaviour log-probs are the engine's: the trainer's recompute plus OFFSET
-    with torch.no_grad():
-        trainer_lp, _ = token_log_probs(
-            trainer.model,
-            batch.prompt_ids,
-            batch.prompt_mask,
-            batch.response_ids,
-            batch.response_mask,
-            cfg.rollout.temperature,
-        )
+    trainer_lp = batch_log_probs(trainer, batch)
     mask = batch.response_mask
     torch.testing.assert_close(batch.old_log_prob[mask], trainer_lp[mask] + OFFSET, atol=2e-5, rtol=0)
     rows = trainer.update_step(batch)
