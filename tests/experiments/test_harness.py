@@ -67,7 +67,7 @@ def test_run_in_child_reports_the_exit_code():
 def test_a_run_is_done_only_after_mark_done_which_drops_its_checkpoints(tmp_path):
     run_dir = tmp_path / "grpo-E4-seed0"
     assert resume_point(run_dir) is None and not is_done(run_dir)  # never started
-    (run_dir / "checkpoints" / "step_1").mkdir(parents=True)
+    (run_dir / "checkpoints" / "update_000001").mkdir(parents=True)
     mark_done(run_dir, {"wall_s": 1.0})
     assert is_done(run_dir) and not (run_dir / "checkpoints").exists()
     assert json.loads((run_dir / "done.json").read_text()) == {"wall_s": 1.0}

@@ -143,7 +143,7 @@ def test_staleness_E_runs_E_plus_1_updates_on_each_batch():
 
 
 def test_async_delay_trains_each_batch_once_k_steps_late():
-    run = run_cell(Cell("grpo", delay=2), LabConfig(**{**TINY.__dict__, "rollout_steps": 5}))
+    run = run_cell(Cell("grpo", async_delay=2), LabConfig(**{**TINY.__dict__, "rollout_steps": 5}))
     # warm-up: the first 2 batches come from the start policy (version 0), as in Trainer.fit
     assert run.versions == [0, 0, 0, 1, 2]
     assert run.updates["policy_lag/mean"][0].tolist() == [0, 1, 2, 2, 2]
@@ -295,8 +295,8 @@ def test_decoupled_ppo_in_the_lab_clips_against_the_policy_before_the_batch():
     same = run_cell(Cell("decoupled-ppo", staleness_e=2), TINY).updates
     grpo = run_cell(Cell("grpo", staleness_e=2), TINY).updates
     assert torch.allclose(same["exact/reward"], grpo["exact/reward"], atol=1e-9)
-    stale = run_cell(Cell("decoupled-ppo", delay=2), TINY).updates
-    stale_grpo = run_cell(Cell("grpo", delay=2), TINY).updates
+    stale = run_cell(Cell("decoupled-ppo", async_delay=2), TINY).updates
+    stale_grpo = run_cell(Cell("grpo", async_delay=2), TINY).updates
     assert torch.isfinite(stale["grad_norm"]).all()
     assert not torch.allclose(stale["exact/reward"], stale_grpo["exact/reward"])
 
@@ -313,9 +313,11 @@ def test_icepop_and_opsm_are_grpo_until_the_data_is_stale(method, monkeypatch):
         same = run_cell(Cell(method, staleness_e=2), TINY).updates
         grpo = run_cell(Cell("grpo", staleness_e=2), TINY).updates
         assert torch.allclose(same["exact/reward"], grpo["exact/reward"], atol=1e-9)
-    stale = run_cell(Cell(method, delay=2), TINY).updates
+    stale = run_cell(Cell(method, async_delay=2), TINY).updates
     assert torch.isfinite(stale["grad_norm"]).all() and torch.isfinite(stale["exact/entropy"]).all()
-    assert not torch.allclose(stale["exact/reward"], run_cell(Cell("grpo", delay=2), TINY).updates["exact/reward"])
+    assert not torch.allclose(
+        stale["exact/reward"], run_cell(Cell("grpo", async_delay=2), TINY).updates["exact/reward"]
+    )
     seen = []
     real = lab_run.policy_loss
 
@@ -324,7 +326,7 @@ def test_icepop_and_opsm_are_grpo_until_the_data_is_stale(method, monkeypatch):
         return real(*args, importance_weights=importance_weights, **kwargs)
 
     monkeypatch.setattr(lab_run, "policy_loss", spy)
-    run_cell(Cell(method, delay=2), TINY)
+    run_cell(Cell(method, async_delay=2), TINY)
     weights = torch.cat([w.flatten() for w in seen])
     assert bool((weights == 0).any())  # the mask acts on stale data
     if method == "opsm":

@@ -161,9 +161,10 @@ def test_a_lora_run_trains_the_adapters_only_and_takes_its_kl_reference_from_the
     "extra",
     [
         {"offpolicy.async_delay": 1, "loss.kl_coef": 0.05},
-        {"loss.method": "bapo", "offpolicy.mini_batches": 2, "optim.micro_batch_size": 6, "model.lora.dropout": 0.1},
+        {"loss.method": "bapo", "offpolicy.mini_batches": 2, "optim.micro_batch_size": 6},
+        {"loss.method": "grpo", "offpolicy.mini_batches": 2, "optim.micro_batch_size": 6, "model.lora.dropout": 0.1},
     ],
-    ids=["fifo-kl", "bapo-minibatch-dropout"],
+    ids=["fifo-kl", "bapo-minibatch", "grpo-minibatch-dropout"],
 )
 def test_lora_resume_is_exact(tiny_model, tmp_path, extra):
     """The adapter (fp32 safetensors) and the optimizer state over the adapters are restored onto the
@@ -197,6 +198,34 @@ def test_lora_checkpoint_holds_the_adapter_and_the_merged_model_and_bapo_eval_re
     assert result.exit_code == 0, result.output
     scores = json.loads(result.output.strip().splitlines()[-1])
     assert scores["model"] == str(checkpoint / "model") and scores["sampling/max_new_tokens"] == 8
+
+
+def test_lora_dropout_acts_in_the_forwards_with_grad_only_and_is_refused_with_bapo(tiny_model, tmp_path):
+    """The update's no-grad forwards (BAPO's pre-pass, proximal and reference log-probs) read the policy
+    without dropout; the loss's forward with grad draws it. With BAPO the search would then see other
+    ratios than its loss, so that pair is refused in one line."""
+    from bapo.train import ConfigError
+    from bapo.train.update import _forward
+
+    cfg = make_config(tiny_model, tmp_path / "run", **LORA, **{"model.lora.dropout": 0.5})
+    trainer = Trainer(cfg, examples=arithmetic_examples(), verifier=digit_share)
+    batch, _ = trainer.rollout_step()
+    with torch.no_grad():  # B = 0 at init would hide any dropout: as after some training
+        for name, parameter in trainer.model.named_parameters():
+            if "lora_B" in name:
+                parameter.normal_(0.0, 0.1, generator=torch.Generator().manual_seed(0))
+    try:
+        with torch.no_grad():
+            first, _ = _forward(trainer.model, batch, cfg, with_entropy=False)
+            again, _ = _forward(trainer.model, batch, cfg, with_entropy=False)
+        with_grad, _ = _forward(trainer.model, batch, cfg, with_entropy=False)
+        mask = batch.response_mask
+        assert torch.equal(first[mask], again[mask])  # no dropout draw: the same forward twice
+        assert (with_grad.detach() - first)[mask].abs().max() > 1e-4  # dropout 0.5 drew masks
+    finally:
+        trainer.close()
+    with pytest.raises(ConfigError, match="model.lora.dropout=0.5 with loss.method=bapo"):
+        make_config(tiny_model, tmp_path / "bapo", **LORA, **{"model.lora.dropout": 0.5, "loss.method": "bapo"})
 
 
 def test_lora_dropout_runs_in_the_update_forward_only(tiny_model):

@@ -96,7 +96,7 @@ def test_engine_log_probs_as_the_behaviour_ones_recompute_one_group_and_log_the_
     tiny_model, tmp_path, monkeypatch, extra
 ):
     """rollout.behaviour_log_prob=engine (verl's bypass mode): the batch's behaviour log-probs are the
-    engine's own, the correction has nothing to weigh, and only one group's rows per generation pass
+    engine's own, the correction has nothing to weigh, and only G rows (a group's worth) per generation pass
     are recomputed by the trainer: enough to log the gap every rollout step (here OFFSET, above the
     warning limit, so the run warns)."""
     from bapo.train import rollout as rollout_module
@@ -118,7 +118,7 @@ def test_engine_log_probs_as_the_behaviour_ones_recompute_one_group_and_log_the_
     with pytest.warns(UserWarning, match="behaviour_log_prob=recompute"):
         batch, metrics = trainer.rollout_step()
     assert batch.engine_log_prob is None  # nothing to correct: the denominator is the engine's
-    assert recomputed_rows and set(recomputed_rows) == {4}  # one group per pass, not the batch
+    assert recomputed_rows and set(recomputed_rows) == {4}  # G rows per pass, not the batch
     assert metrics["rollout/logp_diff/mean"] == pytest.approx(OFFSET, abs=2e-5)
     assert metrics["rollout/logp_diff/max"] == pytest.approx(OFFSET, abs=2e-5)
     # the stored behaviour log-probs are the engine's: the trainer's recompute plus OFFSET

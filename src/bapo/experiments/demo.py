@@ -69,7 +69,7 @@ class DemoPlan:
     async_delays: tuple[int, ...] = ()  # FIFO delays k (at E=0), the second axis
     partial_rollout: bool = False  # at E=0
     # 5 seeds, 16 samples per held-out prompt: with 3 seeds x 8 samples the headline verdict flipped
-    # between two clones (t_0.975 is 4.30 at 2 degrees of freedom, 2.78 at 4); issue 21
+    # between two clones (t_0.975 is 4.30 at 2 degrees of freedom, 2.78 at 4)
     seeds: tuple[int, ...] = (0, 1, 2, 3, 4)
     rollout_steps: int = 30  # per run (optimizer updates = rollout_steps x (E+1))
     prompts_per_batch: int = 15  # 15 x 8 = 120 responses: divisible by E+1 = 1, 2, 3, 4, 5, 6, 8

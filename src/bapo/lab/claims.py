@@ -55,7 +55,7 @@ Measure = Callable[[CellRun], Tensor]  # one cell's per-seed values [S]; KeyErro
 
 def cell_arm(cell: Cell) -> Arm:
     """The engine's arm of a cell: its method in bapo.analysis.runs.setting_name's setting."""
-    return Arm(cell.method, setting_name(cell.staleness_e, cell.delay))
+    return Arm(cell.method, setting_name(cell.staleness_e, cell.async_delay))
 
 
 def _drawdown(series: Tensor) -> Tensor:
@@ -105,7 +105,7 @@ def lab_measures(runs: list[CellRun], rollout_steps: int) -> dict[str, Measure]:
     def off_set_point(run: CellRun) -> Tensor:
         """|batch entropy - H*| over the second half of the updates, H* the final set point of the
         adaptive-target cell of the same setting (for that cell and for fixed-target BAPO alike)."""
-        adaptive = by_name[Cell("bapo-entropy", run.cell.staleness_e, run.cell.delay).name].updates
+        adaptive = by_name[Cell("bapo-entropy", run.cell.staleness_e, run.cell.async_delay).name].updates
         set_point, half = adaptive["bapo/set_point"][:, -1:], adaptive["entropy/batch"].shape[1] // 2
         return (run.updates["entropy/batch"][:, half:] - set_point).abs().mean(1)
 
@@ -329,8 +329,8 @@ def _bapo_claims(settings: list[tuple[int, int]]) -> list[ClaimSpec]:
 def lab_claim_specs(cells: list[Cell], rollout_steps: int) -> list[ClaimSpec]:
     """Every claim of these cells, in the order of the paper's claims 1-4, then the check of the
     entropy-change diagnostic (one per cell; evaluated where the cell records the estimate)."""
-    staleness_e = sorted({cell.staleness_e for cell in cells if not cell.delay})
-    delays = sorted({cell.delay for cell in cells if cell.delay})
+    staleness_e = sorted({cell.staleness_e for cell in cells if not cell.async_delay})
+    delays = sorted({cell.async_delay for cell in cells if cell.async_delay})
     present = {cell.name for cell in cells}
     top = max((e for e in staleness_e if e > 0 and Cell("grpo", e).name in present), default=None)
     claim2 = sorted({cell.staleness_e for cell in cells if cell.method in CLAIM2_METHODS})

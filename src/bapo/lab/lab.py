@@ -103,7 +103,7 @@ class LabPlan:
 
     def settings(self) -> list[str]:
         """The settings of the cells (bapo.analysis.runs.setting_name), in plan order."""
-        return list(dict.fromkeys(setting_name(c.staleness_e, c.delay) for c in self.cells()))
+        return list(dict.fromkeys(setting_name(c.staleness_e, c.async_delay) for c in self.cells()))
 
 
 def peers_plan(
@@ -234,7 +234,7 @@ def write_metrics(run: CellRun, path: Path) -> None:
                             "cell": run.cell.name,
                             "method": run.cell.method,
                             "E": run.cell.staleness_e,
-                            "async_delay": run.cell.delay,
+                            "async_delay": run.cell.async_delay,
                             "seed": seed,
                             "update": update + 1,
                             "rollout_step": update // updates_per_batch,

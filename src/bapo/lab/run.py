@@ -140,11 +140,11 @@ class Cell:
 
     method: str
     staleness_e: int = 0
-    delay: int = 0
+    async_delay: int = 0
 
     @property
     def name(self) -> str:
-        return f"{self.method} E={self.staleness_e}" + (f" delay={self.delay}" if self.delay else "")
+        return f"{self.method} E={self.staleness_e}" + (f" delay={self.async_delay}" if self.async_delay else "")
 
 
 @dataclass(frozen=True)
@@ -202,7 +202,7 @@ class LabConfig:
                     "group_size": self.group_size,
                     "max_new_tokens": self.task.positions,
                 },
-                "offpolicy": {"async_delay": cell.delay, **self._updates_per_batch(cell)},
+                "offpolicy": {"async_delay": cell.async_delay, **self._updates_per_batch(cell)},
                 "run": {"rollout_steps": self.rollout_steps, "seed": seed, "progress": False},
             }
         )

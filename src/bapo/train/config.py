@@ -90,7 +90,8 @@ class LoraSection(Section):
         0.0,
         ge=0,
         lt=1,
-        description="lora_dropout, active in the update's gradient forward only (log-prob forwards run without it)",
+        description="lora_dropout, active in the update's forwards with grad only (every no-grad log-prob forward "
+        "runs without it); refused with loss.method=bapo, whose bound search reads ratios without dropout",
     )
 
     @field_validator("target_modules", mode="before")
@@ -240,16 +241,21 @@ class RolloutSection(Section):
     correction_level: Literal["token", "sequence"] = Field(
         "token", description="token = w per token; sequence = the product of the response's token ratios"
     )
-    correction_cap: float = Field(2.0, gt=0, description="upper bound of the correction weight (tis, mis)")
+    correction_cap: float = Field(
+        2.0, gt=0, description="upper bound of the correction weight (tis, mis; icepop: 5.0 unless set)"
+    )
     correction_lower: float = Field(
-        0.0, ge=0, description="mis: weights below this are masked to 0 as well (0 = no lower bound)"
+        0.0,
+        ge=0,
+        description="mis, icepop: weights below this are masked to 0 as well "
+        "(0 = no lower bound; icepop: 0.5 unless set)",
     )
     behaviour_log_prob: Literal["recompute", "engine"] = Field(
         "recompute",
         description="backend vllm: the ratio's denominator. recompute = the trainer's forward of the sampling "
         "weights (exact; verl's default); engine = vLLM's own log-probs (verl's bypass mode: saves that "
-        "forward, about half a CPU rollout step), only for a float32 engine and trainer; one group per "
-        "rollout step is still recomputed to log the gap (rollout/logp_diff/*, a warning above "
+        "forward, about half a CPU rollout step), only for a float32 engine and trainer; G rows per "
+        "generation pass are still recomputed to log the gap (rollout/logp_diff/*, a warning above "
         f"{ENGINE_GAP_LIMIT:g} mean)",
     )
     vllm_dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
@@ -508,6 +514,11 @@ class TrainConfig(Section):
             )
         self._check_minibatch_split()
         self._check_behaviour_log_prob()
+        if self.model.lora.dropout > 0 and self.loss.method == "bapo":
+            raise ValueError(
+                f"model.lora.dropout={self.model.lora.dropout} with loss.method=bapo: BAPO's bound search reads "
+                "the ratios without dropout, the loss would see others; set model.lora.dropout=0"
+            )
         if self.offpolicy.mode == "replay" and self.offpolicy.async_delay:
             raise ValueError(
                 "offpolicy.async_delay applies to mode=fifo; replay mixes the last "

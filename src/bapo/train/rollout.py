@@ -268,7 +268,8 @@ class Rollout:
         engine_behaviour = engine_log_prob is not None and self.rollout_cfg.behaviour_log_prob == "engine"
         if engine_behaviour:
             # verl's bypass mode: the engine's own log-probs are the denominator (float32 both sides, checked
-            # by the config); the rows of one group are still recomputed so the gap is measured every step
+            # by the config); the first G unfinished rows (a group's worth) are still recomputed, so the
+            # gap is measured every pass
             probe = slice(0, min(len(live), self.rollout_cfg.group_size))
             probed = self._recompute(
                 model, owners[probe], live[probe], ctx_ids[probe], ctx_mask[probe], new[probe], new_mask[probe]

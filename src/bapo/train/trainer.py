@@ -46,7 +46,7 @@ from bapo.train.data import (
     tokenize_prompts,
 )
 from bapo.train.logprobs import batched_log_probs
-from bapo.train.lora import ADAPTER_DIR, adapter_dropout, add_lora, load_adapter
+from bapo.train.lora import ADAPTER_DIR, add_lora, load_adapter
 from bapo.train.metrics import MetricsLog, NoSignalWarning, ProgressFn, make_progress
 from bapo.train.rewards import resolve_verifier
 from bapo.train.rollout import Batch, Rollout
@@ -548,17 +548,16 @@ class Trainer:
             mini = batch.select(rows_idx)
             # optimizer updates between the policy that generated each token and this update
             policy_lag = (self.version - mini.versions[mini.response_mask]).float()
-            with adapter_dropout(self.model):  # model.lora.dropout (a no-op without it)
-                metrics = optimizer_update(
-                    self.model,
-                    self.optimizer,
-                    self.scheduler,
-                    mini.to(device),
-                    self.cfg,
-                    self.bapo_step,
-                    self.version,
-                    digit_ids=self.digit_ids,
-                )
+            metrics = optimizer_update(
+                self.model,
+                self.optimizer,
+                self.scheduler,
+                mini.to(device),
+                self.cfg,
+                self.bapo_step,
+                self.version,
+                digit_ids=self.digit_ids,
+            )
             self.nonfinite_streak = self.nonfinite_streak + 1 if metrics["skipped"] else 0
             metrics["tokens_per_s/update"] = metrics["tokens/update"] / max(metrics["time/update_s"], 1e-9)
             rows.append(

@@ -4,6 +4,7 @@ entropy terms, gradient clipping, and skipping of non-finite updates."""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -27,6 +28,7 @@ from bapo.core.losses import PROXIMAL_METHODS, resolve_loss_params
 from bapo.train.config import TrainConfig
 from bapo.train.correction import correction_weights, mismatch_metrics
 from bapo.train.logprobs import batched_log_probs, token_log_probs
+from bapo.train.lora import adapter_dropout
 from bapo.train.rollout import Batch
 
 
@@ -42,19 +44,22 @@ def _normalizer(cfg: TrainConfig, batch: Batch) -> float:
 
 def _forward(model, mb: Batch, cfg: TrainConfig, with_entropy: bool = True):
     """Current-policy log-probs [n, R] (with grad unless under no_grad) and, with_entropy, the
-    entropy [n, R] (grad only when it is a loss term), under cfg.model.autocast."""
-    return token_log_probs(
-        model,
-        mb.prompt_ids,
-        mb.prompt_mask,
-        mb.response_ids,
-        mb.response_mask,
-        cfg.rollout.temperature,
-        with_entropy=with_entropy,
-        entropy_grad=with_entropy and cfg.loss.entropy_coef > 0,
-        autocast=cfg.model.autocast,
-        shared_prompt=cfg.model.shared_prompt_forward,
-    )
+    entropy [n, R] (grad only when it is a loss term), under cfg.model.autocast. model.lora.dropout
+    acts in the forwards with grad only (the loss's); a no-grad one reads the policy without it."""
+    dropout = adapter_dropout(model) if torch.is_grad_enabled() else contextlib.nullcontext()
+    with dropout:
+        return token_log_probs(
+            model,
+            mb.prompt_ids,
+            mb.prompt_mask,
+            mb.response_ids,
+            mb.response_mask,
+            cfg.rollout.temperature,
+            with_entropy=with_entropy,
+            entropy_grad=with_entropy and cfg.loss.entropy_coef > 0,
+            autocast=cfg.model.autocast,
+            shared_prompt=cfg.model.shared_prompt_forward,
+        )
 
 
 def behaviour_is_current(batch: Batch, version: int | None) -> bool:
