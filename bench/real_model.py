@@ -14,8 +14,9 @@ thread unless OMP_NUM_THREADS says otherwise, in every part:
   (a) rollout-lean / rollout-hf / rollout-vllm: rollout tokens/s of `bapo.train.Trainer.rollout_step`
       with rollout.sampler=lean (rollout-lean-lora: on the LoRA-adapted model), sampler=hf (HF
       generate), backend=vllm (a colocated vllm.LLM with a
-      bfloat16 engine, as TRL's; --vllm-fp32 adds a float32 engine; the behaviour log-probs
-      recomputed by the fp32 trainer in both). One warm-up rollout, then --rollouts timed ones; with
+      bfloat16 engine, as TRL's; --vllm-fp32 adds a float32 engine, and the same engine with
+      rollout.behaviour_log_prob=engine (rollout-vllm-fp32-engine); elsewhere the behaviour log-probs
+      are recomputed by the fp32 trainer). One warm-up rollout, then --rollouts timed ones; with
       vLLM each timed rollout follows an optimizer update (lr 1e-6), so it pushes new weights as in training.
   (b) trl-vllm: TRL's GRPOTrainer with use_vllm=True, vllm_mode=colocate (weights pushed through
       bapo.train.vllm_engine.push_weights on CPU, where TRL's own sync fails): generation tokens/s of
@@ -73,6 +74,8 @@ GOALS = {
     # LoRA updates
     "update_lora_vs_fp32": ("update tok/s, bapo LoRA over bapo's full fine-tune (fp32)", ">=", 2.5),
     "push_share_lora": ("weight push s / rollout step s (vllm, LoRA: merged weights)", "<=", 0.05),
+    # the rollout step with the engine's own log-probs (rollout.behaviour_log_prob=engine), float32 engine
+    "vllm_engine_logprob_vs_recompute": ("rollout tok/s, fp32 vllm, engine log-probs over the recompute", ">=", 2.0),
 }
 STUDY_PROMPTS = Path(__file__).resolve().parents[1] / "docs" / "study" / "full" / "data" / "train.jsonl"
 
@@ -359,6 +362,13 @@ PARTS = {
     "rollout-vllm-fp32": lambda o, w: bench_rollout(
         o, w, "rollout-vllm-fp32", **{"rollout.backend": "vllm", "rollout.vllm_dtype": "float32"}
     ),
+    # the same float32 engine with its own log-probs as the behaviour ones (no trainer recompute but a probe group)
+    "rollout-vllm-fp32-engine": lambda o, w: bench_rollout(
+        o,
+        w,
+        "rollout-vllm-fp32-engine",
+        **{"rollout.backend": "vllm", "rollout.vllm_dtype": "float32", "rollout.behaviour_log_prob": "engine"},
+    ),
     "rollout-vllm-lora": lambda o, w: bench_rollout(
         o, w, "rollout-vllm-lora", **{"rollout.backend": "vllm", "rollout.vllm_dtype": "bfloat16", **lora(o)}
     ),
@@ -381,7 +391,14 @@ UPDATE_PARTS = (
     "update-baseline-fp32",
     "update-trl",
 )
-VLLM_PARTS = ("rollout-vllm", "rollout-vllm-autocast", "rollout-vllm-fp32", "rollout-vllm-lora", "trl-vllm")
+VLLM_PARTS = (
+    "rollout-vllm",
+    "rollout-vllm-autocast",
+    "rollout-vllm-fp32",
+    "rollout-vllm-fp32-engine",
+    "rollout-vllm-lora",
+    "trl-vllm",
+)
 
 
 def in_subprocess(part: str, argv: list[str], workdir: Path, src: str | None = None) -> dict:
@@ -428,6 +445,9 @@ def ratios(results: dict) -> dict:
         "push_share": tps("rollout-vllm", "push_share"),
         "push_share_autocast": tps("rollout-vllm-autocast", "push_share"),
         "push_share_fp32": tps("rollout-vllm-fp32", "push_share"),
+        "vllm_engine_logprob_vs_recompute": ratio(
+            tps("rollout-vllm-fp32-engine", "rollout_tok_s"), tps("rollout-vllm-fp32", "rollout_tok_s")
+        ),
         "push_share_lora": tps("rollout-vllm-lora", "push_share"),
         "push_s_lora_vs_full": ratio(
             ratio(tps("rollout-vllm-lora", "push_s"), tps("rollout-vllm-lora", "pushes")),
@@ -513,7 +533,7 @@ def main() -> None:
             skipped[part] = "not in --parts"
         elif part in VLLM_PARTS and not has_vllm:
             skipped[part] = f"vllm is not importable in {sys.executable}: run under a Python with vllm"
-        elif part == "rollout-vllm-fp32" and not options.vllm_fp32:
+        elif part in ("rollout-vllm-fp32", "rollout-vllm-fp32-engine") and not options.vllm_fp32:
             skipped[part] = "no --vllm-fp32"
         elif part == "update-baseline-fp32" and not options.baseline_src:
             skipped[part] = "no --baseline-src"
