@@ -55,6 +55,12 @@ def correction_weights(
     return torch.where(counted, weights, 0.0).float(), ratio.float()
 
 
+def logp_gap_metrics(gap: Tensor) -> dict[str, float]:
+    """rollout/logp_diff/{mean, max} of the |trainer - engine| log-prob gaps [n] (n > 0) of the counted tokens."""
+    gap = gap.double()
+    return {"rollout/logp_diff/mean": float(gap.mean()), "rollout/logp_diff/max": float(gap.max())}
+
+
 def mismatch_metrics(
     trainer_log_prob: Tensor, engine_log_prob: Tensor, mask: Tensor, ratio: Tensor, weights: Tensor | None, cap: float
 ) -> dict[str, float]:
@@ -68,8 +74,7 @@ def mismatch_metrics(
     diff = (trainer_log_prob.double() - engine_log_prob.double()).abs()[counted]
     raw = ratio[counted].double()
     out = {
-        "rollout/logp_diff/mean": float(diff.mean()),
-        "rollout/logp_diff/max": float(diff.max()),
+        **logp_gap_metrics(diff),
         "rollout/is_ratio/mean": float(raw.mean()),
         "rollout/is_ratio/max": float(raw.max()),
         "rollout/is_ratio/min": float(raw.min()),

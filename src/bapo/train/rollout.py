@@ -23,6 +23,7 @@ from torch import Tensor
 
 from bapo.core import PromptRewardHistory, group_advantages
 from bapo.train.config import ENGINE_GAP_LIMIT, TrainConfig
+from bapo.train.correction import logp_gap_metrics
 from bapo.train.data import PromptSampler
 from bapo.train.logprobs import batched_log_probs
 from bapo.train.rewards import score
@@ -105,14 +106,14 @@ def engine_gap_metrics(gap: Tensor) -> dict:
     rollout.behaviour_log_prob=engine, with a warning when its mean exceeds ENGINE_GAP_LIMIT."""
     if not len(gap):
         return {}
-    mean, worst = float(gap.double().mean()), float(gap.max())
-    if mean > ENGINE_GAP_LIMIT:
+    metrics = logp_gap_metrics(gap)
+    if metrics["rollout/logp_diff/mean"] > ENGINE_GAP_LIMIT:
         warnings.warn(  # one text: Python shows it once per run, the numbers are in every row
             f"the engine's log-probs differ from the trainer's by more than {ENGINE_GAP_LIMIT:g} on average "
             "(rollout/logp_diff/mean): they are not the trainer's policy; use rollout.behaviour_log_prob=recompute",
             stacklevel=1,
         )
-    return {"rollout/logp_diff/mean": mean, "rollout/logp_diff/max": worst}
+    return metrics
 
 
 def pad(rows: list[list], value, left: bool, dtype=torch.long) -> tuple[Tensor, Tensor]:
