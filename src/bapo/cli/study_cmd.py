@@ -18,6 +18,11 @@ def study(
         "--gpu",
         help="the plan on a CUDA device: HF rollout, 15x8 batch, 5 seeds, 40 rollout steps (gpu_study.sh)",
     ),
+    regime: bool = typer.Option(
+        False,
+        "--regime",
+        help="the regime gate: grpo only, 64-token budget, 8x8 batch, 40 rollout steps, E 0,3, async delay 8",
+    ),
     seeds: str | None = typer.Option(None, "--seeds", help="comma-separated seeds (default 0,1,2; --gpu: 0-4)"),
     lr: float | None = typer.Option(None, "--lr", help="RL learning rate (the plan's default: docs/STUDY.md)"),
     rollout_steps: int | None = typer.Option(None, "--rollout-steps", help="rollout steps per run"),
@@ -30,6 +35,9 @@ def study(
         None, "--autocast", help="model.autocast of every run: none | bfloat16 | auto (default: bfloat16 where native)"
     ),
     threads: int = typer.Option(2, "--threads", help="torch threads of each run"),
+    gate: list[Path] = typer.Option(
+        None, "--gate", help="print the regime gate of these study folders' grpo runs (repeat the option)"
+    ),
     report_only: bool = typer.Option(False, "--report", help="with --resume: only rewrite the report"),
     results: Path | None = typer.Option(
         None, "--results", help="with --report: also write the tables into this file's STUDY_TABLES block"
@@ -51,9 +59,17 @@ def study(
         except ValueError:
             raise typer.BadParameter(f"{text!r}: comma-separated integers expected") from None
 
+    if gate:
+        from bapo.experiments.study import gate_lines
+
+        missing = [str(folder) for folder in gate if not (folder / "study.json").exists()]
+        if missing:
+            raise typer.BadParameter(f"--gate: {', '.join(missing)} holds no study (no study.json)")
+        typer.echo("\n".join(gate_lines(gate)))
+        return
     if resume is not None:
         plan_options = (out, seeds, lr, rollout_steps, methods, staleness_e, delays, autocast)
-        if any(v is not None for v in plan_options) or quick or gpu:
+        if any(v is not None for v in plan_options) or quick or gpu or regime:
             raise typer.BadParameter("--resume continues the saved plan: give no other plan option")
         plan, study_dir = load_plan(resume), resume
         if not report_only:
@@ -62,8 +78,8 @@ def study(
     else:
         if report_only:
             raise typer.BadParameter("--report needs --resume DIR")
-        if quick and gpu:
-            raise typer.BadParameter("--quick and --gpu are two plans: give one")
+        if quick + gpu + regime > 1:
+            raise typer.BadParameter("--quick, --gpu and --regime are three plans: give one")
         from bapo.experiments.study import METHODS
 
         chosen = tuple(m.strip() for m in methods.split(",")) if methods else None
@@ -72,7 +88,7 @@ def study(
             raise typer.BadParameter(f"--methods: {', '.join(unknown)} not among {', '.join(METHODS)}")
         try:
             plan = plan_for(
-                "quick" if quick else "gpu" if gpu else "full",
+                "quick" if quick else "gpu" if gpu else "regime" if regime else "full",
                 seeds=ints(seeds),
                 lr=lr,
                 rollout_steps=rollout_steps,

@@ -183,6 +183,20 @@ PROFILES = {
         eval_every=5,
         final_k=2,
     ),
+    # the regime gate (docs/STUDY.md, "The regime gate"): GRPO alone where failing replies are longer
+    # than correct ones (a 64-token budget: share 0.38-0.42 at ratio 1 at the start, docs/STUDY.md),
+    # 8 x 8 = 64 responses (E+1 = 2, 4 or 8 divides it), 40 rollout steps. The lr is chosen on
+    # on-policy runs (`--staleness 0 --delays ''` at each candidate lr), then the stale cells run at it.
+    "regime": StudyPlan(
+        methods=("grpo",),
+        staleness_e=(0, 3),
+        async_delays=(8,),
+        rollout_steps=40,
+        prompts_per_batch=8,
+        eval_every=20,
+        eval_prompts=100,
+        task=ArithTaskConfig(max_new_tokens=64),
+    ),
     # scripts/gpu_study.sh: the same cells on one CUDA device with HF rollout (its machine has no
     # vLLM), 3x the batch (15 x 8 = 120 responses: E+1 = 5 divides it), 5 seeds, 40 rollout steps,
     # final avg@8. fp32 like the CPU study (they differ in size, engine and device); lr kept (the loss is a
@@ -513,6 +527,20 @@ STUDY_FIGURES = {
     "response_length": ("response length (tokens)", [("response_length/mean", "-")]),
     "logp_gap": ("engine-vs-trainer log-prob gap (mean |diff|)", [("rollout/logp_diff/mean", "-")]),
 }
+
+
+def gate_lines(study_dirs: list[Path]) -> list[str]:
+    """The regime gate (bapo.analysis.regime) over the finished grpo runs of these study folders
+    (e.g. the on-policy study at the chosen lr and the stale one), with each folder's lr."""
+    from bapo.analysis.regime import gate_section
+    from bapo.analysis.runs import find_runs
+
+    runs, sources = [], []
+    for study_dir in study_dirs:
+        plan = load_plan(study_dir)
+        runs += find_runs(finished_runs(plan, study_dir))
+        sources.append(f"{study_dir} (lr {plan.lr}, {plan.task.max_new_tokens}-token budget)")
+    return [f"Runs from: {'; '.join(sources)}.", "", *gate_section(runs, BAPO_TARGET)]
 
 
 def plan_for(profile: str, **changes) -> StudyPlan:

@@ -1,0 +1,126 @@
+"""The regime gate: does a task hold BAPO's premise for GRPO itself, before any other method runs?
+
+Read from GRPO runs' metrics.jsonl (every optimizer update logs response_length/{rewarded,
+unrewarded}, positive_share/start_bounds and positive_share; held-out scores from the study's hook):
+
+    (a) lift      on-policy GRPO's held-out avg@k, end minus start, with a 95% interval over seeds:
+                  passes when the interval lies above 0 (a lift beyond seed spread)
+    (b) lengths   unrewarded / rewarded mean response length in each third of training (seed mean):
+                  passes when every third of every setting is >= LENGTH_RATIO, not only the first
+    (c) share     in each stale setting, the fraction of updates whose positive share at the bounds
+                  used is below the target: passes when it is more than half (seeds pooled)
+
+With group-normalised advantages and ratio 1 the share is Lc / (Lc + Lw) per mixed group, so (b) and (c)
+are one premise seen twice: (b) from the lengths of all responses, (c) from the loss itself.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Sequence
+
+from bapo.analysis.claims import mean_interval
+from bapo.analysis.runs import Run
+
+LENGTH_RATIO = 1.3  # failing replies at least this much longer than correct ones (issue 38's gate)
+THIRDS = ("first", "middle", "last")
+
+
+def _thirds(values: Sequence[float]) -> list[float]:
+    """Means of the first, middle and last third of `values` (nan for an empty third)."""
+    size = len(values)
+    cuts = [0, size // 3, (2 * size) // 3, size]
+    return [statistics.fmean(values[a:b]) if b > a else math.nan for a, b in zip(cuts, cuts[1:], strict=False)]
+
+
+def _finite_rows(run: Run, *keys: str) -> list[dict]:
+    return [
+        row for row in run.rows if all(isinstance(row.get(k), (int, float)) and math.isfinite(row[k]) for k in keys)
+    ]
+
+
+def length_ratios(run: Run) -> list[float]:
+    """Unrewarded / rewarded mean response length per third of the run's updates (updates with both
+    kinds only; each third's ratio is the ratio of its mean lengths)."""
+    rows = _finite_rows(run, "response_length/rewarded", "response_length/unrewarded")
+    unrewarded = _thirds([row["response_length/unrewarded"] for row in rows])
+    rewarded = _thirds([row["response_length/rewarded"] for row in rows])
+    return [u / r if r > 0 else math.nan for u, r in zip(unrewarded, rewarded, strict=True)]
+
+
+def share_below(run: Run, target: float, key: str = "positive_share") -> tuple[int, int]:
+    """(updates whose `key` is below target, updates that logged it)."""
+    values = [row[key] for row in _finite_rows(run, key)]
+    return sum(value < target for value in values), len(values)
+
+
+def heldout_lift(run: Run) -> float:
+    """End minus start held-out avg@k of one run (nan without both)."""
+    start, end = run.heldout("heldout/start/"), run.final
+    if not start or not end or start["k"] != end["k"]:
+        return math.nan
+    return end[f"avg@{end['k']}"] - start[f"avg@{start['k']}"]
+
+
+def gate_section(runs: list[Run], target: float, on_policy: str = "E=0") -> list[str]:
+    """The gate's markdown: a per-run table, then (a)-(c) with their verdicts ([] without runs)."""
+    runs = [run for run in runs if run.method == "grpo"]
+    if not runs:
+        return []
+    thirds = ", ".join(THIRDS)
+    lines = [
+        f"| setting | seed | updates | held-out lift (avg@k) | unrewarded / rewarded length ({thirds} third) "
+        f"| share at start bounds ({thirds} third) | updates with share < {target} |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    by_setting: dict[str, list[Run]] = {}
+    for run in sorted(runs, key=lambda run: (run.setting != on_policy, run.setting, run.seed)):
+        by_setting.setdefault(run.setting, []).append(run)
+        below, counted = share_below(run, target)
+        starts = _thirds(
+            [row["positive_share/start_bounds"] for row in _finite_rows(run, "positive_share/start_bounds")]
+        )
+        lines.append(
+            f"| {run.setting} | {run.seed} | {counted} | {heldout_lift(run):+.3f} | "
+            + " / ".join(f"{value:.2f}" for value in length_ratios(run))
+            + " | "
+            + " / ".join(f"{value:.2f}" for value in starts)
+            + f" | {below}/{counted} |"
+        )
+    lines.append("")
+    verdict = {True: "**passes**", False: "**fails**"}
+    lifts = [lift for lift in map(heldout_lift, by_setting.get(on_policy, [])) if math.isfinite(lift)]
+    if len(lifts) >= 2:
+        mean, low, high = mean_interval(lifts)
+        lines.append(
+            f"- (a) on-policy held-out lift {mean:+.3f} [{low:+.3f}, {high:+.3f}] over {len(lifts)} seeds: "
+            f"{verdict[low > 0]}"
+        )
+    else:
+        lines.append(f"- (a) on-policy held-out lift: {len(lifts)} finished seed(s), at least 2 needed for an interval")
+    worst = []
+    for setting, group in by_setting.items():
+        per_third = [statistics.fmean(values) for values in zip(*map(length_ratios, group), strict=True)]
+        worst.append(min(per_third))
+        lines.append(
+            f"- (b) {setting}: unrewarded / rewarded length by third "
+            + " / ".join(f"{value:.2f}" for value in per_third)
+            + f" (seed mean; {len(group)} seed{'s' * (len(group) != 1)})"
+        )
+    if all(math.isnan(value) for value in worst):
+        lines.append("- (b) not measured: these runs predate response_length/{rewarded, unrewarded}")
+    else:
+        passed = all(value >= LENGTH_RATIO for value in worst)
+        lines.append(f"- (b) every third of every setting >= {LENGTH_RATIO}: {verdict[passed]}")
+    for setting, group in by_setting.items():
+        if setting == on_policy:
+            continue
+        below = sum(share_below(run, target)[0] for run in group)
+        counted = sum(share_below(run, target)[1] for run in group)
+        fraction = below / counted if counted else math.nan
+        lines.append(
+            f"- (c) {setting}: positive share < {target} in {below} of {counted} updates ({fraction:.0%}): "
+            f"{verdict[fraction > 0.5]}"
+        )
+    return lines
