@@ -236,6 +236,26 @@ def test_tiny_study_writes_report_and_resume_skips_finished_runs(char_model, tmp
     assert steps == [0, 1]  # the resumed run trained its second rollout step only (delay 1: one row each)
     assert (unfinished / "done.json").exists()
 
+    # the regime gate of the finished grpo runs, through the CLI (one seed: no interval for (a))
+    gate = CliRunner().invoke(app, ["study", "--gate", str(study_dir)])
+    assert gate.exit_code == 0, gate.output
+    assert "| E=0 | 0 |" in gate.output and "| E=1 | 0 |" in gate.output and "| E=0, async delay 1 | 0 |" in gate.output
+    assert "(a) on-policy held-out lift: 1 finished seed(s)" in gate.output
+    assert "- (b) E=1: unrewarded / rewarded length by third" in gate.output and "- (c) E=1: " in gate.output
+    monkeypatch.chdir(tmp_path)  # a short path: typer's error box wraps long lines
+    missing = CliRunner().invoke(app, ["study", "--gate", "."])
+    assert missing.exit_code == 2 and "holds no study (no study.json)" in missing.output
+
+
+def test_regime_plan_is_grpo_alone_at_a_64_token_budget_with_whole_stale_mini_batches():
+    """The regime gate's plan: grpo only (the gate is chosen before any other method runs), a
+    64-token budget, E+1 = 4 mini-batches of 2 whole groups, an async delay, 40 rollout steps."""
+    regime = PROFILES["regime"]
+    assert set(regime.methods) == {"grpo"} and regime.max_new_tokens == 64
+    assert {spec.setting for spec in regime.runs()} == {"E=0", "E=3", "E=0, async delay 8"}
+    assert (regime.prompts_per_batch * regime.group_size) % 4 == 0 and regime.rollout_steps == 40
+    assert StudyPlan.from_json(json.loads(json.dumps(regime.to_json()))) == regime
+
 
 def test_full_plan_trains_the_headline_cells_of_every_seed_first():
     """A partial study is a useful one: grpo at E=0 and grpo / bapo / bapo-paper at E=4 for all

@@ -118,9 +118,11 @@ def gate_section(runs: list[Run], target: float, on_policy: str = "E=0") -> list
             continue
         below = sum(share_below(run, target)[0] for run in group)
         counted = sum(share_below(run, target)[1] for run in group)
-        fraction = below / counted if counted else math.nan
+        if not counted:
+            lines.append(f"- (c) {setting}: no update logged a positive share (no mixed group)")
+            continue
         lines.append(
-            f"- (c) {setting}: positive share < {target} in {below} of {counted} updates ({fraction:.0%}): "
-            f"{verdict[fraction > 0.5]}"
+            f"- (c) {setting}: positive share < {target} in {below} of {counted} updates ({below / counted:.0%}): "
+            f"{verdict[below / counted > 0.5]}"
         )
     return lines
