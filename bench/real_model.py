@@ -40,6 +40,9 @@ chat template, ~45 tokens) instead of the bare addition rows. --parts PART,...: 
 these parts (and rollout-lean when an update part needs its batch).
   precision: model.autocast=bfloat16 against fp32 on the first M rows of that batch
       (autocast_error): loss and gradient relative error, gradient cosine.
+  matmul: this CPU's fp32 matmul FLOP/s (2048^3, and the update's MLP shape); the update parts report
+      their model FLOP/s (update_model_flops: PaLM's MFU count over the positions the model needs), and
+      update_fp32_flops_fraction is bapo fp32's over the 2048^3 figure.
 vLLM parts and --baseline-src run in their own processes (one vLLM engine per process). Not a
 test: prints a table and the ratios against their goals (bench/README.md).
 """
@@ -188,6 +191,56 @@ def load_batch(workdir: Path):
     return Batch(**torch.load(workdir / "batch.pt"))
 
 
+def update_model_flops(model, batch) -> float:
+    """Model FLOPs of one gradient pass over `batch` (PaLM's MFU count, arXiv 2204.02311 appendix B):
+    6 x matmul weights per position (forward 2, backward 4; the output head included, the embedding
+    lookup not) + 12 x layers x hidden x the positions each one attends to. Counted over the positions
+    the model needs: each group's prompt once (rows sharing example_idx and prompt) plus every response
+    token. Not counted, though the update runs them: padding, the per-row prompt copies of a padded
+    forward, and the no-grad pre-pass of BAPO's step scope, so the fraction below is the useful one."""
+    import torch.nn as nn
+
+    config = model.config
+    matmul_weights = sum(module.weight.numel() for module in model.modules() if isinstance(module, nn.Linear))
+    prompt_lengths = batch.prompt_mask.sum(1)  # [N]
+    response_lengths = batch.response_mask.sum(1)  # [N]
+    groups = {(int(row), int(length)) for row, length in zip(batch.example_idx, prompt_lengths, strict=True)}
+    prompt_positions = sum(length for _, length in groups)
+    response_positions = int(response_lengths.sum())
+    # attended positions: a prompt token at i sees i + 1; a response token at j sees prompt + j + 1
+    attended = sum(length * (length + 1) // 2 for _, length in groups) + sum(
+        int(p) * int(r) + int(r) * (int(r) + 1) // 2 for p, r in zip(prompt_lengths, response_lengths, strict=True)
+    )
+    layers, hidden = config.num_hidden_layers, config.hidden_size
+    return 6.0 * matmul_weights * (prompt_positions + response_positions) + 12.0 * layers * hidden * attended
+
+
+def bench_matmul(options, workdir: Path) -> dict:
+    """This CPU's fp32 matmul FLOP/s at the bench's thread count, best of 5: a large square product (the
+    physical limit the update is compared with) and the update's own shape (micro-batch x ~100 positions
+    rows, hidden -> MLP width), whose small inner dimension runs below it."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(options.model_dir)
+
+    def best_flop_s(rows: int, inner: int, cols: int) -> float:
+        a, b = torch.randn(rows, inner), torch.randn(inner, cols)
+        a @ b  # warm-up
+        best = float("inf")
+        for _ in range(5):
+            start = time.perf_counter()
+            a @ b
+            best = min(best, time.perf_counter() - start)
+        return 2.0 * rows * inner * cols / best
+
+    return {
+        "matmul_flop_s": best_flop_s(2048, 2048, 2048),
+        "matmul_model_shape_flop_s": best_flop_s(
+            options.micro_batch * 100, config.hidden_size, config.intermediate_size
+        ),
+    }
+
+
 def bench_bapo_update(options, workdir: Path, name: str, autocast: str, **extra) -> dict:
     """(d): --updates timed optimizer updates (after one warm-up) of bapo.train on the saved batch."""
     from bapo.train.update import optimizer_update
@@ -202,9 +255,15 @@ def bench_bapo_update(options, workdir: Path, name: str, autocast: str, **extra)
         optimizer_update(trainer.model, trainer.optimizer, trainer.scheduler, batch, trainer.cfg)  # version unknown
         if index > 0:
             seconds += time.perf_counter() - start
+    flops = update_model_flops(trainer.model, batch) * options.updates
     trainer.close()
     tokens = batch.tokens * options.updates
-    return {"update_tok_s": tokens / max(seconds, 1e-9), "update_s": seconds, "update_tokens": tokens}
+    return {
+        "update_tok_s": tokens / max(seconds, 1e-9),
+        "update_s": seconds,
+        "update_tokens": tokens,
+        "update_model_flop_s": flops / max(seconds, 1e-9),
+    }
 
 
 def bench_trl_update(options, workdir: Path) -> dict:
@@ -382,6 +441,7 @@ PARTS = {
     "update-baseline-fp32": lambda o, w: bench_bapo_update(o, w, "update-baseline-fp32", "none"),
     "update-trl": bench_trl_update,
     "precision": bench_precision,
+    "matmul": bench_matmul,
 }
 UPDATE_PARTS = (
     "update-bapo-fp32",
@@ -460,6 +520,16 @@ def ratios(results: dict) -> dict:
         "update_shared_vs_padded": ratio(fp32, tps("update-bapo-fp32-padded", "update_tok_s")),
         "update_padded_vs_baseline": ratio(tps("update-bapo-fp32-padded", "update_tok_s"), baseline),
         "update_fp32_vs_trl": ratio(fp32, tps("update-trl", "update_tok_s")),
+        # the update's model FLOP/s over this CPU's measured fp32 matmul FLOP/s (update_model_flops)
+        "update_fp32_flops_fraction": ratio(
+            tps("update-bapo-fp32", "update_model_flop_s"), tps("matmul", "matmul_flop_s")
+        ),
+        "update_fp32_flops_fraction_of_model_shape": ratio(
+            tps("update-bapo-fp32", "update_model_flop_s"), tps("matmul", "matmul_model_shape_flop_s")
+        ),
+        "update_padded_flops_fraction": ratio(
+            tps("update-bapo-fp32-padded", "update_model_flop_s"), tps("matmul", "matmul_flop_s")
+        ),
         "update_bf16_vs_trl": ratio(bf16, tps("update-trl", "update_tok_s")),
     }
     return {name: value for name, value in out.items() if value is not None}
@@ -579,7 +649,7 @@ def main() -> None:
     print(f"\n{setup}")
     print(f"{'part':22s} {'tok/s':>9s} {'seconds':>8s} {'tokens':>7s}  extra")
     for part, result in results.items():
-        if part == "precision":
+        if part in ("precision", "matmul"):
             continue
         kind = "rollout" if "rollout_tok_s" in result else "update"
         extra = ""
@@ -590,6 +660,12 @@ def main() -> None:
             )
         speed, seconds, tokens = (result[f"{kind}_{key}"] for key in ("tok_s", "s", "tokens"))
         print(f"{part:22s} {speed:9.1f} {seconds:8.2f} {tokens:7.0f}  {extra}")
+    if "matmul" in results:
+        m = results["matmul"]
+        print(
+            f"fp32 matmul: {m['matmul_flop_s'] / 1e9:.1f} GFLOP/s at 2048^3, "
+            f"{m['matmul_model_shape_flop_s'] / 1e9:.1f} GFLOP/s at the update's MLP shape"
+        )
     if "precision" in results:
         p = results["precision"]
         print(

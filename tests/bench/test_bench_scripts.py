@@ -28,6 +28,7 @@ SMALL_RUNS = {
             "update_bf16_vs_fp32",
             "update_fp32_vs_trl",
             "update_shared_vs_padded",
+            "update_fp32_flops_fraction",
             "skipped",
         ],
     ),
@@ -59,3 +60,25 @@ def test_bench_script_runs_small_and_prints_json(script, tmp_path):
     assert set(keys) <= set(result)
     numbers = [value for value in result.values() if isinstance(value, float)]
     assert all(value > 0 for value in numbers)
+
+
+def test_update_model_flops_counts_each_groups_prompt_once_and_every_response_token():
+    """PaLM's count by hand: two groups (prompts of 3 and 2 tokens) of two responses (lengths 2, 1 and
+    1, 0): 5 prompt positions + 4 response positions, each 6 x matmul weights; attention 12 x layers x
+    hidden x attended positions (prompt 1+2+3 and 1+2; responses 4+5, 4, 3, none)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    sys.path.insert(0, str(BENCH.parents[0]))
+    from bench.real_model import update_model_flops
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6, bias=False), torch.nn.Linear(6, 3))
+    model.config = SimpleNamespace(num_hidden_layers=2, hidden_size=4)
+    batch = SimpleNamespace(
+        example_idx=torch.tensor([7, 7, 9, 9]),
+        prompt_mask=torch.tensor([[1, 1, 1], [1, 1, 1], [0, 1, 1], [0, 1, 1]], dtype=torch.bool),
+        response_mask=torch.tensor([[1, 1], [1, 0], [1, 0], [0, 0]], dtype=torch.bool),
+    )
+    attended = (1 + 2 + 3) + (1 + 2) + (4 + 5) + 4 + 3
+    assert update_model_flops(model, batch) == 6 * (24 + 18) * (5 + 4) + 12 * 2 * 4 * attended
