@@ -3,6 +3,7 @@ behind the study's choice of task (docs/STUDY.md, "Why this task").
 
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/task_probe.py                 # markdown table (after make vllm)
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/task_probe.py --json out.json
+    HF_HUB_OFFLINE=1 .venv/bin/python scripts/task_probe.py --share --questions 64 --samples 8 --temperatures 0.7
 
 Each candidate is a prompt format (system turn, user turn) over a range of operands; `--questions`
 of its questions (drawn with `--seed`) are sampled `--samples` times each by vLLM at every
@@ -95,17 +96,57 @@ CANDIDATES = (
 )
 
 
-def study_candidate() -> Candidate:
-    """The study's task as it is configured (bapo.experiments.arith defaults), for comparison."""
+def study_candidate(budget: int | None = None, a_range=None, b_range=None) -> Candidate:
+    """The study's task as it is configured (bapo.experiments.arith defaults), for comparison; with
+    another budget or operand ranges for the regime probe (--share)."""
     cfg = ArithTaskConfig()
+    a_range, b_range = a_range or (cfg.a_min, cfg.a_max), b_range or (cfg.b_min, cfg.b_max)
     return Candidate(
-        "study task (a 2-19 + b 2-29, just the number)",
+        f"study task (a {a_range[0]}-{a_range[1]} + b {b_range[0]}-{b_range[1]}, just the number)",
         question("{a}", "+", "{b}", cfg.suffix),  # the study's own question, as a format string
         cfg.system_prompt,
-        (cfg.a_min, cfg.a_max),
-        (cfg.b_min, cfg.b_max),
-        cfg.max_new_tokens,
+        a_range,
+        b_range,
+        budget or cfg.max_new_tokens,
     )
+
+
+# --share: where BAPO's premise holds at the start (docs/STUDY.md, "The regime gate"): the study's
+# prompt at three budgets, and harder operands
+REGIME_CANDIDATES = (
+    study_candidate(10),
+    study_candidate(64),
+    study_candidate(128),
+    study_candidate(64, (20, 99), (20, 99)),
+)
+
+
+def share_at_ratio_one(groups: list[list[tuple[float, int]]], target: float = 0.4) -> dict:
+    """The positive share of the loss at ratio 1 under token-mean aggregation with group-normalised
+    advantages, from (reward, length) of each group's replies. A group's advantages sum to zero, so a
+    mixed group's share is Lc / (Lc + Lw) (mean lengths of its correct and wrong replies); "pooled"
+    sums the positive and negative parts of every mixed group (what one update of these groups sees)."""
+    positive = negative = 0.0
+    shares, correct_lengths, wrong_lengths = [], [], []
+    for group in groups:
+        rewards = [reward for reward, _ in group]
+        mean = sum(rewards) / len(rewards)
+        std = (sum((reward - mean) ** 2 for reward in rewards) / len(rewards)) ** 0.5
+        for reward, length in group:
+            (correct_lengths if reward > 0 else wrong_lengths).append(length)
+        if std == 0:
+            continue
+        group_positive = sum((reward - mean) / std * length for reward, length in group if reward > mean)
+        group_negative = sum((mean - reward) / std * length for reward, length in group if reward < mean)
+        positive, negative = positive + group_positive, negative + group_negative
+        shares.append(group_positive / (group_positive + group_negative))
+    return {
+        "length_correct": sum(correct_lengths) / max(1, len(correct_lengths)),
+        "length_wrong": sum(wrong_lengths) / max(1, len(wrong_lengths)),
+        "mixed_groups": len(shares),
+        "pooled_share": positive / (positive + negative) if shares else float("nan"),
+        "groups_below_target": sum(share < target for share in shares) / max(1, len(shares)),
+    }
 
 
 def questions(candidate: Candidate, n: int, seed: int) -> list[tuple[int, int, int]]:
@@ -117,7 +158,9 @@ def questions(candidate: Candidate, n: int, seed: int) -> list[tuple[int, int, i
     return random.Random(seed).sample(drawn, min(n, len(drawn)))
 
 
-def probe(model_path: str, candidates, n_questions: int, samples: int, temperatures, seed: int) -> list[dict]:
+def probe(
+    model_path: str, candidates, n_questions: int, samples: int, temperatures, seed: int, share: bool = False
+) -> list[dict]:
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "2")  # GiB, as the study's engine (rollout.vllm_kv_cache_gb)
     from transformers import AutoTokenizer
@@ -153,6 +196,12 @@ def probe(model_path: str, candidates, n_questions: int, samples: int, temperatu
             row[f"accuracy_T{temperature}"] = sum(
                 verify(c.text, {"answer": str(answer)}) for c, answer in replies
             ) / len(replies)
+            if index == 0 and share:
+                groups = [
+                    [(verify(c.text, {"answer": str(answer)}), len(c.token_ids)) for c in output.outputs]
+                    for output, (_, _, answer) in zip(outputs, drawn)
+                ]
+                row |= share_at_ratio_one(groups)
             if index == 0:
                 row["tokens_per_reply"] = sum(len(c.token_ids) for c, _ in replies) / len(replies)
                 row["cut_at_budget"] = sum(c.finish_reason == "length" for c, _ in replies) / len(replies)
@@ -180,6 +229,18 @@ def markdown(rows: list[dict], temperatures) -> str:
             repr(row["example"][:40]),
         ]
         lines.append("| " + " | ".join(cells) + " |")
+    if rows and "pooled_share" in rows[0]:
+        lines += [
+            "",
+            f"| candidate | budget | length correct / wrong (T={temperatures[0]}) | mixed groups | "
+            "pooled share at ratio 1 | mixed groups below 0.4 |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {row['candidate']} | {row['budget']} | {row['length_correct']:.1f} / {row['length_wrong']:.1f} | "
+            f"{row['mixed_groups']} | {row['pooled_share']:.3f} | {row['groups_below_target']:.0%} |"
+            for row in rows
+        ]
     return "\n".join(lines)
 
 
@@ -195,11 +256,18 @@ def main() -> None:
     parser.add_argument("--temperatures", default="1.0,0.7")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", type=Path, help="also write the rows here")
+    parser.add_argument(
+        "--share",
+        action="store_true",
+        help="the regime probe: the study prompt at budgets 10/64/128 and operands 20-99, with the positive "
+        "share at ratio 1 and the lengths of correct and wrong replies (use --samples 8: GRPO's groups)",
+    )
     args = parser.parse_args()
     if not (Path(args.model) / "config.json").exists():
         parser.error(f"--model {args.model}: no config.json there; run `bapo smollm2` first or pass an HF model folder")
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    rows = probe(args.model, (*CANDIDATES, study_candidate()), args.questions, args.samples, temperatures, args.seed)
+    candidates = REGIME_CANDIDATES if args.share else (*CANDIDATES, study_candidate())
+    rows = probe(args.model, candidates, args.questions, args.samples, temperatures, args.seed, share=args.share)
     print(markdown(rows, temperatures))
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2) + "\n")

@@ -333,6 +333,27 @@ def test_task_probe_draws_valid_questions_and_probes_the_study_task_as_configure
     assert study.system is ArithTaskConfig().system_prompt is None and study.budget == ArithTaskConfig().max_new_tokens
 
 
+def test_task_probe_share_is_the_correct_length_share_of_each_mixed_group():
+    """--share's identity: with group-normalised advantages a mixed group's positive share at ratio 1
+    is Lc / (Lc + Lw) whatever its accuracy; uniform groups carry no signal and are left out."""
+    probe = _task_probe()
+    one_right = [(1.0, 10)] + [(0.0, 30)] * 7  # Lc 10, Lw 30: 0.25
+    six_right = [(1.0, 20), (1.0, 10)] * 3 + [(0.0, 15), (0.0, 15)]  # Lc 15, Lw 15: 0.5
+    all_wrong = [(0.0, 64)] * 8
+    found = probe.share_at_ratio_one([one_right, six_right, all_wrong])
+    assert found["mixed_groups"] == 2 and found["groups_below_target"] == 0.5
+    # pooled: advantage x length summed over each sign. One right of 8: +sqrt(7) on the right reply,
+    # -1/sqrt(7) on each wrong one; six right: +0.25/std and -0.75/std, std = sqrt(0.75 x 0.25)
+    pos_one, neg_one = 7**0.5 * 10, 7 * 30 / 7**0.5
+    std_six = (0.75 * 0.25) ** 0.5
+    pos_six, neg_six = 0.25 / std_six * 90, 0.75 / std_six * 30
+    assert found["pooled_share"] == pytest.approx((pos_one + pos_six) / (pos_one + neg_one + pos_six + neg_six))
+    assert found["length_correct"] == pytest.approx((10 + 90) / 7) and found["length_wrong"] == pytest.approx(
+        (210 + 30 + 512) / 17
+    )
+    assert probe.share_at_ratio_one([all_wrong])["mixed_groups"] == 0
+
+
 @pytest.mark.parametrize("resume", [False, True])
 def test_study_without_vllm_fails_in_one_line_before_any_work(tmp_path, monkeypatch, resume):
     from typer.testing import CliRunner
