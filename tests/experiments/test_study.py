@@ -165,8 +165,14 @@ def test_decoupled_ppo_trains_as_grpo_at_staleness_e_without_delay(char_model, t
 def test_tiny_study_writes_report_and_resume_skips_finished_runs(char_model, tmp_path, monkeypatch):
     study_dir = tmp_path / "study"
     plan = tiny_plan(char_model)
-    run_study(plan, study_dir, threads=1, in_process=True, log=lambda line: None)
+    # --max-runs: a sitting that stops after 2 finished runs, in the plan's order; the next one goes on
+    lines: list[str] = []
+    run_study(plan, study_dir, threads=1, in_process=True, log=lines.append, max_runs=2)
     names = [spec.name for spec in plan.runs()]
+    assert [name for name in names if (study_dir / name / "done.json").exists()] == names[:2]
+    assert not any((study_dir / name).exists() for name in names[2:])
+    assert any("this sitting trains 2 of them (--max-runs)" in line for line in lines)
+    run_study(plan, study_dir, threads=1, in_process=True, log=lambda line: None)
     assert len(names) == 5  # grpo E=0, grpo and bapo at E=1 and at delay 1
     for name in names:
         assert (study_dir / name / "done.json").exists()

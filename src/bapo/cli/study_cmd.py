@@ -35,6 +35,9 @@ def study(
         None, "--autocast", help="model.autocast of every run: none | bfloat16 | auto (default: bfloat16 where native)"
     ),
     threads: int = typer.Option(2, "--threads", help="torch threads of each run"),
+    max_runs: int | None = typer.Option(
+        None, "--max-runs", min=1, help="stop after this many runs finish in this sitting (--resume continues)"
+    ),
     gate: list[Path] = typer.Option(
         None, "--gate", help="print the regime gate of these study folders' grpo runs (repeat the option)"
     ),
@@ -128,7 +131,7 @@ def study(
     from bapo.experiments.study import RunFailed
 
     try:
-        run_study(plan, study_dir, threads=threads, log=lambda line: typer.echo(line))
+        run_study(plan, study_dir, threads=threads, log=lambda line: typer.echo(line), max_runs=max_runs)
     except RunFailed as err:  # the child printed its own error; this is the one line after it
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None

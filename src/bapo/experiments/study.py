@@ -336,26 +336,31 @@ def run_study(
     threads: int = 2,
     in_process: bool = False,
     log=print,
+    max_runs: int | None = None,
 ) -> Path:
     """Train every unfinished run of `plan` into study_dir (finished ones are skipped), and
     rewrite the report after each. in_process: runs in this process (the tests' tiny model);
-    else each run in a spawned process."""
+    else each run in a spawned process. max_runs: stop after this many runs finish in this sitting
+    (one sitting per study in turn, e.g. two learning rates' studies a seed at a time)."""
     from bapo.train.rundir import RunLock
 
     study_dir = Path(study_dir)
     prepare(plan, study_dir)
     lock = RunLock(study_dir)  # one study process per folder (a second --resume fails in one line)
     try:
-        _train_todo(plan, study_dir, threads, in_process, log)
+        _train_todo(plan, study_dir, threads, in_process, log, max_runs)
     finally:
         lock.release()
     return study_dir
 
 
-def _train_todo(plan: StudyPlan, study_dir: Path, threads: int, in_process: bool, log) -> None:
+def _train_todo(plan: StudyPlan, study_dir: Path, threads: int, in_process: bool, log, max_runs=None) -> None:
     specs = plan.runs()
     todo = [spec for spec in specs if not is_done(study_dir / spec.name)]
     log(f"study {study_dir}: {len(specs) - len(todo)} of {len(specs)} runs done, {len(todo)} to go")
+    if max_runs is not None and len(todo) > max_runs:
+        log(f"this sitting trains {max_runs} of them (--max-runs); continue with bapo study --resume {study_dir}")
+        todo = todo[:max_runs]
     for index, spec in enumerate(todo, 1):
         started = time.time()
         log(f"[{index}/{len(todo)}] {spec.name} ...")

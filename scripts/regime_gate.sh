@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The regime gate's learning-rate choice (docs/STUDY.md, "The regime gate"): on-policy GRPO in the
+# regime plan (`bapo study --regime`: 64-token budget, 8 x 8, 40 rollout steps) at each candidate lr,
+# one run per study in turn, so that a partial gate compares the learning rates at equal seeds.
+# Resumable: run it again and each study continues (finished runs skipped, a started one from its
+# last checkpoint). One study process at a time: a run's vLLM engine and trainer hold ~10 GB.
+#   nice -n 19 bash scripts/regime_gate.sh            # LRS="1e-5 3e-6" ROUNDS=3 THREADS=2
+set -euo pipefail
+cd "$(dirname "$0")/.."
+BAPO=${BAPO:-.venv/bin/bapo}
+LRS=${LRS:-"3e-6 1e-5"}
+ROUNDS=${ROUNDS:-3}   # the plan's seeds
+THREADS=${THREADS:-2}
+for _ in $(seq "$ROUNDS"); do
+  for lr in $LRS; do
+    dir=docs/study/regime-lr$lr
+    if [ -f "$dir/study.json" ]; then
+      "$BAPO" study --resume "$dir" --max-runs 1 --threads "$THREADS"
+    else
+      "$BAPO" study --regime --staleness 0 --delays '' --lr "$lr" --out "$dir" --max-runs 1 --threads "$THREADS"
+    fi
+  done
+done
