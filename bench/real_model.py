@@ -62,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-if __package__ in (None, ""):  # run as a script: bench/ is not a package on sys.path then
+if __package__ in (None, ""):  # run as a script: the repository root (bench/, examples/) is not on sys.path then
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.trainer import LEARNING_RATE, timed_trl_trainer, trl_grpo_kwargs  # noqa: E402
@@ -112,8 +112,8 @@ def make_config(options, workdir: Path, name: str, **overrides):
 
 
 def trainer_for(options, workdir: Path, name: str, **overrides):
-    from bapo.integrations.trl.tiny import digit_match_reward
     from bapo.train import Trainer
+    from examples.trl.tiny_task import digit_match_reward
 
     return Trainer(
         make_config(options, workdir, name, **overrides),
@@ -154,8 +154,8 @@ def bench_trl_vllm(options, workdir: Path) -> dict:
     from transformers.trainer_callback import PrinterCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from bapo.integrations.trl.tiny import digit_match_reward
     from bapo.integrations.trl.trainer import _push_through_reload_on_cpu
+    from examples.trl.tiny_task import digit_match_reward
 
     class ColocatedGRPOTrainer(timed_trl_trainer(GRPOTrainer)):  # type: ignore[misc]
         def __init__(self, *args, **kwargs):
@@ -271,7 +271,7 @@ def bench_trl_update(options, workdir: Path) -> dict:
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from bapo.integrations.trl.tiny import digit_match_reward
+    from examples.trl.tiny_task import digit_match_reward
 
     batch = load_batch(workdir)
     micro = -(-len(batch) // options.micro_batch)
@@ -561,7 +561,7 @@ def main() -> None:
     if "OMP_NUM_THREADS" not in os.environ:
         torch.set_num_threads(1)
 
-    from bapo.integrations.trl.tiny import addition_prompts, build_tiny_model
+    from examples.trl.tiny_task import addition_prompts, build_tiny_model
 
     workdir = Path(options.workdir or tempfile.mkdtemp(prefix="bapo-bench-real-"))
     if options.tiny:

@@ -29,12 +29,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+
+if __package__ in (None, ""):  # run as a script: the repository root (examples/) is not on sys.path then
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Small enough that neither policy drifts during the bench: response lengths (and so the work per
 # token) stay those of the shared initial model in every system. Compute does not depend on it.
@@ -70,8 +74,8 @@ def best(measured: list[Throughput]) -> Throughput:
 
 def bench_bapo(model_dir: Path, rows: list[dict], options, workdir: Path, method: str, scope: str) -> Throughput:
     """bapo.train: warm-up rollout + updates, then `options.rollouts` timed rollout/update pairs."""
-    from bapo.integrations.trl.tiny import digit_match_reward
     from bapo.train import Trainer, config_from_dict
+    from examples.trl.tiny_task import digit_match_reward
 
     cfg = config_from_dict(
         {
@@ -194,7 +198,7 @@ def bench_trl(model_dir: Path, rows: list[dict], options, workdir: Path, bapo_sc
     from trl import GRPOConfig, GRPOTrainer
 
     from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer
-    from bapo.integrations.trl.tiny import digit_match_reward
+    from examples.trl.tiny_task import digit_match_reward
 
     sequences = options.prompts * options.group
     steps_per_generation = sequences // options.micro_batch
@@ -243,7 +247,7 @@ def main() -> None:
     if options.threads:
         torch.set_num_threads(options.threads)
 
-    from bapo.integrations.trl.tiny import addition_prompts, build_tiny_model
+    from examples.trl.tiny_task import addition_prompts, build_tiny_model
 
     workdir = Path(tempfile.mkdtemp(prefix="bapo-bench-"))
     model_dir = (

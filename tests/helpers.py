@@ -1,6 +1,6 @@
 """Helpers for the trainer tests (plain functions, imported explicitly; fixtures stay in conftest.py):
 a tiny random Qwen2 with a char-level tokenizer saved through the real save_pretrained path, a small
-arithmetic task with a dense test reward, and a fast config builder."""
+arithmetic task with a dense test reward, a fast config builder, and the TRL tests' CPU GRPOConfig fields."""
 
 from __future__ import annotations
 
@@ -78,6 +78,28 @@ def make_config(tiny_model: str, run_dir, **sections):
         },
     }
     return config_from_dict(base, [f"{k}={v}" for k, v in sections.items()])
+
+
+def cpu_grpo_args(output_dir, **fields) -> dict:
+    """The GRPOConfig / BAPOGRPOConfig fields of a quiet, seeded CPU run (no saving, no reporting,
+    no KL, T=1, a learning rate a random-init tiny model moves at), with `fields` on top: what the
+    TRL tests share (examples/trl/bapo_grpo.py spells its fields out for the reader); a caller names
+    its batch shape in `fields`."""
+    return {
+        "output_dir": str(output_dir),
+        "use_cpu": True,
+        "bf16": False,
+        "report_to": "none",
+        "save_strategy": "no",
+        "beta": 0.0,
+        "temperature": 1.0,
+        "learning_rate": 3e-3,
+        "logging_steps": 1,
+        "seed": 0,
+        "dataloader_num_workers": 0,
+        "disable_tqdm": True,
+        **fields,
+    }
 
 
 def json_from_module(module: str, *args: str, **env: str):

@@ -18,7 +18,8 @@ from pathlib import Path
 from datasets import Dataset
 
 from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer
-from bapo.integrations.trl.tiny import addition_prompts, build_tiny_model, digit_match_reward
+
+from tiny_task import addition_prompts, build_tiny_model, digit_match_reward  # beside this file
 
 SHOWN = (
     "reward",

@@ -27,7 +27,8 @@ def free_port() -> int:
 
 
 def run(command: list[str], out: Path) -> dict[int, dict]:
-    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    path = os.pathsep.join([str(ROOT / "src"), str(ROOT)])  # the repository root: examples.trl, tests.helpers
+    env = dict(os.environ, PYTHONPATH=path, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
     done = subprocess.run(command, capture_output=True, text=True, env=env, check=False, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     return {int(p.stem.removeprefix("rank")): json.loads(p.read_text()) for p in out.glob("rank*.json")}
@@ -35,7 +36,7 @@ def run(command: list[str], out: Path) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    from bapo.integrations.trl.tiny import build_tiny_model
+    from examples.trl.tiny_task import build_tiny_model
 
     root = tmp_path_factory.mktemp("trl-distributed")
     model = build_tiny_model(root / "model")

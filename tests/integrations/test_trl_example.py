@@ -15,6 +15,7 @@ EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "trl" / "bapo_grpo.
 
 def test_example_runs(tmp_path, monkeypatch, capsys):
     monkeypatch.setattr(sys, "argv", [str(EXAMPLE), "--steps", "2", "--output-dir", str(tmp_path)])
+    monkeypatch.syspath_prepend(str(EXAMPLE.parent))  # as `python examples/trl/bapo_grpo.py` has: tiny_task.py
     runpy.run_path(str(EXAMPLE), run_name="__main__")
     table = capsys.readouterr().out.splitlines()
     header = next(index for index, line in enumerate(table) if line.startswith("step "))

@@ -32,13 +32,9 @@ from bapo.core import (  # noqa: E402
 )
 from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer  # noqa: E402
 from bapo.integrations.trl.config import BAPO_DUAL_CLIP  # noqa: E402
-from bapo.integrations.trl.tiny import (  # noqa: E402
-    addition_prompts,
-    build_tiny_model,
-    cpu_grpo_args,
-    digit_match_reward,
-)
 from bapo.integrations.trl.trainer import group_split, starts_optimizer_step  # noqa: E402
+from examples.trl.tiny_task import addition_prompts, build_tiny_model, digit_match_reward  # noqa: E402
+from tests.helpers import cpu_grpo_args  # noqa: E402
 
 GROUP = 4
 MICRO_BATCH = 4

@@ -30,8 +30,9 @@ def run(work: str) -> list[dict]:
     from datasets import Dataset
 
     from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer
-    from bapo.integrations.trl.tiny import addition_prompts, cpu_grpo_args, digit_match_reward
     from bapo.train.tiny import ModelConfig, save_tiny_model
+    from examples.trl.tiny_task import addition_prompts, digit_match_reward
+    from tests.helpers import cpu_grpo_args
 
     model = save_tiny_model(Path(work) / "model", ModelConfig(hidden_size=256, heads=4, intermediate_size=512))
     args = BAPOGRPOConfig(

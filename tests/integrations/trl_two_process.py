@@ -29,7 +29,8 @@ from datasets import Dataset
 from transformers import TrainerCallback
 
 from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer
-from bapo.integrations.trl.tiny import addition_prompts, cpu_grpo_args, digit_match_reward
+from examples.trl.tiny_task import addition_prompts, digit_match_reward
+from tests.helpers import cpu_grpo_args
 
 GLOBAL_ROWS, GROUP, COMPLETION = 8, 4, 6
 

@@ -227,6 +227,24 @@ def test_bapo_lab_rejects_one_seed():
     assert result.exit_code != 0 and "seeds" in result.output
 
 
+@pytest.mark.parametrize("args", [["--stale-k"], ["--stale-k", "--seeds", "2"], ["--peers", "--stale-k"]])
+def test_bapo_lab_refuses_the_renamed_stale_k_flag_in_one_line_naming_its_replacement(args, monkeypatch):
+    """`--stale-k` was renamed `--async-delays`: refused in one line, before any run (never read as the
+    new flag), whatever else is on the command line; --help no longer lists it."""
+    from typer.testing import CliRunner
+
+    import bapo.lab.lab
+    from bapo.cli.main import app
+
+    monkeypatch.setattr(bapo.lab.lab, "run_lab", lambda *a, **k: pytest.fail("a refused flag must not run the lab"))
+    result = CliRunner().invoke(app, ["lab", *args])
+    lines = result.output.strip().splitlines()
+    assert result.exit_code == 2 and len(lines) == 1, result.output
+    assert lines[0].startswith("error: --stale-k was renamed --async-delays") and "Traceback" not in result.output
+    help_text = CliRunner().invoke(app, ["lab", "--help"]).output
+    assert "--async-delays" in help_text and "--stale-k" not in help_text
+
+
 def test_lab_claims_equal_those_of_the_engine_before_it_was_data():
     from tests.analysis.test_claims_engine import assert_same_claims
     from tests.lab.synthetic import ROLLOUT_STEPS, synthetic_runs
@@ -420,19 +438,19 @@ def test_peers_leaderboards_rank_every_method_in_every_setting(tmp_path, monkeyp
     assert (tmp_path / "p" / "leaderboards.md").read_text() in printed.output
 
 
-def test_stale_k_plan_runs_long_with_an_unclipped_surrogate():
-    """`bapo lab --stale-k`: six methods at async delay 4/16/64/256 for 384 rollout steps, 10 seeds;
+def test_async_delay_plan_runs_long_with_an_unclipped_surrogate():
+    """`bapo lab --async-delays`: six methods at async delay 4/16/64/256 for 384 rollout steps, 10 seeds;
     "unclipped" is the plain surrogate -r A (no trust region: extreme ratios pass untouched)."""
     from bapo.core import policy_loss
-    from bapo.lab.lab import STALE_K_METHODS, plan_for, plan_leaderboards, stale_k_plan
+    from bapo.lab.lab import ASYNC_DELAY_METHODS, async_delay_plan, plan_for, plan_leaderboards
     from bapo.lab.run import method_loss
 
-    plan = plan_for(stale_k=True)
-    assert plan.methods == STALE_K_METHODS and "unclipped" in plan.methods
+    plan = plan_for(async_delays=True)
+    assert plan.methods == ASYNC_DELAY_METHODS and "unclipped" in plan.methods
     assert (plan.config.rollout_steps, plan.config.seeds) == (384, 10)
     assert plan.settings() == ["E=0"] + [f"E=0, async delay {k}" for k in (4, 16, 64, 256)]
     with pytest.raises(ValueError, match="choose one"):
-        plan_for(peers=True, stale_k=True)
+        plan_for(peers=True, async_delays=True)
 
     torch.manual_seed(0)
     log_prob, old = torch.randn(4, 6), torch.randn(4, 6) * 4  # ratios far outside any clip range
@@ -441,7 +459,7 @@ def test_stale_k_plan_runs_long_with_an_unclipped_surrogate():
     loss, _ = policy_loss(log_prob, old, advantages, mask, name, **params)
     assert torch.allclose(loss, -(torch.exp(log_prob - old) * advantages).mean())
 
-    tiny = stale_k_plan(LabConfig(**{**TINY.__dict__, "seeds": 2, "rollout_steps": 8}), delays=(2,))
+    tiny = async_delay_plan(LabConfig(**{**TINY.__dict__, "seeds": 2, "rollout_steps": 8}), delays=(2,))
     runs = [run_cell(cell, tiny.config) for cell in tiny.cells()]
     boards = plan_leaderboards(runs, tiny)
     assert [metric for metric, _, _ in boards] == [
@@ -453,7 +471,7 @@ def test_stale_k_plan_runs_long_with_an_unclipped_surrogate():
     ]
     for metric, _, standings in boards:
         assert sorted((r.setting, r.method) for r in standings) == sorted(
-            (s, m) for s in ("E=0", "E=0, async delay 2") for m in STALE_K_METHODS
+            (s, m) for s in ("E=0", "E=0, async delay 2") for m in ASYNC_DELAY_METHODS
         )
         matched = metric == "entropy at matched reward"  # seeds that never reach the level are left out
         assert all((r.seeds <= 2) if matched else (r.seeds == 2 and math.isfinite(r.mean)) for r in standings)

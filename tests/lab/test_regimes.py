@@ -253,9 +253,9 @@ def test_bapo_lab_regimes_cli(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("args", "message"),
     [
-        (["--regimes", "--stale-k"], "choose one"),
+        (["--regimes", "--async-delays"], "choose one"),
         (["--regimes", "--peers"], "choose one"),
-        (["--peers", "--stale-k"], "choose one"),
+        (["--peers", "--async-delays"], "choose one"),
         (["--choose-lr"], "goes with --regimes"),
         (["--regimes", "--choose-lr", "--quick"], "drop --quick"),
         (["--regimes", "--choose-lr", "--seeds", "1"], "gives no interval"),

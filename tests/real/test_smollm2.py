@@ -148,7 +148,7 @@ def test_bapo_grpo_trainer_two_off_policy_steps_on_the_real_model(smollm2_dir, t
     from datasets import Dataset
 
     from bapo.integrations.trl import BAPOGRPOConfig, BAPOGRPOTrainer
-    from bapo.integrations.trl.tiny import cpu_grpo_args
+    from tests.helpers import cpu_grpo_args
 
     system = "Start your reply with 'The answer is' and the number."
     rows = [json.loads(line) for line in DATA.read_text().splitlines()]

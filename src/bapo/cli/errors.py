@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 from contextlib import contextmanager
+from typing import NoReturn
 
 import typer
 
@@ -13,6 +14,12 @@ DEBUG_ENV = "BAPO_DEBUG"
 
 def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "").lower() in ("1", "true", "yes", "on")
+
+
+def refuse(message: str) -> NoReturn:
+    """A user error as one line on stderr (`error: ...`, whitespace folded) and exit code 2."""
+    typer.echo("error: " + " ".join(message.split()), err=True)
+    raise typer.Exit(2)
 
 
 @contextmanager
@@ -25,5 +32,4 @@ def user_errors():
     except ConfigError as err:
         if debug_enabled():
             raise
-        typer.echo("error: " + " ".join(str(err).split()), err=True)
-        raise typer.Exit(2) from None
+        refuse(str(err))

@@ -6,6 +6,13 @@ from pathlib import Path
 
 import typer
 
+from bapo.cli.errors import refuse
+
+STALE_K_RENAMED = (
+    "--stale-k was renamed --async-delays: write bapo lab --async-delays instead (k is the async delay, "
+    "bapo train's offpolicy.async_delay; the paper's staleness E is another axis)"
+)
+
 
 def lab(
     quick: bool = typer.Option(False, "--quick", help="6 seeds, 12 rollout batches, grpo and bapo at E 0 and 4"),
@@ -15,13 +22,14 @@ def lab(
         help="every lab-capable method (grpo, clip-higher, dual-clip, bapo, topr, dcpo and the peers of "
         "bapo.core.peers) at E 0/2/4/8 and async delay 2/4/8/16/64, each at its defaults; leaderboards vs grpo",
     ),
-    stale_k: bool = typer.Option(
+    async_delays: bool = typer.Option(
         False,
-        "--stale-k",
-        help="M2PO's stale-k axis run long: grpo, unclipped, m2po, m2po-official, bapo, decoupled-ppo at async "
+        "--async-delays",
+        help="the async delay k run long: grpo, unclipped, m2po, m2po-official, bapo, decoupled-ppo at async "
         "delay 4/16/64/256 for 384 rollout steps, 10 seeds; leaderboards vs grpo (early reward, reward at the end, "
         "drawdown, entropy at the end and at matched reward)",
     ),
+    stale_k: bool = typer.Option(False, "--stale-k", hidden=True),  # renamed --async-delays: refused below
     regimes: bool = typer.Option(
         False,
         "--regimes",
@@ -35,14 +43,14 @@ def lab(
         help="with --regimes: rerun the learning-rate choice (on-policy GRPO only), print it as JSON (writes nothing)",
     ),
     seeds: int | None = typer.Option(
-        None, "--seeds", help="seeds per cell (default 20; --quick 6, --stale-k 10, --regimes --quick 4)"
+        None, "--seeds", help="seeds per cell (default 20; --quick 6, --async-delays 10, --regimes --quick 4)"
     ),
     out: Path | None = typer.Option(None, "--out", help="output dir (default runs/lab-<timestamp>)"),
     jobs: int | None = typer.Option(None, "--jobs", help="processes (default: one per CPU core)"),
     as_json: bool = typer.Option(
         False,
         "--json",
-        help="print the claims table as JSON (--peers / --stale-k: claims.json, leaderboards included; "
+        help="print the claims table as JSON (--peers / --async-delays: claims.json, leaderboards included; "
         "--regimes: regimes.json)",
     ),
     plots: bool = typer.Option(True, "--plots/--no-plots", help="draw the PNG plots of the report"),
@@ -51,7 +59,9 @@ def lab(
     from bapo.analysis.claims import claims_json
     from bapo.lab.lab import plan_for, run_lab
 
-    modes = [flag for flag, on in (("--peers", peers), ("--stale-k", stale_k), ("--regimes", regimes)) if on]
+    if stale_k:  # refused, never read as the new flag: one line naming it, as a renamed config key gets
+        refuse(STALE_K_RENAMED)
+    modes = [flag for flag, on in (("--peers", peers), ("--async-delays", async_delays), ("--regimes", regimes)) if on]
     if len(modes) > 1:
         raise typer.BadParameter(f"{' and '.join(modes)}: choose one")
     if choose_lr and not regimes:
@@ -60,11 +70,11 @@ def lab(
         _regimes(quick, choose_lr, seeds, out, jobs, as_json)
         return
     try:
-        plan = plan_for(quick, seeds, peers=peers, stale_k=stale_k)
+        plan = plan_for(quick, seeds, peers=peers, async_delays=async_delays)
     except ValueError as err:
         raise typer.BadParameter(str(err)) from None
     claims, out_dir = run_lab(out, plan=plan, jobs=jobs, plots=plots)
-    boarded = peers or stale_k
+    boarded = peers or async_delays
     if as_json:  # with leaderboards, their vs-grpo claims too (claims.json)
         typer.echo((out_dir / "claims.json").read_text().rstrip("\n") if boarded else claims_json(claims))
         return
@@ -72,7 +82,7 @@ def lab(
     boards = out_dir / "leaderboards.md"
     if boarded and boards.exists():
         typer.echo(
-            f"\nbapo lab {'--peers' if peers else '--stale-k'}: leaderboards "
+            f"\nbapo lab {'--peers' if peers else '--async-delays'}: leaderboards "
             "(mean [95% interval] over seeds; vs grpo paired by seed, > 0 = better)\n"
         )
         typer.echo(boards.read_text())

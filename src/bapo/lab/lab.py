@@ -61,14 +61,14 @@ PEER_LEADERBOARDS: tuple[tuple[str, int, str], ...] = (
 PEER_SHARE_METHODS = ("grpo", "clip-higher", "dual-clip", "bapo")
 PEER_STALENESS_E = (0, 2, 4, 8)
 PEER_DELAYS = (2, 8)
-PEER_LONG_DELAYS = (0, 4, 16, 64)  # M2PO's stale-k axis; k = 0 is the E = 0 cell
-# `bapo lab --stale-k`: M2PO's stale-k axis run long enough that every k reaches its steady lag
+PEER_LONG_DELAYS = (0, 4, 16, 64)  # the long async-delay sweep; k = 0 is the E = 0 cell
+# `bapo lab --async-delays`: the async delay k run long enough that every k reaches its steady lag
 # (k rollout steps) for most of the run: grpo, an unclipped surrogate (M2PO's paper: it first beats
 # clipped GRPO on stale data, then collapses), both M2PO variants, bapo and decoupled PPO
-STALE_K_METHODS = ("grpo", "unclipped", "m2po", "m2po-official", "bapo", "decoupled-ppo")
-STALE_K_DELAYS = (4, 16, 64, 256)
-STALE_K_ROLLOUT_STEPS = 384  # k = 256 trains at its steady lag for the last 128 rollout steps
-STALE_K_LEADERBOARDS: tuple[tuple[str, int, str], ...] = (
+ASYNC_DELAY_METHODS = ("grpo", "unclipped", "m2po", "m2po-official", "bapo", "decoupled-ppo")
+ASYNC_DELAYS = (4, 16, 64, 256)
+ASYNC_DELAY_ROLLOUT_STEPS = 384  # k = 256 trains at its steady lag for the last 128 rollout steps
+ASYNC_DELAY_LEADERBOARDS: tuple[tuple[str, int, str], ...] = (
     ("early reward", 1, "exact reward averaged over the first quarter of the rollout steps"),
     ("reward at the end", 1, "exact expected reward after the last update"),
     ("reward drawdown", -1, "sum of the falls of the exact reward between rollout steps (lower = less undone)"),
@@ -130,21 +130,24 @@ def peers_plan(
     )
 
 
-def stale_k_plan(config: LabConfig | None = None, seeds: int = 10, delays: tuple[int, ...] = STALE_K_DELAYS) -> LabPlan:
-    """`bapo lab --stale-k`: STALE_K_METHODS at E = 0 and async delay k in `delays`, each for
-    STALE_K_ROLLOUT_STEPS rollout steps (10 seeds: 16x the default run's steps), ranked by
-    STALE_K_LEADERBOARDS against grpo. Each method at its defaults; nothing tuned. A `config`
-    given (tests) is used as it is: `seeds` and STALE_K_ROLLOUT_STEPS apply to the default only."""
-    config = config or replace(LabConfig(), rollout_steps=STALE_K_ROLLOUT_STEPS, seeds=seeds)
+def async_delay_plan(
+    config: LabConfig | None = None, seeds: int = 10, delays: tuple[int, ...] = ASYNC_DELAYS
+) -> LabPlan:
+    """`bapo lab --async-delays` (the axis M2PO's paper calls stale-k): ASYNC_DELAY_METHODS at E = 0
+    and async delay k in `delays`, each for ASYNC_DELAY_ROLLOUT_STEPS rollout steps (10 seeds: 16x
+    the default run's steps), ranked by ASYNC_DELAY_LEADERBOARDS against grpo. Each method at its
+    defaults; nothing tuned. A `config` given (tests) is used as it is: `seeds` and
+    ASYNC_DELAY_ROLLOUT_STEPS apply to the default only."""
+    config = config or replace(LabConfig(), rollout_steps=ASYNC_DELAY_ROLLOUT_STEPS, seeds=seeds)
     config = replace(config, share_methods=("grpo", "bapo"), check_cells=())
     return LabPlan(
         config,
-        methods=STALE_K_METHODS,
+        methods=ASYNC_DELAY_METHODS,
         staleness_e=(0,),
         delays=delays,
         claim2_staleness_e=(),
-        delay_methods=STALE_K_METHODS,
-        leaderboards=STALE_K_LEADERBOARDS,
+        delay_methods=ASYNC_DELAY_METHODS,
+        leaderboards=ASYNC_DELAY_LEADERBOARDS,
     )
 
 
@@ -175,12 +178,12 @@ def leaderboards_markdown(boards: list[tuple[str, str, list[Standing]]]) -> str:
     return "\n".join(text)
 
 
-def plan_for(quick: bool = False, seeds: int | None = None, peers: bool = False, stale_k: bool = False) -> LabPlan:
+def plan_for(quick: bool = False, seeds: int | None = None, peers: bool = False, async_delays: bool = False) -> LabPlan:
     """The default plan, or --quick: fewer seeds, steps and cells (E 0 and 4, delay 4), or --peers
-    (peers_plan), or --stale-k (stale_k_plan)."""
-    if quick + peers + stale_k > 1:
-        raise ValueError("--quick, --peers and --stale-k: choose one (--seeds N for a smaller run)")
-    plan = peers_plan() if peers else stale_k_plan() if stale_k else LabPlan()
+    (peers_plan), or --async-delays (async_delay_plan)."""
+    if quick + peers + async_delays > 1:
+        raise ValueError("--quick, --peers and --async-delays: choose one (--seeds N for a smaller run)")
+    plan = peers_plan() if peers else async_delay_plan() if async_delays else LabPlan()
     if quick:
         plan = LabPlan(
             replace(plan.config, seeds=6, rollout_steps=12, check_cells=("grpo E=4",)),

@@ -94,7 +94,7 @@ if EntropyTargetController is not None:  # rho0 steered so that entropy holds it
     METHODS["bapo-entropy"] = ("bapo", {"bapo": BAPOConfig(target_mode="entropy")})
 
 
-# Methods outside the default plan, by name (`bapo lab --stale-k`): no trust region at all, the
+# Methods outside the default plan, by name (`bapo lab --async-delays`): no trust region at all, the
 # surrogate -r A that M2PO's paper compares with clipped GRPO on stale data
 EXTRA_METHODS: dict[str, tuple[str, dict]] = {"unclipped": ("grpo", {"lower": 0.0, "upper": math.inf})}
 

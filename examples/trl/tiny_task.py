@@ -1,4 +1,8 @@
-"""A tiny, locally built causal LM and a toy task: for tests, the example and the bench.
+"""The example's tiny model and toy task (addition prompts, a dense digit reward); the TRL tests and
+bench/ use them too.
+
+    from tiny_task import ...               # in bapo_grpo.py, run as `python examples/trl/bapo_grpo.py`
+    from examples.trl.tiny_task import ...  # from the repository root (tests/, bench/)
 
 Nothing here downloads anything. The model and tokenizer are the demo's (bapo.train.tiny): a
 randomly initialised Llama built from a config and a character-level ``PreTrainedTokenizerFast``.
@@ -52,25 +56,3 @@ def digit_match_reward(completions: list[str], answer: list[str], **_) -> list[f
         hits = sum(1 for got, want in zip(completion.strip(), target) if got == want)
         rewards.append(hits / max(len(target), 1))
     return rewards
-
-
-def cpu_grpo_args(output_dir: str | Path, **fields) -> dict:
-    """The GRPOConfig / BAPOGRPOConfig fields of a quiet, seeded CPU run (no saving, no reporting,
-    no KL, T=1, a learning rate a random-init tiny model moves at), with `fields` on top: what the
-    TRL tests share (examples/trl/bapo_grpo.py spells its fields out for the reader); a caller names
-    its batch shape in `fields`."""
-    return {
-        "output_dir": str(output_dir),
-        "use_cpu": True,
-        "bf16": False,
-        "report_to": "none",
-        "save_strategy": "no",
-        "beta": 0.0,
-        "temperature": 1.0,
-        "learning_rate": 3e-3,
-        "logging_steps": 1,
-        "seed": 0,
-        "dataloader_num_workers": 0,
-        "disable_tqdm": True,
-        **fields,
-    }
