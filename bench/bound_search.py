@@ -27,7 +27,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench.bound_search in the memory probe
 
-from bapo.core import BAPOConfig, BoundStats, aggregate_loss, clipped_surrogate, policy_loss, token_ratio  # noqa: E402
+from bapo.core import (  # noqa: E402
+    BAPOConfig,
+    BoundStats,
+    TokenBatch,
+    aggregate_loss,
+    clipped_surrogate,
+    policy_loss,
+    token_ratio,
+)
 from bapo.core.search import search_path, token_contributions  # noqa: E402
 
 CONFIG = BAPOConfig(
@@ -76,12 +84,12 @@ def interleaved_times(fns: dict, repeats: int) -> dict[str, float]:
     return {name: min(values) for name, values in times.items()}
 
 
-def per_candidate_loop(ratio, advantages, mask, config=CONFIG):
+def per_candidate_loop(batch, config=CONFIG):
     """The recipe's way: one masked pass over every token per visited candidate (tensor ops,
     one host sync each), walking the same path; returns (lower, upper)."""
     for lower_k, upper_j in search_path(config):
         lower, upper = config.lower_grid[lower_k], config.upper_grid[upper_j]
-        positive, negative = token_contributions(ratio, advantages, mask, lower, upper, config)
+        positive, negative = token_contributions(batch, lower, upper, config)
         positive, negative = positive.sum(), negative.sum()
         total = float(positive + negative)
         if total == 0 or float(positive) / total >= config.target:
@@ -89,8 +97,8 @@ def per_candidate_loop(ratio, advantages, mask, config=CONFIG):
     return lower, upper
 
 
-def search(ratio, advantages, mask, stats_class=BoundStats, config=CONFIG, behaviour_log_prob=None):
-    return stats_class(config).add(ratio, advantages, mask, behaviour_log_prob=behaviour_log_prob).solve(sync=False)
+def search(batch, stats_class=BoundStats, config=CONFIG):
+    return stats_class(config).add(batch).solve(sync=False)
 
 
 def fixed_clip_forward_backward(log_prob, old_log_prob, advantages, mask):
@@ -113,15 +121,16 @@ def peak_extra_bytes(tokens: int) -> int:
     root = str(Path(__file__).resolve().parents[1])
     code = (
         f"import re, torch, sys; sys.path.insert(0, {root!r})\n"
+        "from bapo.core import TokenBatch\n"
         "from bench.bound_search import search\n"
         "kb = lambda key: int(re.search(key + r':\\s+(\\d+)', open('/proc/self/status').read()).group(1))\n"
         f"ratio = torch.empty({tokens // 1024}, 1024).log_normal_(0.0, 0.3)\n"
         "advantages = torch.empty_like(ratio).normal_().sub_(0.35)\n"
         "mask = torch.empty_like(ratio, dtype=torch.bool).bernoulli_(0.9)\n"
-        "search(ratio[:2], advantages[:2], mask[:2])\n"  # load kernels before the baseline
+        "search(TokenBatch(ratio=ratio[:2], advantages=advantages[:2], mask=mask[:2]))\n"  # load kernels first
         "open('/proc/self/clear_refs', 'w').write('5')\n"
         "before = kb('VmRSS')\n"
-        "search(ratio, advantages, mask)\n"
+        "search(TokenBatch(ratio=ratio, advantages=advantages, mask=mask))\n"
         "print((kb('VmHWM') - before) * 1024)\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -141,24 +150,24 @@ def main() -> None:
     rows = []
     for tokens in args.tokens:
         log_prob, old_log_prob, advantages, mask = make_batch(tokens)
-        ratio = token_ratio(log_prob, old_log_prob)
-        found = search(ratio, advantages, mask)
-        previous = search(ratio, advantages, mask, BucketizeStats)
+        batch = TokenBatch.from_log_probs(log_prob, old_log_prob, advantages, mask)
+        found = search(batch)
+        previous = search(batch, BucketizeStats)
         assert (previous.lower, previous.upper, previous.steps) == (found.lower, found.upper, found.steps)
         paper, recipe = BAPOConfig.paper(target=0.5, lower_step=0.05), BAPOConfig.recipe()
         times = interleaved_times(
             {
-                "search": lambda: search(ratio, advantages, mask),
-                "search_bucketize": lambda: search(ratio, advantages, mask, BucketizeStats),
-                "search_paper": lambda: search(ratio, advantages, mask, config=paper, behaviour_log_prob=old_log_prob),
-                "search_recipe": lambda: search(ratio, advantages, mask, config=recipe),
+                "search": lambda: search(batch),
+                "search_bucketize": lambda: search(batch, BucketizeStats),
+                "search_paper": lambda: search(batch, config=paper),
+                "search_recipe": lambda: search(batch, config=recipe),
                 "loss": lambda: fixed_clip_forward_backward(log_prob, old_log_prob, advantages, mask),
                 "policy_loss": lambda: policy_loss_forward_backward(log_prob, old_log_prob, advantages, mask),
             },
             args.repeats,
         )
-        reference_s = best_time(lambda: per_candidate_loop(ratio, advantages, mask), 1)
-        assert per_candidate_loop(ratio, advantages, mask) == (found.lower, found.upper)
+        reference_s = best_time(lambda: per_candidate_loop(batch), 1)
+        assert per_candidate_loop(batch) == (found.lower, found.upper)
         extra = peak_extra_bytes(tokens)
         loss_s = times["loss"]
         row = {

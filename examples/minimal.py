@@ -24,7 +24,7 @@ import torch
 from torch import Tensor
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from bapo.core import POLICY_LOSSES, BAPOConfig, BAPOStep, group_advantages, policy_loss, token_ratio
+from bapo.core import POLICY_LOSSES, BAPOConfig, BAPOStep, TokenBatch, group_advantages, policy_loss
 from bapo.experiments.task import TaskConfig, make_split, verify
 from bapo.experiments.warmstart import WarmStartConfig, warm_start  # the demo's tiny model, warm-started and cached
 
@@ -142,8 +142,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         loss_params = {}
         if bapo_step is not None:
             bapo_step.begin(micro_batches=1)
-            ratio = token_ratio(log_prob.detach(), batch["old_log_prob"])
-            loss_params["bounds"] = bapo_step.bounds_for(ratio, batch["advantages"], batch["response_mask"])
+            searched = TokenBatch.from_log_probs(
+                log_prob.detach(), batch["old_log_prob"], batch["advantages"], batch["response_mask"]
+            )
+            loss_params["bounds"] = bapo_step.bounds_for(searched)
         loss, metrics = policy_loss(
             log_prob,
             batch["old_log_prob"],

@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from bapo.core import BAPOConfig, balance_metrics, balance_sums, group_advantages, positive_share
+from bapo.core import BAPOConfig, TokenBatch, balance_metrics, balance_sums, group_advantages, positive_share
 
 
 def lengths_mask(lengths: list[int], width: int = 8) -> torch.Tensor:
@@ -18,7 +18,7 @@ def test_lengths_split_by_reward_and_share_at_ratio_one_is_lc_over_lc_plus_lw():
     rewards = torch.tensor([1.0, 1.0, 0.0, 0.0, 0.0])
     advantages, _ = group_advantages(rewards, 5)
     mask = lengths_mask([2, 4, 5, 6, 7])
-    metrics = balance_metrics(balance_sums(None, advantages, mask, rewards > 0, BAPOConfig()))
+    metrics = balance_metrics(balance_sums(TokenBatch.fresh(advantages, mask), rewards > 0, BAPOConfig()))
     assert metrics["response_length/rewarded"] == pytest.approx(3.0)
     assert metrics["response_length/unrewarded"] == pytest.approx(6.0)
     # the accuracy cancels: a group's advantages sum to 0, so at ratio 1 the share is Lc / (Lc + Lw)
@@ -32,9 +32,12 @@ def test_share_is_at_the_start_bounds_and_sums_add_over_micro_batches():
     advantages = torch.tensor([1.0, -0.5, 0.8, -1.2, 0.0, 0.3])
     mask = lengths_mask([8, 3, 5, 1, 6, 0])  # an empty response counts with length 0
     config = BAPOConfig(lower_start=0.7, upper_start=1.3, lower_max=0.9)
-    whole = balance_sums(ratio, advantages, mask, advantages > 0, config)
+    batch = TokenBatch(ratio=ratio, advantages=advantages, mask=mask)
+    whole = balance_sums(batch, advantages > 0, config)
     halves = sum(
-        balance_sums(ratio[rows], advantages[rows], mask[rows], advantages[rows] > 0, config)
+        balance_sums(
+            TokenBatch(ratio=ratio[rows], advantages=advantages[rows], mask=mask[rows]), advantages[rows] > 0, config
+        )
         for rows in (slice(0, 2), slice(2, 6))
     )
     # float64 sums of float32 terms in a different order: equal to float64 rounding of ~10 terms
@@ -42,15 +45,16 @@ def test_share_is_at_the_start_bounds_and_sums_add_over_micro_batches():
     metrics = balance_metrics(whole)
     assert metrics["response_length/rewarded"] == pytest.approx((8 + 5 + 0) / 3)  # rows 0, 2, 5
     assert metrics["response_length/unrewarded"] == pytest.approx((3 + 1 + 6) / 3)  # rows 1, 3, 4
-    expected = positive_share(ratio, advantages, mask, 0.7, 1.3, config)
+    expected = positive_share(batch, 0.7, 1.3, config)
     assert metrics["positive_share/start_bounds"] == pytest.approx(expected, rel=1e-12)
     # not the share at other bounds: the test could fail
-    assert metrics["positive_share/start_bounds"] != pytest.approx(positive_share(ratio, advantages, mask, 0.9, 3.0))
+    assert metrics["positive_share/start_bounds"] != pytest.approx(positive_share(batch, 0.9, 3.0))
 
 
 def test_missing_kinds_are_nan_not_zero():
     mask = lengths_mask([3, 4])
-    metrics = balance_metrics(balance_sums(None, torch.zeros(2), mask, torch.zeros(2, dtype=torch.bool), BAPOConfig()))
+    fresh = TokenBatch.fresh(torch.zeros(2), mask)
+    metrics = balance_metrics(balance_sums(fresh, torch.zeros(2, dtype=torch.bool), BAPOConfig()))
     assert math.isnan(metrics["response_length/rewarded"]) and math.isnan(metrics["positive_share/start_bounds"])
     assert metrics["response_length/unrewarded"] == pytest.approx(3.5)
 
@@ -59,7 +63,8 @@ def test_missing_kinds_are_nan_not_zero():
 def test_extreme_ratios_stay_finite(dtype):
     ratio = torch.tensor([[1e-30, 1e30, float("inf")], [0.0, 1.0, 65504.0]]).to(dtype)
     mask = torch.tensor([[True, True, False], [True, True, True]])
-    sums = balance_sums(ratio, torch.tensor([1.0, -1.0]), mask, torch.tensor([True, False]), BAPOConfig())
+    batch = TokenBatch(ratio=ratio, advantages=torch.tensor([1.0, -1.0]), mask=mask)
+    sums = balance_sums(batch, torch.tensor([True, False]), BAPOConfig())
     assert torch.isfinite(sums).all()
     metrics = balance_metrics(sums)
     assert 0.0 <= metrics["positive_share/start_bounds"] <= 1.0

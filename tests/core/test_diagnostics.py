@@ -224,7 +224,7 @@ def test_two_gloo_ranks_finalize_the_whole_batch(tmp_path):
 
 def test_the_diagnostics_share_is_the_searchs_positive_share():
     """One positive share: clip_statistics sums core.search.token_contributions (gradient definition)."""
-    from bapo.core.diagnostics import token_ratio
+    from bapo.core.batch import TokenBatch
     from bapo.core.search import positive_share
 
     generator = torch.Generator().manual_seed(3)
@@ -233,10 +233,10 @@ def test_the_diagnostics_share_is_the_searchs_positive_share():
     advantages = torch.randn(4, generator=generator)
     mask = torch.rand(4, 6, generator=generator) > 0.2
     weights = torch.rand(4, 6, generator=generator) * 2
-    ratio = token_ratio(log_prob, old_log_prob)
+    batch = TokenBatch.from_log_probs(log_prob, old_log_prob, advantages, mask, importance_weights=weights)
     for lower, upper in ((0.8, 1.2), (0.6, 2.0)):
         metrics = clip_diagnostics(log_prob, old_log_prob, advantages, mask, lower, upper, importance_weights=weights)
-        expected = positive_share(ratio, advantages, mask, lower, upper, weights=weights)
+        expected = positive_share(batch, lower, upper)
         assert metrics["positive_share"] == pytest.approx(expected, rel=1e-12)
 
 

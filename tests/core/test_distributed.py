@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from bapo.core import BAPOConfig, BoundStats, search_bounds
+from bapo.core import BAPOConfig, BoundStats, TokenBatch, search_bounds
 
 CONFIGS = {
     "gradient": BAPOConfig(target=0.5, lower_step=0.05, upper_step=0.05),
@@ -15,23 +15,24 @@ CONFIGS = {
 }
 
 
-def make_data():
+def make_data() -> TokenBatch:
     generator = torch.Generator().manual_seed(7)
     ratio = torch.exp(0.7 * torch.randn(10, 16, generator=generator))
     advantages = torch.randn(10, generator=generator) - 0.4  # negative-leaning: the search must move
     mask = torch.rand(10, 16, generator=generator) > 0.2
-    behaviour_log_prob = -2 * torch.rand(10, 16, generator=generator)
-    return ratio, advantages, mask, behaviour_log_prob
+    old_log_prob = -2 * torch.rand(10, 16, generator=generator)
+    return TokenBatch(ratio=ratio, advantages=advantages, mask=mask, old_log_prob=old_log_prob)
 
 
-def shard(rank, ratio, advantages, mask, behaviour_log_prob):
+def shard(rank, batch: TokenBatch) -> list[TokenBatch]:
     """Rank 0 holds rows 0-2 in one micro-batch; rank 1 holds rows 3-9 in three micro-batches."""
     pieces = [slice(0, 3)] if rank == 0 else [slice(3, 5), slice(5, 6), slice(6, 10)]
-    return [(ratio[p], advantages[p], mask[p], behaviour_log_prob[p]) for p in pieces]
-
-
-def search(ratio, advantages, mask, behaviour_log_prob, cfg):
-    return search_bounds(ratio, advantages, mask, cfg, behaviour_log_prob=behaviour_log_prob)
+    return [
+        TokenBatch(
+            ratio=batch.ratio[p], advantages=batch.advantages[p], mask=batch.mask[p], old_log_prob=batch.old_log_prob[p]
+        )
+        for p in pieces
+    ]
 
 
 def worker(rank, world_size, init_file, results):
@@ -49,8 +50,8 @@ def worker(rank, world_size, init_file, results):
         for name, cfg in CONFIGS.items():
             calls.clear()
             stats = BoundStats(cfg)
-            for ratio, advantages, mask, behaviour_log_prob in shard(rank, *make_data()):
-                stats.add(ratio, advantages, mask, behaviour_log_prob=behaviour_log_prob)
+            for micro_batch in shard(rank, make_data()):
+                stats.add(micro_batch)
             found[name] = (stats.solve(), len(calls))  # torch.distributed is initialised: sums over ranks
         results[rank] = found
     finally:
@@ -63,14 +64,14 @@ def test_two_gloo_ranks_agree_with_the_concatenation(tmp_path):
     results = manager.dict()
     mp.spawn(worker, args=(2, str(tmp_path / "rendezvous"), results), nprocs=2, join=True)
     for name, cfg in CONFIGS.items():
-        whole = search(*make_data(), cfg)
+        whole = search_bounds(make_data(), cfg)
         assert whole.steps > 0, name  # the case exercises the search
         (found0, calls0), (found1, calls1) = results[0][name], results[1][name]
         assert found0 == found1  # bit-identical on both ranks
         assert (found0.lower, found0.upper, found0.steps) == (whole.lower, whole.upper, whole.steps), name
         assert abs(found0.positive_share - whole.positive_share) < 1e-12
         assert calls0 == calls1 == 1
-        local_only = search(*shard(0, *make_data())[0], cfg)
+        local_only = search_bounds(shard(0, make_data())[0], cfg)
         # without the all-reduce rank 0 would have seen another share (and mostly other bounds)
         assert (local_only.lower, local_only.upper, local_only.positive_share) != (
             whole.lower,

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from bapo.core import BAPOConfig, policy_loss, search_bounds
+from bapo.core import BAPOConfig, TokenBatch, policy_loss, search_bounds
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -15,12 +15,12 @@ def test_search_and_losses_on_cuda_match_cpu(dtype):
     advantages = torch.randn(64, generator=generator).to(dtype)
     mask = torch.rand(64, 256, generator=generator) > 0.2
     cfg = BAPOConfig(target=0.5, lower_step=0.05)
-    assert search_bounds(ratio.cuda(), advantages.cuda(), mask.cuda(), cfg) == search_bounds(
-        ratio, advantages, mask, cfg
-    )
+    batch = TokenBatch(ratio=ratio, advantages=advantages, mask=mask)
+    on_cuda = TokenBatch(ratio=ratio.cuda(), advantages=advantages.cuda(), mask=mask.cuda())
+    assert search_bounds(on_cuda, cfg) == search_bounds(batch, cfg)
     log_prob = ratio.float().log()
     for method in ("grpo", "bapo", "dcpo", "topr"):
-        params = {"bounds": search_bounds(ratio, advantages, mask, cfg)} if method == "bapo" else {}
+        params = {"bounds": search_bounds(batch, cfg)} if method == "bapo" else {}
         cpu_loss, cpu_metrics = policy_loss(
             log_prob, torch.zeros_like(log_prob), advantages.float(), mask, method, **params
         )

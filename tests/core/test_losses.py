@@ -1,5 +1,6 @@
 """Losses: formulas, gradients per token, aggregation, finiteness on extreme inputs, bad input."""
 
+import dataclasses
 import math
 
 import pytest
@@ -14,6 +15,7 @@ from bapo.core import (
     BAPOStep,
     BoundStats,
     PromptRewardHistory,
+    TokenBatch,
     aggregate_loss,
     group_advantages,
     policy_loss,
@@ -99,7 +101,8 @@ def test_bapo_uses_given_bounds_and_refuses_to_run_without_them():
     advantages = torch.randn(4, generator=generator)
     mask = torch.ones(4, 10)
     cfg = BAPOConfig(target=0.5)
-    found = BoundStats(cfg).add(token_ratio(log_prob, old), advantages, mask).solve(sync=False)
+    found = BoundStats(cfg).add(TokenBatch(ratio=token_ratio(log_prob, old), advantages=advantages, mask=mask))
+    found = found.solve(sync=False)
     _, searched = policy_loss(log_prob, old, advantages, mask, "bapo", bounds=found)  # a SearchResult serves
     assert (searched["lower"], searched["upper"]) == (found.lower, found.upper)
     with pytest.raises(ValueError, match="^bounds: .*BAPOStep"):  # the loss does no search of its own
@@ -155,7 +158,7 @@ def required_params(method: str, log_prob, old_log_prob, advantages, mask) -> di
     )
     step = BAPOStep(BAPOConfig(scope="micro_batch"))
     step.begin()
-    return {"bounds": step.bounds_for(ratio, advantages.float(), mask)}
+    return {"bounds": step.bounds_for(TokenBatch(ratio=ratio, advantages=advantages.float(), mask=mask))}
 
 
 @settings(max_examples=60, deadline=None)
@@ -250,13 +253,15 @@ def test_bapo_micro_batch_bounds_weigh_tokens_by_importance_weights():
     cfg = BAPOConfig(target=0.5, lower_step=0.05, scope="micro_batch")
     step = BAPOStep(cfg)
     step.begin()
-    ratio = token_ratio(log_prob, torch.zeros(4, 12))
-    searched = step.bounds_for(ratio, advantages, mask, weights=weights)
+    batch = TokenBatch(
+        ratio=token_ratio(log_prob, torch.zeros(4, 12)), advantages=advantages, mask=mask, importance_weights=weights
+    )
+    searched = step.bounds_for(batch)
     _, metrics = policy_loss(
         log_prob, torch.zeros(4, 12), advantages, mask, "bapo", bounds=searched, importance_weights=weights
     )
-    found = BoundStats(cfg).add(ratio, advantages, mask, weights=weights).solve(sync=False)
-    unweighted = BoundStats(cfg).add(ratio, advantages, mask).solve(sync=False)
+    found = BoundStats(cfg).add(batch).solve(sync=False)
+    unweighted = BoundStats(cfg).add(dataclasses.replace(batch, importance_weights=None)).solve(sync=False)
     assert (metrics["lower"], metrics["upper"]) == (found.lower, found.upper)
     assert searched.positive_share == found.positive_share != unweighted.positive_share
 

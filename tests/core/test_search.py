@@ -1,6 +1,7 @@
 """The one-pass BAPO search returns exactly what the loop of each definition returns
 (gradient share, paper Eq. 8, public recipe), token by token, on thousands of cases."""
 
+import dataclasses
 import math
 
 import pytest
@@ -9,8 +10,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bapo.core import (
+    POLICY_LOSSES,
     BAPOConfig,
     BoundStats,
+    TokenBatch,
     candidate_grid,
     positive_share,
     search_bounds,
@@ -130,7 +133,7 @@ def test_search_equals_the_reference_loop_of_each_definition(definition):
     @given(token_batches(DEFINITIONS[definition]))
     def check(case):
         cfg, ratio, advantages, mask, log_q = case
-        found = search_bounds(ratio, advantages, mask, cfg, behaviour_log_prob=log_q)
+        found = search_bounds(TokenBatch(ratio=ratio, advantages=advantages, mask=mask, old_log_prob=log_q), cfg)
         _same_search(found, reference_search(ratio, advantages, mask, cfg, behaviour_log_prob=log_q))
         if not found.no_signal:
             share = reference_share(ratio, advantages, mask, found.lower, found.upper, cfg, behaviour_log_prob=log_q)
@@ -153,8 +156,9 @@ def test_micro_batches_add_up_to_the_whole_batch(case, pieces):
     stats = BoundStats(cfg)
     for part in range(pieces):  # split along the batch axis, some pieces may be empty
         rows = slice(part * ratio.shape[0] // pieces, (part + 1) * ratio.shape[0] // pieces)
-        stats.add(ratio[rows], advantages[rows], mask[rows], behaviour_log_prob=log_q[rows])
-    found, whole = stats.solve(sync=False), search_bounds(ratio, advantages, mask, cfg, behaviour_log_prob=log_q)
+        stats.add(TokenBatch(ratio=ratio[rows], advantages=advantages[rows], mask=mask[rows], old_log_prob=log_q[rows]))
+    batch = TokenBatch(ratio=ratio, advantages=advantages, mask=mask, old_log_prob=log_q)
+    found, whole = stats.solve(sync=False), search_bounds(batch, cfg)
     assert (found.lower, found.upper, found.steps, found.no_signal) == (
         whole.lower,
         whole.upper,
@@ -170,15 +174,14 @@ def test_positive_share_matches_each_definition_and_moves_the_documented_way(cas
     cfg, ratio, advantages, mask, log_q = case
     lower = cfg.lower_grid[min(lower_k, len(cfg.lower_grid) - 1)]
     upper = cfg.upper_grid[min(upper_j, len(cfg.upper_grid) - 1)]
-    share = positive_share(ratio, advantages, mask, lower, upper, cfg, behaviour_log_prob=log_q)
+    batch = TokenBatch(ratio=ratio, advantages=advantages, mask=mask, old_log_prob=log_q)
+    share = positive_share(batch, lower, upper, cfg)
     expected = reference_share(ratio, advantages, mask, lower, upper, cfg, behaviour_log_prob=log_q)
     assert share == pytest.approx(expected, rel=1e-12, abs=1e-15, nan_ok=True)
     if math.isnan(share):
         return
-    wider_upper = positive_share(ratio, advantages, mask, lower, upper + 0.3, cfg, behaviour_log_prob=log_q)
-    higher_lower = positive_share(
-        ratio, advantages, mask, min(lower + 0.05, 0.99), upper, cfg, behaviour_log_prob=log_q
-    )
+    wider_upper = positive_share(batch, lower, upper + 0.3, cfg)
+    higher_lower = positive_share(batch, min(lower + 0.05, 0.99), upper, cfg)
     assert wider_upper >= share - 1e-12  # raising c_high admits (or counts more of) positive tokens
     if cfg.contribution == "gradient":
         assert higher_lower >= share - 1e-12 or math.isnan(higher_lower)  # drops low-probability negatives
@@ -225,8 +228,11 @@ def test_random_continuous_batches_bf16_and_weights():
         weights = torch.rand(shape, generator=generator) * 2
         if trial % 2:
             ratio, advantages, log_q = ratio.bfloat16(), advantages.bfloat16(), log_q.bfloat16()
+        batch = TokenBatch(
+            ratio=ratio, advantages=advantages, mask=mask, old_log_prob=log_q, importance_weights=weights
+        )
         for cfg in GRADIENT + PAPER + RECIPE:
-            found = search_bounds(ratio, advantages, mask, cfg, weights=weights, behaviour_log_prob=log_q)
+            found = search_bounds(batch, cfg)
             expected = reference_search(ratio, advantages, mask, cfg, weights=weights, behaviour_log_prob=log_q)
             _same_search(found, expected)
 
@@ -235,18 +241,19 @@ def test_no_signal_is_missing_not_one():
     ratio = torch.ones(2, 3)
     for cfg in (GRADIENT[0], PAPER[0], RECIPE[0]):
         for advantages, mask in ((torch.zeros(2, 3), torch.ones(2, 3)), (torch.ones(2, 3), torch.zeros(2, 3))):
-            found = search_bounds(ratio, advantages, mask, cfg, behaviour_log_prob=torch.zeros(2, 3))
+            batch = TokenBatch(ratio=ratio, advantages=advantages, mask=mask, old_log_prob=torch.zeros(2, 3))
+            found = search_bounds(batch, cfg)
             assert found.no_signal and (found.lower, found.upper, found.steps) == (cfg.lower_start, cfg.upper_start, 0)
             assert all(math.isnan(v) for v in (found.positive_share, found.reached, found.pos_neg))
-            assert math.isnan(
-                positive_share(ratio, advantages, mask, 0.8, 1.2, cfg, behaviour_log_prob=torch.zeros(2, 3))
-            )
+            assert math.isnan(positive_share(batch, 0.8, 1.2, cfg))
             assert found.metrics()["no_signal"] == 1.0
 
 
 def test_all_negative_exhausts_the_path_and_reports_not_reached():
     cfg = GRADIENT[0]
-    found = search_bounds(torch.full((2, 4), 1.0), -torch.ones(2, 4), torch.ones(2, 4), cfg)
+    found = search_bounds(
+        TokenBatch(ratio=torch.full((2, 4), 1.0), advantages=-torch.ones(2, 4), mask=torch.ones(2, 4)), cfg
+    )
     assert found.reached == 0.0 and not found.no_signal and found.positive_share == 0.0
     assert (found.lower, found.upper) == (cfg.lower_grid[-1], cfg.upper_grid[-1])
     assert found.steps == len(cfg.lower_grid) + len(cfg.upper_grid) - 2
@@ -254,7 +261,8 @@ def test_all_negative_exhausts_the_path_and_reports_not_reached():
 
 def test_upper_first_admits_low_probability_positives():
     # Positive tokens whose ratio is 2.0 count only once upper reaches 2.0.
-    found = search_bounds(torch.tensor([[2.0, 1.0]]), torch.tensor([[1.0, -1.0]]), torch.ones(1, 2), GRADIENT[0])
+    batch = TokenBatch(ratio=torch.tensor([[2.0, 1.0]]), advantages=torch.tensor([[1.0, -1.0]]), mask=torch.ones(1, 2))
+    found = search_bounds(batch, GRADIENT[0])
     assert found.upper == pytest.approx(2.0) and found.lower == 0.6 and found.reached == 1.0
     assert found.positive_share == pytest.approx(2 / 3) and found.pos_neg == pytest.approx(2.0)
 
@@ -264,16 +272,17 @@ def test_the_definitions_choose_different_bounds_on_one_batch():
     ratio = torch.tensor([[2.4, 1.0, 0.5]], dtype=torch.float64)
     advantages = torch.tensor([[1.0, -1.0, -1.0]], dtype=torch.float64)
     log_q = torch.log(torch.tensor([[0.25, 0.5, 0.5]], dtype=torch.float64))
+    batch = TokenBatch(ratio=ratio, advantages=advantages, mask=torch.ones(1, 3), old_log_prob=log_q)
     # gradient: at (0.6, 1.2) pos 0 / neg 1.0 (r=0.5 clipped); upper reaches 2.4 -> share 2.4/3.4 >= 0.5.
-    gradient = search_bounds(ratio, advantages, torch.ones(1, 3), BAPOConfig(target=0.5, lower_step=0.05))
+    gradient = search_bounds(batch, BAPOConfig(target=0.5, lower_step=0.05))
     assert gradient.upper == pytest.approx(2.4) and gradient.positive_share == pytest.approx(2.4 / 3.4)
     # recipe: pos min(2.4, c_high), neg 1 + max(0.5, c_low) = 1.6..1.8; lower first to 0.8 (1.8), then
     # upper up to 2.0 (pos 2.0 >= 1.8 at c_high 1.8 + eps): the first c_high with c_high / 1.8 >= 1.
-    recipe = search_bounds(ratio, advantages, torch.ones(1, 3), BAPOConfig.recipe())
+    recipe = search_bounds(batch, BAPOConfig.recipe())
     assert (recipe.lower, recipe.upper) == (0.8, pytest.approx(1.85)) and recipe.reached == 1.0
     # paper Eq. 8: pos 0.25*min(2.4, c_high), neg 0.5*(1 + max(0.5, c_low)) = 0.8 at the start:
     # share 0.3/1.1 < 0.4 at c_high 1.2; 0.25*c_high / (0.25*c_high + 0.8) >= 0.4 needs c_high >= 2.1333.
-    paper = search_bounds(ratio, advantages, torch.ones(1, 3), BAPOConfig.paper(), behaviour_log_prob=log_q)
+    paper = search_bounds(batch, BAPOConfig.paper())
     assert (paper.lower, paper.upper) == (0.6, pytest.approx(2.15))
     assert paper.positive_share == pytest.approx(0.25 * 2.15 / (0.25 * 2.15 + 0.8))
 
@@ -306,16 +315,30 @@ def test_presets_are_the_papers_and_the_recipes():
 
 
 def test_behaviour_prob_weighting_needs_the_behaviour_log_prob():
-    with pytest.raises(ValueError, match="behaviour_log_prob"):
-        search_bounds(torch.ones(1, 2), torch.ones(1, 2), torch.ones(1, 2), BAPOConfig.paper())
-    with pytest.raises(ValueError, match="behaviour_log_prob"):
-        search_bounds(
-            torch.ones(1, 2),
-            torch.ones(1, 2),
-            torch.ones(1, 2),
-            BAPOConfig.paper(),
-            behaviour_log_prob=torch.ones(1, 2),
-        )  # a log-prob > 0
+    ones = torch.ones(1, 2)
+    with pytest.raises(ValueError, match="^old_log_prob: required"):
+        search_bounds(TokenBatch(ratio=ones, advantages=ones, mask=ones), BAPOConfig.paper())
+    with pytest.raises(ValueError, match="^old_log_prob: must be <= 0"):  # a log-prob > 0
+        search_bounds(TokenBatch(ratio=ones, advantages=ones, mask=ones, old_log_prob=ones), BAPOConfig.paper())
+
+
+def test_a_batch_without_log_probs_serves_the_search_and_no_loss():
+    """A TokenBatch built from a ratio alone holds no made-up log-probs: the search runs on it, and a
+    loss that reads the log-probs refuses it naming the missing field."""
+    batch = TokenBatch(ratio=torch.tensor([[2.0, 1.0]]), advantages=torch.tensor([1.0]), mask=torch.ones(1, 2))
+    assert not search_bounds(batch, GRADIENT[0]).no_signal
+    with pytest.raises(ValueError, match="^log_prob: "):
+        POLICY_LOSSES["topr"](batch)
+    with pytest.raises(ValueError, match="^old_log_prob: "):
+        POLICY_LOSSES["dcpo"](dataclasses.replace(batch, log_prob=torch.zeros(1, 2)))
+
+
+def test_a_fresh_batch_has_ratio_one_in_the_behaviour_log_probs_precision():
+    old_log_prob = torch.full((2, 3), -0.5, dtype=torch.float64)
+    fresh = TokenBatch.fresh(torch.ones(2), torch.ones(2, 3), old_log_prob=old_log_prob)
+    assert fresh.ratio.dtype == torch.float64 and bool((fresh.ratio == 1.0).all())
+    assert fresh.log_prob is old_log_prob and fresh.old_log_prob is old_log_prob  # the current policy sampled
+    assert TokenBatch.fresh(torch.ones(2), torch.ones(2, 3)).ratio.dtype == torch.float32
 
 
 def test_token_contributions_sum_to_the_searched_share():
@@ -323,10 +346,9 @@ def test_token_contributions_sum_to_the_searched_share():
     ratio = torch.exp(0.5 * torch.randn(4, 9, generator=generator))
     advantages, log_q = torch.randn(4, 9, generator=generator), -torch.rand(4, 9, generator=generator)
     for cfg in (GRADIENT[2], PAPER[0], RECIPE[0]):
-        found = search_bounds(ratio, advantages, torch.ones(4, 9), cfg, behaviour_log_prob=log_q)
-        positive, negative = token_contributions(
-            ratio, advantages, torch.ones(4, 9), found.lower, found.upper, cfg, behaviour_log_prob=log_q
-        )
+        batch = TokenBatch(ratio=ratio, advantages=advantages, mask=torch.ones(4, 9), old_log_prob=log_q)
+        found = search_bounds(batch, cfg)
+        positive, negative = token_contributions(batch, found.lower, found.upper, cfg)
         assert found.positive_share == pytest.approx(
             float(positive.sum() / (positive.sum() + negative.sum())), rel=1e-12
         )
@@ -344,9 +366,9 @@ def test_pos_neg_target_is_the_share_target_in_other_units():
     generator = torch.Generator().manual_seed(1)
     ratio = torch.exp(0.5 * torch.randn(6, 20, generator=generator))
     advantages = torch.randn(6, 20, generator=generator)
-    mask = torch.ones(6, 20)
-    share = search_bounds(ratio, advantages, mask, BAPOConfig(target=0.6))
-    pos_neg = search_bounds(ratio, advantages, mask, BAPOConfig(target=0.6 / 0.4, target_kind="pos_neg"))
+    batch = TokenBatch(ratio=ratio, advantages=advantages, mask=torch.ones(6, 20))
+    share = search_bounds(batch, BAPOConfig(target=0.6))
+    pos_neg = search_bounds(batch, BAPOConfig(target=0.6 / 0.4, target_kind="pos_neg"))
     assert (share.lower, share.upper) == (pos_neg.lower, pos_neg.upper)
 
 
@@ -386,8 +408,9 @@ def test_bad_config_names_the_field(kwargs, field):
     ],
 )
 def test_bad_input_names_the_argument(bad, name):
-    with pytest.raises(ValueError, match=name):
-        search_bounds(*bad, GRADIENT[0])
+    ratio, advantages, mask = bad
+    with pytest.raises(ValueError, match=f"^{name}: "):
+        search_bounds(TokenBatch(ratio=ratio, advantages=advantages, mask=mask), GRADIENT[0])
 
 
 @settings(deadline=None, derandomize=True)
@@ -396,7 +419,8 @@ def test_weights_scale_each_tokens_magnitude(case, weight_values):
     """A token of weight w counts with w*|A|: the reference loop on the same weights decides the same."""
     cfg, ratio, advantages, mask, log_q = case
     weights = torch.tensor(weight_values[: ratio.numel()], dtype=ratio.dtype).reshape(ratio.shape)
-    found = search_bounds(ratio, advantages, mask, cfg, weights=weights, behaviour_log_prob=log_q)
+    batch = TokenBatch(ratio=ratio, advantages=advantages, mask=mask, old_log_prob=log_q, importance_weights=weights)
+    found = search_bounds(batch, cfg)
     _same_search(found, reference_search(ratio, advantages, mask, cfg, weights=weights, behaviour_log_prob=log_q))
-    with pytest.raises(ValueError, match="weights"):
-        search_bounds(ratio, advantages, mask, cfg, weights=-torch.ones_like(ratio), behaviour_log_prob=log_q)
+    with pytest.raises(ValueError, match="^importance_weights: must be >= 0"):
+        search_bounds(dataclasses.replace(batch, importance_weights=-torch.ones_like(ratio)), cfg)

@@ -7,7 +7,15 @@ import warnings
 import pytest
 import torch
 
-from bapo.core import BAPOConfig, BAPOStep, BoundStats, MissingStepStateWarning, search_bounds, token_ratio
+from bapo.core import (
+    BAPOConfig,
+    BAPOStep,
+    BoundStats,
+    MissingStepStateWarning,
+    TokenBatch,
+    search_bounds,
+    token_ratio,
+)
 
 
 def micro_batches(count: int = 3, seed: int = 0) -> list[dict[str, torch.Tensor]]:
@@ -28,8 +36,8 @@ def micro_batches(count: int = 3, seed: int = 0) -> list[dict[str, torch.Tensor]
     return batches
 
 
-def tensors(batch: dict) -> tuple:
-    return batch["ratio"], batch["advantages"], batch["mask"]
+def search_batch(batch: dict) -> TokenBatch:
+    return TokenBatch(ratio=batch["ratio"], advantages=batch["advantages"], mask=batch["mask"])
 
 
 def test_step_scope_solves_once_over_every_micro_batch():
@@ -39,16 +47,16 @@ def test_step_scope_solves_once_over_every_micro_batch():
     step.begin(micro_batches=len(batches))
     assert step.needs_pre_pass()
     for batch in batches:
-        step.observe(*tensors(batch))
+        step.observe(search_batch(batch))
     solved = step.solve(sync=False)
     expected = BoundStats(config)
     for batch in batches:
-        expected.add(*tensors(batch))
+        expected.add(search_batch(batch))
     assert solved == expected.solve(sync=False) == step.solved
     # every micro-batch's loss gets the step's bounds, whatever its own ratios say
-    alone = [search_bounds(*tensors(batch), config) for batch in batches]
+    alone = [search_bounds(search_batch(batch), config) for batch in batches]
     assert len({(found.lower, found.upper) for found in alone}) > 1
-    assert all(step.bounds_for(*tensors(batch)) == solved for batch in batches)
+    assert all(step.bounds_for(search_batch(batch)) == solved for batch in batches)
     metrics = step.metrics()
     tokens = sum(int(batch["mask"].sum()) for batch in batches)
     assert (metrics["bapo/search/lower"], metrics["bapo/search/upper"]) == (solved.lower, solved.upper)
@@ -62,8 +70,8 @@ def test_micro_batch_scope_searches_each_micro_batch_and_needs_no_pre_pass():
     step = BAPOStep(config)
     step.begin(micro_batches=len(batches))
     assert not step.needs_pre_pass() and not step.needs_pre_pass(fresh=True)
-    found = [step.bounds_for(*tensors(batch)) for batch in batches]
-    assert found == [search_bounds(*tensors(batch), config) for batch in batches]
+    found = [step.bounds_for(search_batch(batch)) for batch in batches]
+    assert found == [search_bounds(search_batch(batch), config) for batch in batches]
     counts = [int(batch["mask"].sum()) for batch in batches]
     metrics = step.metrics()
     assert metrics["bapo/search/upper"] == pytest.approx(sum(f.upper * n for f, n in zip(found, counts)) / sum(counts))
@@ -78,7 +86,7 @@ def test_step_scope_with_one_micro_batch_searches_it_from_its_own_forward():
     step = BAPOStep(config)
     step.begin(micro_batches=1)
     assert not step.needs_pre_pass() and step.needs_pre_pass(fresh=True)  # fresh: the pre-pass is free
-    assert step.bounds_for(*tensors(batch)) == search_bounds(*tensors(batch), config)
+    assert step.bounds_for(search_batch(batch)) == search_bounds(search_batch(batch), config)
     assert len(step.searches) == 1
 
 
@@ -86,7 +94,7 @@ def test_step_scope_refuses_bounds_before_the_pre_pass():
     step = BAPOStep(BAPOConfig())
     step.begin(micro_batches=2)
     with pytest.raises(RuntimeError, match="observe on every micro-batch and solve"):
-        step.bounds_for(*tensors(micro_batches(1)[0]))
+        step.bounds_for(search_batch(micro_batches(1)[0]))
 
 
 def test_fresh_batch_observes_ratio_one_without_a_ratio():
@@ -96,8 +104,8 @@ def test_fresh_batch_observes_ratio_one_without_a_ratio():
     for step in (fresh, explicit):
         step.begin(micro_batches=len(batches))
     for batch in batches:
-        fresh.observe(None, batch["advantages"], batch["mask"], behaviour_log_prob=batch["behaviour_log_prob"])
-        explicit.observe(torch.ones(4, 6), batch["advantages"], batch["mask"])
+        fresh.observe(TokenBatch.fresh(batch["advantages"], batch["mask"], old_log_prob=batch["behaviour_log_prob"]))
+        explicit.observe(TokenBatch(ratio=torch.ones(4, 6), advantages=batch["advantages"], mask=batch["mask"]))
     assert fresh.solve(sync=False) == explicit.solve(sync=False)
 
 
@@ -108,13 +116,13 @@ def test_begin_starts_each_update_afresh():
     for batches in (first, second):
         step.begin(micro_batches=2)
         for batch in batches:
-            step.observe(*tensors(batch))
+            step.observe(search_batch(batch))
         solved = step.solve(sync=False)
         step.end()
     alone = BAPOStep(config)
     alone.begin(micro_batches=2)
     for batch in second:
-        alone.observe(*tensors(batch))
+        alone.observe(search_batch(batch))
     assert solved == alone.solve(sync=False) and len(step.searches) == 1
 
 
@@ -185,4 +193,5 @@ def test_padding_ratios_are_never_read():
     padded[0, -1] = float("inf") if not batch["mask"][0, -1] else padded[0, -1]
     step = BAPOStep(config)
     step.begin()
-    assert step.bounds_for(padded, batch["advantages"], batch["mask"]) == search_bounds(*tensors(batch), config)
+    padded_batch = TokenBatch(ratio=padded, advantages=batch["advantages"], mask=batch["mask"])
+    assert step.bounds_for(padded_batch) == search_bounds(search_batch(batch), config)

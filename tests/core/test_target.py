@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from bapo.core import BAPOConfig, BAPOStep, policy_loss, token_ratio
+from bapo.core import BAPOConfig, BAPOStep, TokenBatch, policy_loss
 from bapo.core.target import EntropyTargetController, token_mean_over_ranks
 
 ENTROPY = {"target": 0.5, "target_mode": "entropy", "target_min": 0.2, "target_max": 0.8}
@@ -99,7 +99,7 @@ def test_reacts_in_the_documented_direction_on_a_tabular_softmax_policy():
         advantages = (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-6)
         log_prob, mask = torch.log_softmax(logits, -1)[actions], torch.ones(8, 8, dtype=torch.bool)
         step.begin(micro_batches=1)  # one micro-batch: its own forward serves the step's search
-        bounds = step.bounds_for(token_ratio(log_prob, behaviour[actions]), advantages, mask)
+        bounds = step.bounds_for(TokenBatch.from_log_probs(log_prob.detach(), behaviour[actions], advantages, mask))
         loss, metrics = policy_loss(log_prob, behaviour[actions], advantages, mask, "bapo", bounds=bounds)
         optimizer.zero_grad()
         loss.backward()

@@ -24,6 +24,7 @@ from trl import GRPOTrainer  # noqa: E402
 
 from bapo.core import (  # noqa: E402
     BAPOConfig,
+    TokenBatch,
     clip_statistics,
     policy_loss,
     positive_share,
@@ -172,10 +173,13 @@ def test_bapo_bounds_see_the_whole_optimizer_step_and_loss_equals_core(tiny_mode
         )
         assert (ratios - 1).abs().max() > 0.3  # off-policy: the bounds matter
         expected_bounds = search_bounds(
-            ratios, torch.cat([t[3] for t in tensors]), torch.cat([t[2] for t in tensors]), config
+            TokenBatch(
+                ratio=ratios, advantages=torch.cat([t[3] for t in tensors]), mask=torch.cat([t[2] for t in tensors])
+            ),
+            config,
         )
         per_micro_batch = [
-            search_bounds(token_ratio(lp, batch["old_per_token_logps"]), adv, mask, config)
+            search_bounds(TokenBatch.from_log_probs(lp, batch["old_per_token_logps"], adv, mask), config)
             for (lp, _, mask, adv), batch in zip(tensors, step_batches)
         ]
         # a per-micro-batch search would have used other bounds (checked over both steps below)
@@ -246,7 +250,9 @@ def test_micro_batch_scope_solves_each_micro_batch_from_its_own_forward(tiny_mod
         log_prob, entropy = current_log_prob(trainer, batch)
         mask = batch["completion_mask"]
         advantages = batch["advantages"][:, None].expand_as(mask)
-        found = search_bounds(token_ratio(log_prob, batch["old_per_token_logps"]), advantages, mask, config)
+        found = search_bounds(
+            TokenBatch.from_log_probs(log_prob, batch["old_per_token_logps"], advantages, mask), config
+        )
         found_all.append(found)
         calls = len(forwards)
         loss = trainer._compute_loss(trainer.model, batch)
@@ -322,13 +328,9 @@ def test_vllm_importance_weights_and_kl_match_trl(tiny_model_dir, tmp_path):
     ratios = torch.cat([token_ratio(lp, batch["old_per_token_logps"]) for lp, batch in zip(log_probs, step)])
     masks = torch.cat([batch["completion_mask"] for batch in step])
     weighted = torch.cat([batch["advantages"][:, None] * batch["importance_sampling_ratio"] for batch in step])
-    expected = search_bounds(ratios, weighted, masks, bapo.args.bapo_config())
-    unweighted = search_bounds(
-        ratios,
-        torch.cat([batch["advantages"][:, None].expand_as(batch["completion_mask"]) for batch in step]),
-        masks,
-        bapo.args.bapo_config(),
-    )
+    expected = search_bounds(TokenBatch(ratio=ratios, advantages=weighted, mask=masks), bapo.args.bapo_config())
+    advantages = torch.cat([batch["advantages"][:, None].expand_as(batch["completion_mask"]) for batch in step])
+    unweighted = search_bounds(TokenBatch(ratio=ratios, advantages=advantages, mask=masks), bapo.args.bapo_config())
     assert unweighted.upper != expected.upper  # the weights change the answer on this batch
     bapo._compute_loss(bapo.model, step[0])
     assert (bapo.bapo_step.solved.lower, bapo.bapo_step.solved.upper) == (expected.lower, expected.upper)
@@ -353,9 +355,9 @@ def test_opsm_and_vllm_weights_reach_the_search_and_the_loss_alike(tiny_model_di
     seen: dict[str, list] = {"observe": [], "loss": []}
     real_observe, real_loss = BAPOStep.observe, trainer_module.policy_loss
 
-    def observe(self, *args, weights=None, **kwargs):
-        seen["observe"].append(weights)
-        return real_observe(self, *args, weights=weights, **kwargs)
+    def observe(self, batch, **kwargs):
+        seen["observe"].append(batch.importance_weights)
+        return real_observe(self, batch, **kwargs)
 
     def loss(*args, importance_weights=None, **kwargs):
         seen["loss"].append(importance_weights)
@@ -649,7 +651,10 @@ def test_step_logs_lengths_by_advantage_sign_and_the_share_at_the_start_bounds(t
     lengths, advantage = torch.cat(masks).sum(1).double(), torch.cat(advantages)
     config = trainer.args.bapo_config()
     expected_share = positive_share(
-        torch.cat(ratios), advantage, torch.cat(masks), config.lower_start, config.upper_start, config
+        TokenBatch(ratio=torch.cat(ratios), advantages=advantage, mask=torch.cat(masks)),
+        config.lower_start,
+        config.upper_start,
+        config,
     )
     metrics = trainer._metrics["train"]
     assert metrics["bapo/response_length/rewarded"] == [pytest.approx(float(lengths[advantage > 0].mean()))]

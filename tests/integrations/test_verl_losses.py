@@ -16,11 +16,11 @@ from bapo.core import (  # noqa: E402
     BAPOConfig,
     BAPOStep,
     SearchResult,
+    TokenBatch,
     aggregate_loss,
     policy_loss,
     positive_share,
     search_bounds,
-    token_ratio,
 )
 from bapo.integrations.verl import BAPOPolicyLossConfig, core_aggregation  # noqa: E402
 
@@ -243,11 +243,14 @@ def test_micro_batch_scope_searches_this_micro_batch(weighted):
     config = actor_config("token-mean", in_step(policy_loss_config), {})
     loss, grad, metrics = run_registered("bapo", "token-mean", config, tokens, weighted)
     found = search_bounds(
-        token_ratio(tokens["log_prob"], tokens["old_log_prob"]),
-        tokens["advantages"],
-        tokens["response_mask"].bool(),
+        TokenBatch.from_log_probs(
+            tokens["log_prob"],
+            tokens["old_log_prob"],
+            tokens["advantages"],
+            tokens["response_mask"].bool(),
+            importance_weights=tokens["rollout_is_weights"] if weighted else None,
+        ),
         policy_loss_config.bapo_config(),
-        weights=tokens["rollout_is_weights"] if weighted else None,
     )
     assert (metrics["actor/bapo/search/lower"], metrics["actor/bapo/search/upper"]) == (found.lower, found.upper)
     assert metrics["actor/bapo/search/scope"] == 1.0
@@ -266,11 +269,12 @@ def test_micro_batch_scope_searches_with_the_step_config_and_logs_its_target():
     step_config = dataclasses.replace(policy_loss_config.bapo_config(), target=0.75)
     config = actor_config("token-mean", in_step(policy_loss_config, target=0.75), {})
     _, _, metrics = run_registered("bapo", "token-mean", config, tokens, False)
-    ratio = token_ratio(tokens["log_prob"], tokens["old_log_prob"])
-    mask = tokens["response_mask"].bool()
-    found = search_bounds(ratio, tokens["advantages"], mask, step_config)
+    batch = TokenBatch.from_log_probs(
+        tokens["log_prob"], tokens["old_log_prob"], tokens["advantages"], tokens["response_mask"].bool()
+    )
+    found = search_bounds(batch, step_config)
     assert (metrics["actor/bapo/search/lower"], metrics["actor/bapo/search/upper"]) == (found.lower, found.upper)
-    own = search_bounds(ratio, tokens["advantages"], mask, policy_loss_config.bapo_config())
+    own = search_bounds(batch, policy_loss_config.bapo_config())
     assert (own.lower, own.upper) != (found.lower, found.upper)  # the step's rho0 mattered
     assert metrics["actor/bapo/target"] == 0.75
 
@@ -301,9 +305,9 @@ def test_plain_policy_loss_config_searches_per_micro_batch():
     config = actor_config("token-mean", PolicyLossConfig(loss_mode="bapo"), {})
     loss, grad, metrics = run_registered("bapo", "token-mean", config, tokens, False)
     found = search_bounds(
-        token_ratio(tokens["log_prob"], tokens["old_log_prob"]),
-        tokens["advantages"],
-        tokens["response_mask"].bool(),
+        TokenBatch.from_log_probs(
+            tokens["log_prob"], tokens["old_log_prob"], tokens["advantages"], tokens["response_mask"].bool()
+        ),
         BAPOConfig(),
     )
     assert (metrics["actor/bapo/search/lower"], metrics["actor/bapo/search/upper"]) == (found.lower, found.upper)
@@ -347,15 +351,17 @@ def test_every_registered_loss_logs_lengths_by_advantage_sign_and_the_share_at_t
     rewarded = (advantage > 0) & (lengths > 0)  # the empty row has no tokens: its masked advantage sum is 0
     assert metrics["actor/bapo/response_length/rewarded"] == pytest.approx(float(lengths[rewarded].mean()))
     assert metrics["actor/bapo/response_length/unrewarded"] == pytest.approx(float(lengths[~rewarded].mean()))
-    ratio = token_ratio(tokens["log_prob"], tokens["old_log_prob"])
     expected = positive_share(
-        ratio,
-        tokens["advantages"],
-        mask,
+        TokenBatch.from_log_probs(
+            tokens["log_prob"],
+            tokens["old_log_prob"],
+            tokens["advantages"],
+            mask,
+            importance_weights=tokens["rollout_is_weights"],
+        ),
         0.7,
         1.3,
         policy_loss_config.bapo_config(),
-        weights=tokens["rollout_is_weights"],
     )
     # the same float32 ratio and float64 sums on both sides
     assert metrics["actor/bapo/positive_share/start_bounds"] == pytest.approx(expected, rel=1e-12)

@@ -412,7 +412,7 @@ def direct_search(shards: list[TensorDict], per_rank_mini_batch: int):
     """bapo.core.search_bounds on every rank's first mini-batch, at the initial weights, in one process."""
     from verl.workers.utils.padding import no_padding_2_padding
 
-    from bapo.core import search_bounds, token_ratio
+    from bapo.core import TokenBatch, search_bounds, token_ratio
     from bapo.integrations.verl import BAPOPolicyLossConfig
 
     model, pieces = tiny_qwen2(), []
@@ -424,7 +424,7 @@ def direct_search(shards: list[TensorDict], per_rank_mini_batch: int):
         pieces.append((token_ratio(log_prob, tokens["old_log_probs"]), tokens["advantages"], tokens["response_mask"]))
     ratio, advantages, mask = (torch.cat(parts) for parts in zip(*pieces))
     config = BAPOPolicyLossConfig(**{k: v for k, v in LOSS_CONFIG.items() if k != "_target_"}).bapo_config()
-    return search_bounds(ratio, advantages, mask.bool(), config)
+    return search_bounds(TokenBatch(ratio=ratio, advantages=advantages, mask=mask.bool()), config)
 
 
 def free_port() -> int:
@@ -596,16 +596,19 @@ def test_pre_pass_and_loss_get_the_same_rollout_weights(monkeypatch):
     seen: dict[str, list] = {"observe": [], "bounds_for": [], "loss": []}
     real = {"observe": BAPOStep.observe, "bounds_for": BAPOStep.bounds_for, "loss": verl_losses.policy_loss}
 
-    def spy(name, keyword):
+    def spy(name, weights_of):
         def call(*args, **kwargs):
-            seen[name].append(kwargs.get(keyword))
+            seen[name].append(weights_of(args, kwargs))
             return real[name](*args, **kwargs)
 
         return call
 
-    monkeypatch.setattr(BAPOStep, "observe", spy("observe", "weights"))
-    monkeypatch.setattr(BAPOStep, "bounds_for", spy("bounds_for", "weights"))
-    monkeypatch.setattr(verl_losses, "policy_loss", spy("loss", "importance_weights"))
+    def batch_weights(args, kwargs):  # BAPOStep.observe / bounds_for(self, batch)
+        return args[1].importance_weights
+
+    monkeypatch.setattr(BAPOStep, "observe", spy("observe", batch_weights))
+    monkeypatch.setattr(BAPOStep, "bounds_for", spy("bounds_for", batch_weights))
+    monkeypatch.setattr(verl_losses, "policy_loss", spy("loss", lambda args, kwargs: kwargs.get("importance_weights")))
     policy_loss_config = BAPOPolicyLossConfig(**{k: v for k, v in LOSS_CONFIG.items() if k != "_target_"})
     config = actor_config("token-mean", policy_loss_config, {})
     step = BAPOStep(policy_loss_config.bapo_config())

@@ -188,13 +188,13 @@ def _spy_on_weights(monkeypatch) -> dict[str, list]:
         seen.setdefault("log_prob", []).append(args[0].detach())
         return real_loss(*args, importance_weights=importance_weights, **kwargs)
 
-    def observe(self, *args, weights=None, **kwargs):
-        seen["observe"].append(weights)
-        return real_observe(self, *args, weights=weights, **kwargs)
+    def observe(self, batch, **kwargs):
+        seen["observe"].append(batch.importance_weights)
+        return real_observe(self, batch, **kwargs)
 
-    def bounds_for(self, *args, weights=None, **kwargs):
-        seen["bounds_for"].append(weights)
-        return real_bounds(self, *args, weights=weights, **kwargs)
+    def bounds_for(self, batch, **kwargs):
+        seen["bounds_for"].append(batch.importance_weights)
+        return real_bounds(self, batch, **kwargs)
 
     monkeypatch.setattr(update_module, "policy_loss", loss)
     monkeypatch.setattr(BAPOStep, "observe", observe)

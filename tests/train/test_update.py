@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from bapo.core import policy_loss, positive_share, search_bounds, token_ratio
+from bapo.core import TokenBatch, policy_loss, positive_share, search_bounds, token_ratio
 from bapo.train import Trainer
 from bapo.train.logprobs import token_log_probs
 from bapo.train.update import behaviour_is_current, optimizer_update
@@ -71,9 +71,7 @@ def test_micro_batches_give_the_same_update(stale_setup, method):
     if method == "bapo":  # bounds of the whole update, not of any one micro-batch
         lp = batch_log_probs(trainer, batch)
         found = search_bounds(
-            token_ratio(lp, batch.old_log_prob),
-            batch.advantages,
-            batch.response_mask,
+            TokenBatch.from_log_probs(lp, batch.old_log_prob, batch.advantages, batch.response_mask),
             trainer.cfg.loss.bapo_config(),
         )
         assert (split["lower"], split["upper"]) == (found.lower, found.upper)
@@ -132,7 +130,9 @@ def test_micro_batch_scope_solves_each_micro_batch_alone(stale_setup):
         lp, _ = token_log_probs(
             model, mb.prompt_ids, mb.prompt_mask, mb.response_ids, mb.response_mask, cfg.rollout.temperature
         )
-        found = search_bounds(token_ratio(lp.detach(), mb.old_log_prob), mb.advantages, mb.response_mask, bapo_cfg)
+        found = search_bounds(
+            TokenBatch.from_log_probs(lp.detach(), mb.old_log_prob, mb.advantages, mb.response_mask), bapo_cfg
+        )
         found_all.append(found)
         tokens.append(mb.tokens)
         loss, _ = policy_loss(
@@ -181,7 +181,9 @@ def test_step_scope_skips_the_forward_on_a_fresh_batch(fresh_setup):
         lp = batch_log_prob(trainer.model, batch, cfg)
     ratio = token_ratio(lp, batch.old_log_prob)
     assert (ratio[batch.response_mask] - 1).abs().max() < 1e-4
-    found = search_bounds(ratio, batch.advantages, batch.response_mask, cfg.loss.bapo_config())
+    found = search_bounds(
+        TokenBatch(ratio=ratio, advantages=batch.advantages, mask=batch.response_mask), cfg.loss.bapo_config()
+    )
     assert (skipped["bapo/search/lower"], skipped["bapo/search/upper"]) == (found.lower, found.upper)
 
 
@@ -235,9 +237,7 @@ def test_update_logs_lengths_by_reward_and_the_share_at_bapos_start_bounds(stale
     log_prob = batch_log_prob(trainer.model, batch, cfg)
     config = cfg.loss.bapo_config()
     expected_share = positive_share(
-        token_ratio(log_prob.detach(), batch.old_log_prob),
-        batch.advantages,
-        batch.response_mask,
+        TokenBatch.from_log_probs(log_prob.detach(), batch.old_log_prob, batch.advantages, batch.response_mask),
         config.lower_start,
         config.upper_start,
         config,
@@ -252,5 +252,5 @@ def test_update_logs_lengths_by_reward_and_the_share_at_bapos_start_bounds(stale
         # the update's forward vs this test's (same weights, other micro-batch shapes): float32 rounding
         assert metrics["positive_share/start_bounds"] == pytest.approx(expected_share, rel=1e-4)
     # the stale ratios move tokens across the bounds: the share at the start bounds is not the one at 1
-    at_one = positive_share(torch.ones_like(log_prob), batch.advantages, batch.response_mask, 0.6, 1.2)
+    at_one = positive_share(TokenBatch.fresh(batch.advantages, batch.response_mask), 0.6, 1.2)
     assert abs(expected_share - at_one) > 1e-3

@@ -1,6 +1,7 @@
 """bapo.core: clipped policy losses, the BAPO bound search and its diagnostics (torch only, no I/O)."""
 
 from bapo.core.advantages import PromptRewardHistory, group_advantages, smooth_advantages
+from bapo.core.batch import TokenBatch
 from bapo.core.diagnostics import (
     ClipStats,
     clip_diagnostics,
@@ -16,7 +17,6 @@ from bapo.core.losses import (
     PAPER_AGG_MODES,
     POLICY_LOSSES,
     PROXIMAL_METHODS,
-    TokenBatch,
     TokenLoss,
     aggregate_loss,
     clipped_surrogate,

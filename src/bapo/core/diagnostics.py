@@ -18,12 +18,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from bapo.core.batch import LOG_RATIO_CLAMP, TokenBatch, compute_dtype, token_ratio
 from bapo.core.search import token_contributions
 from bapo.core.validation import per_token
 
-# log(ratio) is clamped before exp so that a log-prob gap of 1e4 gives a huge but finite ratio
-# (the same clamp verl applies); the gradient is zero beyond it.
-LOG_RATIO_CLAMP = 20.0
 QUADRANTS = ("high_pos", "high_neg", "low_pos", "low_neg")
 
 # Slots of ClipStats.sums (added across parts) and ClipStats.maxima (combined by max).
@@ -51,21 +49,6 @@ SUM_FIELDS = (
     "upper",
 )
 MAX_FIELDS = ("ratio_max", "ratio_min_negated", "lower_max", "lower_min_negated", "upper_max", "upper_min_negated")
-
-
-def compute_dtype(*tensors: Tensor) -> torch.dtype:
-    """float32, or float64 when an input is float64: ratios and losses never run in fp16/bf16
-    (exp(11.1) already overflows float16)."""
-    dtype = torch.float32
-    for tensor in tensors:
-        dtype = torch.promote_types(dtype, tensor.dtype)
-    return dtype
-
-
-def token_ratio(log_prob: Tensor, old_log_prob: Tensor) -> Tensor:
-    """r_t = pi_theta / pi_behaviour, [B, T], from clamped log-probs, in float32 (float64 if given)."""
-    dtype = compute_dtype(log_prob, old_log_prob)
-    return torch.exp((log_prob.to(dtype) - old_log_prob.to(dtype)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
 
 
 def k3_kl(log_ratio: Tensor) -> Tensor:
@@ -324,7 +307,10 @@ def clip_statistics(
     carries_gradient = counted & ~clipped_upper & ~clipped_lower & ~clipped_dual & ~removed
     # w*|r*A|*X_t per token (float64): the search's gradient definition, the one positive share
     positive_part, negative_part = token_contributions(
-        bounded, advantages, counted, lower, upper, weights=importance_weights, dual_clip=dual_clip
+        TokenBatch(ratio=bounded, advantages=advantages, mask=counted, importance_weights=importance_weights),
+        lower,
+        upper,
+        dual_clip=dual_clip,
     )
     if dropped is not None:
         positive_part, negative_part = (torch.where(removed, 0.0, part) for part in (positive_part, negative_part))

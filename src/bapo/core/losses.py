@@ -27,27 +27,12 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bapo.core.diagnostics import ClipStats, clip_statistics, compute_dtype, token_ratio
+from bapo.core.batch import TokenBatch
+from bapo.core.diagnostics import ClipStats, clip_statistics, compute_dtype
 from bapo.core.search import SearchResult
 from bapo.core.validation import check_dual_clip, check_normalizer, check_ratio_bounds, check_token_inputs, per_token
 
 LOSS_AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-
-
-@dataclass(frozen=True)
-class TokenBatch:
-    """Per-token tensors of one (micro-)batch, all [B, T] in float32 (float64 if given), zero outside
-    the mask; ratio = exp(clamped log_prob - old_log_prob). importance_weights are applied by
-    policy_loss; a loss reads them only to weigh tokens (BAPO's search)."""
-
-    log_prob: Tensor
-    old_log_prob: Tensor
-    ratio: Tensor
-    advantages: Tensor
-    mask: Tensor
-    importance_weights: Tensor | None = None  # [B, T] multipliers policy_loss applies to the token loss
-    # [B, T] log-probs of the proximal policy (decoupled PPO), detached; None unless the caller has them
-    proximal_log_prob: Tensor | None = None
 
 
 @dataclass
@@ -165,7 +150,8 @@ def bapo_loss(
     if bounds is None:
         raise ValueError(
             "bounds: method 'bapo' needs its ratio bounds: solve them with bapo.core.BAPOStep (bounds_for) "
-            "or bapo.core.search_bounds(ratio, advantages, mask, config) and pass bounds=(lower, upper)"
+            "or bapo.core.search_bounds(TokenBatch(ratio=..., advantages=..., mask=...), config) and pass "
+            "bounds=(lower, upper)"
         )
     lower, upper = (bounds.lower, bounds.upper) if isinstance(bounds, SearchResult) else bounds
     check_ratio_bounds(lower, upper)
@@ -193,19 +179,18 @@ def topr_loss(batch: TokenBatch, *, level: str = "sequence", negative_ratio_max:
         raise ValueError(f"level: {level!r} is not one of {TOPR_LEVELS}")
     if not negative_ratio_max > 0.0:
         raise ValueError(f"negative_ratio_max: {negative_ratio_max} must be > 0")
+    log_prob, old_log_prob = batch.log_probs()
     if level == "token":
         negative_weight = batch.ratio.detach().clamp(max=negative_ratio_max)
     else:
         # prod_t r_t in log space: a long stale response has a log-ratio sum far beyond the
         # per-token clamp, and only its minimum with log(negative_ratio_max) is ever exponentiated.
         counted = batch.mask.to(torch.bool)
-        sequence_log_ratio = torch.where(counted, batch.log_prob.detach() - batch.old_log_prob, 0.0).sum(
-            -1, keepdim=True
-        )
+        sequence_log_ratio = torch.where(counted, log_prob.detach() - old_log_prob, 0.0).sum(-1, keepdim=True)
         negative_weight = sequence_log_ratio.clamp(max=math.log(negative_ratio_max)).exp().expand_as(batch.ratio)
     weight = torch.where(batch.advantages >= 0, torch.ones_like(batch.ratio), negative_weight)
     # Nothing is clipped to zero gradient: diagnostics see the widest bounds.
-    return TokenLoss(-batch.advantages * weight * score(batch.log_prob), 0.0, float("inf"))
+    return TokenLoss(-batch.advantages * weight * score(log_prob), 0.0, float("inf"))
 
 
 @register_policy_loss("dcpo", agg_mode="seq-mean-token-sum")
@@ -232,7 +217,7 @@ def dcpo_loss(
     if not ratio_max > 1.0:
         raise ValueError(f"ratio_max: {ratio_max} must be > 1")
     check_dual_clip(dual_clip)
-    prior = batch.old_log_prob.detach().exp().clamp_min(1e-12)
+    prior = batch.log_probs()[1].detach().exp().clamp_min(1e-12)
     lower = 0.5 + 0.5 * torch.sqrt((1.0 - 4.0 * eps_low / prior).clamp_min(0.0))
     upper = (0.5 + 0.5 * torch.sqrt(1.0 + 4.0 * eps_high / prior)).clamp(max=ratio_max)
     return TokenLoss(
@@ -418,7 +403,9 @@ def policy_loss(
     proximal = None
     if proximal_log_prob is not None:
         proximal = torch.where(counted, proximal_log_prob.detach().to(dtype), 0.0)
-    batch = TokenBatch(log_prob, old_log_prob, token_ratio(log_prob, old_log_prob), advantages, mask, weights, proximal)
+    batch = TokenBatch.from_log_probs(
+        log_prob, old_log_prob, advantages, mask, importance_weights=weights, proximal_log_prob=proximal
+    )
     result = fn(batch, **params)
     token_loss = result.loss
     if weights is not None:

@@ -33,7 +33,8 @@ GSPO_LOG_RATIO_MAX = 10.0
 def log_ratio(batch: TokenBatch, clamp: bool = True) -> Tensor:
     """log r_t = log pi - log pi_behaviour [B, T] (0 outside the mask), with the gradient of log pi;
     clamped to +-LOG_RATIO_CLAMP like token_ratio unless clamp=False."""
-    difference = batch.log_prob - batch.old_log_prob
+    log_prob, old_log_prob = batch.log_probs()
+    difference = log_prob - old_log_prob
     return difference.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP) if clamp else difference
 
 
@@ -71,7 +72,8 @@ def gspo_loss(batch: TokenBatch, *, lower: float = 1 - 3e-4, upper: float = 1 + 
     """
     check_ratio_bounds(lower, upper)
     sequence_log_ratio = sequence_mean(log_ratio(batch, clamp=False).detach(), batch.mask)
-    combined = (sequence_log_ratio + batch.log_prob - batch.log_prob.detach()).clamp(max=GSPO_LOG_RATIO_MAX)
+    log_prob, _ = batch.log_probs()
+    combined = (sequence_log_ratio + log_prob - log_prob.detach()).clamp(max=GSPO_LOG_RATIO_MAX)
     ratio = torch.exp(combined)
     sequence_ratio = sequence_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP).exp().expand_as(batch.ratio)
     return TokenLoss(
@@ -92,7 +94,7 @@ def _cispo(default_lower: float | None, default_upper: float) -> PolicyLossFn:
             truncated = truncated | (batch.ratio < lower)
         # every token keeps its gradient (weight * A * grad log pi): no bound cuts it
         return TokenLoss(
-            -weight * batch.advantages * batch.log_prob,
+            -weight * batch.advantages * batch.log_probs()[0],
             *NO_BOUNDS,
             metrics={"cispo/truncated_frac": _masked_share(truncated, batch.mask)},
         )
@@ -155,7 +157,7 @@ def _covariance(batch: TokenBatch) -> Tensor:
     masked tokens, [B, T] (detached)."""
     counted = batch.mask.to(torch.bool)
     total = counted.sum().clamp_min(1)
-    log_prob = batch.log_prob.detach()
+    log_prob = batch.log_probs()[0].detach()
     mean_advantage = torch.where(counted, batch.advantages, 0.0).sum() / total
     mean_log_prob = torch.where(counted, log_prob, 0.0).sum() / total
     return (batch.advantages - mean_advantage) * (log_prob - mean_log_prob)
@@ -319,8 +321,9 @@ def decoupled_ppo_loss(
         raise ValueError("proximal_log_prob: method 'decoupled-ppo' needs the proximal policy's log-probs")
     counted = batch.mask.to(torch.bool)
     proximal = batch.proximal_log_prob
-    ratio = torch.exp((batch.log_prob - proximal).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
-    behaviour_weight = torch.exp((proximal - batch.old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    log_prob, old_log_prob = batch.log_probs()
+    ratio = torch.exp((log_prob - proximal).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    behaviour_weight = torch.exp((proximal - old_log_prob).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
     dropped = counted & (behaviour_weight > weight_cap) if weight_cap is not None else torch.zeros_like(counted)
     surrogate = clipped_surrogate(ratio, batch.advantages, lower, upper, dual_clip)
     loss = torch.where(dropped, 0.0, surrogate * behaviour_weight)
@@ -351,7 +354,7 @@ def _dppo(batch: TokenBatch, keep_positive: Tensor, keep_negative: Tensor, ratio
     counted = batch.mask.to(torch.bool)
     truncated = (batch.ratio > ratio_cap) & keep if ratio_cap is not None else torch.zeros_like(keep)
     return TokenLoss(
-        torch.where(keep, -weight * batch.advantages * batch.log_prob, 0.0),
+        torch.where(keep, -weight * batch.advantages * batch.log_probs()[0], 0.0),
         *NO_BOUNDS,
         metrics={"dppo/truncated_frac": _masked_share(truncated, batch.mask)},
         dropped=counted & ~keep & (batch.advantages != 0),
@@ -376,7 +379,8 @@ def dppo_tv_loss(
     (Dr. GRPO, the paper's). Diagnostics: no ratio bound (0, inf); tokens outside the trust
     region as dropped; metrics dppo/truncated_frac (kept tokens with r > ratio_cap)."""
     _check_dppo(delta_low, delta_high, ratio_cap)
-    change = batch.log_prob.detach().exp() - batch.old_log_prob.exp()
+    log_prob, old_log_prob = batch.log_probs()
+    change = log_prob.detach().exp() - old_log_prob.exp()
     return _dppo(batch, change <= delta_high, change >= -delta_low, ratio_cap)
 
 
@@ -397,7 +401,8 @@ def dppo_kl_loss(
     example of the paper's runs (KL threshold 0.05 on both sides, no truncation); aggregation
     seq-mean-token-sum-norm. Diagnostics as dppo-tv."""
     _check_dppo(delta_low, delta_high, ratio_cap)
-    log_p, log_q = batch.log_prob.detach(), batch.old_log_prob
+    log_p, log_q = batch.log_probs()
+    log_p = log_p.detach()
     p, q = log_p.exp(), log_q.exp()
     divergence = q * (log_q - log_p) + (1.0 - q) * (torch.log(1.0 - q + DPPO_KL_EPS) - torch.log(1.0 - p + DPPO_KL_EPS))
     return _dppo(batch, (divergence <= delta_high) | (p <= q), (divergence <= delta_low) | (p >= q), ratio_cap)

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from bapo.core.batch import TokenBatch
 from bapo.core.search_config import BAPOConfig
 from bapo.core.validation import check_token_inputs, per_token
 
@@ -57,46 +58,35 @@ class SearchResult:
 
 
 def _signed_magnitudes(
-    ratio: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    weighting: str,
-    weights: Tensor | None,
-    behaviour_log_prob: Tensor | None,
-    device: torch.device | None = None,
+    batch: TokenBatch, *, weighting: str, device: torch.device | None = None
 ) -> tuple[Tensor, Tensor]:
-    """(ratio, s) in the compute dtype (float64 for float64 ratios, else float32), both [B, T]:
-    s = A * weights * pi_behaviour (as configured), 0 for masked tokens; sign(s) is the token's
-    side and |s| the a of BAPOConfig's contribution definitions."""
-    device = device or ratio.device
-    compute = torch.float64 if ratio.dtype == torch.float64 else torch.float32
-    counted = mask.to(device, torch.bool)
+    """(ratio, s) in the compute dtype (float64 for a float64 ratio, else float32), both [B, T]:
+    s = A * importance_weights * pi_behaviour (as configured), 0 for masked tokens; sign(s) is
+    the token's side and |s| the a of BAPOConfig's contribution definitions."""
+    device = device or batch.ratio.device
+    compute = torch.float64 if batch.ratio.dtype == torch.float64 else torch.float32
+    counted = batch.mask.to(device, torch.bool)
     # a masked position's ratio (padding: inf, NaN) is never read, not even by the bucket index
-    ratio = torch.where(counted, ratio.detach().to(device, compute), 1.0)
-    signed = per_token(advantages.detach().to(device, compute), ratio)
-    if weights is not None:  # w >= 0 keeps each token's side
-        signed = signed * weights.detach().to(device, compute)
+    ratio = torch.where(counted, batch.ratio.detach().to(device, compute), 1.0)
+    signed = per_token(batch.advantages.detach().to(device, compute), ratio)
+    if batch.importance_weights is not None:  # w >= 0 keeps each token's side
+        signed = signed * batch.importance_weights.detach().to(device, compute)
     if weighting == "behaviour_prob":
-        if behaviour_log_prob is None:
+        if batch.old_log_prob is None:
             raise ValueError(
-                "behaviour_log_prob: required with weighting='behaviour_prob' (paper Eq. 8 weighs "
-                "each token by pi_behaviour(y_t)); pass the behaviour (old) log-probs [B, T]"
+                "old_log_prob: required with weighting='behaviour_prob' (paper Eq. 8 weighs each token by "
+                "pi_behaviour(y_t)); pass the behaviour log-probs [B, T] in the TokenBatch"
             )
-        signed = signed * behaviour_log_prob.detach().to(device, compute).exp()
+        signed = signed * batch.old_log_prob.detach().to(device, compute).exp()
     return ratio, torch.where(counted, signed, 0.0)
 
 
 def token_contributions(
-    ratio: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
+    batch: TokenBatch,
     lower: float | Tensor,
     upper: float | Tensor,
     config: BAPOConfig | None = None,
     *,
-    weights: Tensor | None = None,
-    behaviour_log_prob: Tensor | None = None,
     dual_clip: float | None = None,
 ) -> tuple[Tensor, Tensor]:
     """Each token's contribution to pos and to neg at bounds (lower, upper), float64 [B, T] each
@@ -110,9 +100,7 @@ def token_contributions(
     clamped: dual_clip * a). The search never uses it.
     """
     config = config or BAPOConfig()
-    ratio, signed = _signed_magnitudes(
-        ratio, advantages, mask, weighting=config.weighting, weights=weights, behaviour_log_prob=behaviour_log_prob
-    )
+    ratio, signed = _signed_magnitudes(batch, weighting=config.weighting)
     magnitude = signed.abs()
     unclamped = (ratio * magnitude).double()  # r*a in the compute dtype, then float64, as BoundStats sums it
     ratio64, magnitude64 = ratio.double(), magnitude.double()
@@ -131,56 +119,46 @@ def token_contributions(
     return torch.where(signed > 0, positive, 0.0), torch.where(signed < 0, negative, 0.0)
 
 
-def _check_search_inputs(
-    ratio: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    weights: Tensor | None = None,
-    behaviour_log_prob: Tensor | None = None,
-) -> None:
-    named = {"ratio": ratio, "advantages": advantages}
+def _check_search_inputs(batch: TokenBatch, weighting: str) -> None:
+    """ValueError naming the field of `batch` the search cannot read (old_log_prob only under
+    weighting="behaviour_prob", the one that reads it)."""
+    named = {"ratio": batch.ratio, "advantages": batch.advantages}
     checks = [
         (
             lambda named: ~((named["ratio"] >= 0) & (named["ratio"] < math.inf)).all(),
             "ratio: must be finite and >= 0; compute it as exp(clamp(log_prob - old_log_prob, -20, 20))",
         )
     ]
-    if weights is not None:
-        named["weights"] = weights
-        checks.append(
-            (lambda named: (named["weights"] < 0).any(), "weights: must be >= 0 (per-token loss multipliers)")
-        )
-    if behaviour_log_prob is not None:
-        named["behaviour_log_prob"] = behaviour_log_prob
+    if batch.importance_weights is not None:
+        named["importance_weights"] = batch.importance_weights
         checks.append(
             (
-                lambda named: (named["behaviour_log_prob"] > 0).any(),
-                "behaviour_log_prob: must be <= 0 (log-probabilities of the sampled tokens)",
+                lambda named: (named["importance_weights"] < 0).any(),
+                "importance_weights: must be >= 0 (per-token loss multipliers)",
             )
         )
-    check_token_inputs(named, mask, reference="ratio", allow_row_vector=("advantages",), extra_checks=tuple(checks))
+    if weighting == "behaviour_prob" and batch.old_log_prob is not None:
+        named["old_log_prob"] = batch.old_log_prob
+        checks.append(
+            (
+                lambda named: (named["old_log_prob"] > 0).any(),
+                "old_log_prob: must be <= 0 (the behaviour policy's log-probabilities of the sampled tokens)",
+            )
+        )
+    check_token_inputs(
+        named, batch.mask, reference="ratio", allow_row_vector=("advantages",), extra_checks=tuple(checks)
+    )
 
 
-def positive_share(
-    ratio: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    lower: float,
-    upper: float,
-    config: BAPOConfig | None = None,
-    *,
-    weights: Tensor | None = None,
-    behaviour_log_prob: Tensor | None = None,
-) -> float:
+def positive_share(batch: TokenBatch, lower: float, upper: float, config: BAPOConfig | None = None) -> float:
     """rho(lower, upper) = pos / (pos + neg) under `config`'s definition (default: gradient share).
 
-    ratio, advantages ([B, T] or [B]), mask, weights, behaviour_log_prob: [B, T]. A == 0 and
-    masked tokens count nowhere. NaN when nothing contributes (0/0).
+    batch: the fields the search reads (see BoundStats.add). A == 0 and masked tokens count
+    nowhere. NaN when nothing contributes (0/0).
     """
-    _check_search_inputs(ratio, advantages, mask, weights, behaviour_log_prob)
-    positive_tokens, negative_tokens = token_contributions(
-        ratio, advantages, mask, lower, upper, config, weights=weights, behaviour_log_prob=behaviour_log_prob
-    )
+    config = config or BAPOConfig()
+    _check_search_inputs(batch, config.weighting)
+    positive_tokens, negative_tokens = token_contributions(batch, lower, upper, config)
     positive, negative = float(positive_tokens.sum()), float(negative_tokens.sum())
     total = positive + negative
     return math.nan if total == 0.0 else positive / total
@@ -317,41 +295,17 @@ class BoundStats:
             bucket += ~positive & (ratio >= edge)
         return bucket
 
-    def add(
-        self,
-        ratio: Tensor,
-        advantages: Tensor,
-        mask: Tensor,
-        *,
-        weights: Tensor | None = None,
-        behaviour_log_prob: Tensor | None = None,
-        validate: bool = True,
-    ) -> BoundStats:
-        """Accumulate one micro-batch. ratio, mask: [B, T]; advantages: [B, T] or [B].
-
-        weights: optional [B, T] per-token loss multipliers >= 0 (rollout importance weights, TRL's
-        masks): a token then counts with w*|A|, what it contributes to the gradient.
-        behaviour_log_prob: [B, T] log pi_behaviour(y_t); required for weighting="behaviour_prob"
-        (ignored otherwise).
+    def add(self, batch: TokenBatch, *, validate: bool = True) -> BoundStats:
+        """Accumulate one micro-batch. The search reads of `batch`: ratio, mask: [B, T];
+        advantages: [B, T] or [B]; importance_weights: optional [B, T] per-token loss multipliers
+        >= 0 (rollout importance weights, TRL's masks): a token then counts with w*|A|, what it
+        contributes to the gradient; old_log_prob: [B, T] log pi_behaviour(y_t), required for
+        weighting="behaviour_prob" (not read otherwise). log_prob is never read (it may be None).
         """
         if validate:
-            _check_search_inputs(
-                ratio,
-                advantages,
-                mask,
-                weights,
-                behaviour_log_prob if self.config.weighting == "behaviour_prob" else None,
-            )
-        sums = self._ensure(ratio.device)
-        ratio, signed = _signed_magnitudes(
-            ratio,
-            advantages,
-            mask,
-            weighting=self.config.weighting,
-            weights=weights,
-            behaviour_log_prob=behaviour_log_prob,
-            device=self.device,
-        )
+            _check_search_inputs(batch, self.config.weighting)
+        sums = self._ensure(batch.ratio.device)
+        ratio, signed = _signed_magnitudes(batch, weighting=self.config.weighting, device=self.device)
         bucket = self._buckets(ratio, signed > 0)
         magnitude = signed.abs().flatten()
         sums.index_add_(0, bucket, (ratio.flatten() * magnitude).to(torch.float64))
@@ -456,25 +410,11 @@ def solve_from_sums(
     )
 
 
-def search_bounds(
-    ratio: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    config: BAPOConfig,
-    *,
-    weights: Tensor | None = None,
-    behaviour_log_prob: Tensor | None = None,
-    validate: bool = True,
-) -> SearchResult:
+def search_bounds(batch: TokenBatch, config: BAPOConfig, *, validate: bool = True) -> SearchResult:
     """Bounds of the search on this batch alone (no cross-rank sync; bapo.core.BAPOStep runs
     the search of an optimizer update over micro-batches and ranks).
 
-    ratio, mask: [B, T]; advantages: [B, T] or [B]; weights, behaviour_log_prob: optional
-    [B, T] (see BoundStats.add); validate=False skips the input checks (a caller that must let
-    a non-finite forward through to its own skip).
+    batch: the fields the search reads (see BoundStats.add); validate=False skips the input
+    checks (a caller that must let a non-finite forward through to its own skip).
     """
-    return (
-        BoundStats(config, device=ratio.device)
-        .add(ratio, advantages, mask, weights=weights, behaviour_log_prob=behaviour_log_prob, validate=validate)
-        .solve(sync=False)
-    )
+    return BoundStats(config, device=batch.ratio.device).add(batch, validate=validate).solve(sync=False)

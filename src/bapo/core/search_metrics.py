@@ -10,6 +10,7 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
+from bapo.core.batch import TokenBatch
 from bapo.core.search import SearchResult, token_contributions
 from bapo.core.search_config import SCOPES, BAPOConfig
 
@@ -58,41 +59,20 @@ BALANCE_FIELDS = (
 )
 
 
-def balance_sums(
-    ratio: Tensor | None,
-    advantages: Tensor,
-    mask: Tensor,
-    rewarded: Tensor,
-    config: BAPOConfig,
-    *,
-    weights: Tensor | None = None,
-    behaviour_log_prob: Tensor | None = None,
-) -> Tensor:
+def balance_sums(batch: TokenBatch, rewarded: Tensor, config: BAPOConfig) -> Tensor:
     """float64 [len(BALANCE_FIELDS)] sums of one micro-batch; they add over micro-batches and ranks
     (one SUM all-reduce), and `balance_metrics` turns the total into the update's metrics.
 
-    ratio: [B, T] current / behaviour (None: every ratio is 1, a batch these weights just sampled);
-    advantages: [B] or [B, T]; mask: [B, T] tokens that count; rewarded: [B] bool, the responses
-    counted as rewarded (reward > 0, or advantage > 0 in a front end without rewards); weights,
-    behaviour_log_prob: [B, T], as the search takes them. pos / neg are `token_contributions` at
-    (config.lower_start, config.upper_start) under config's definition: what BAPO's search sees
-    before it moves the bounds.
+    batch: the fields the search reads (see BoundStats.add; TokenBatch.fresh for a batch these
+    weights just sampled), its mask [B, T] the tokens that count; rewarded: [B] bool, the responses
+    counted as rewarded (reward > 0, or advantage > 0 in a front end without rewards). pos / neg
+    are `token_contributions` at (config.lower_start, config.upper_start) under config's
+    definition: what BAPO's search sees before it moves the bounds.
     """
-    counted = mask.to(torch.bool)
+    counted = batch.mask.to(torch.bool)
     lengths = counted.sum(-1).double()  # [B] tokens per response
     rewarded = rewarded.to(device=lengths.device, dtype=torch.bool).reshape(-1)
-    if ratio is None:
-        ratio = torch.ones(counted.shape, dtype=torch.float32, device=counted.device)
-    positive, negative = token_contributions(
-        ratio,
-        advantages,
-        counted,
-        config.lower_start,
-        config.upper_start,
-        config,
-        weights=weights,
-        behaviour_log_prob=behaviour_log_prob,
-    )
+    positive, negative = token_contributions(batch, config.lower_start, config.upper_start, config)
     return torch.stack(
         [
             lengths[rewarded].sum(),

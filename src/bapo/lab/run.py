@@ -36,6 +36,7 @@ from bapo.core import (
     PROXIMAL_METHODS,
     BAPOConfig,
     BAPOStep,
+    TokenBatch,
     clip_diagnostics,
     group_advantages,
     off_policy_sequence_mask,
@@ -327,13 +328,14 @@ def _rollout(
 
 
 def _loss_groups(
-    method: str, params: dict, ratio: Tensor, advantages: Tensor, mask: Tensor, steps: list[BAPOStep] | None = None
+    method: str, params: dict, seed_batches: list[TokenBatch], steps: list[BAPOStep] | None = None
 ) -> tuple[list[tuple[list[int], dict]], dict[str, Tensor]]:
     """Seeds grouped by the loss parameters they use: [(seed indices, params)], and per-seed
-    search results ({} for fixed bounds). A fixed-bound method is one group; BAPO searches its
-    bounds per seed (as the trainer does per update: `steps`, one BAPOStep per seed, each begun
-    for this update) and seeds that found the same bounds share a group."""
-    seed_count = ratio.shape[0]
+    search results ({} for fixed bounds). seed_batches: what the search reads of each seed's
+    mini-batch. A fixed-bound method is one group; BAPO searches its bounds per seed (as the
+    trainer does per update: `steps`, one BAPOStep per seed, each begun for this update) and
+    seeds that found the same bounds share a group."""
+    seed_count = len(seed_batches)
     if method in BATCH_LEVEL_METHODS:  # selections over the batch: each seed's own
         return [([seed], params) for seed in range(seed_count)], {}
     if method != "bapo":
@@ -344,7 +346,7 @@ def _loss_groups(
     share = torch.zeros(seed_count, dtype=torch.float64)
     reached = torch.zeros(seed_count, dtype=torch.float64)
     for seed, step in enumerate(steps):
-        found = step.bounds_for(ratio[seed], advantages[seed], mask[seed])  # one micro-batch: the update
+        found = step.bounds_for(seed_batches[seed])  # one micro-batch: the update
         groups.setdefault((found.lower, found.upper), []).append(seed)
         share[seed], reached[seed] = found.positive_share, float(found.reached)
     rest = {name: value for name, value in params.items() if name != "bapo"}
@@ -400,7 +402,12 @@ def _update(
     ratio = token_ratio(log_prob.detach(), old_log_prob)
     lower, upper = torch.zeros(seed_count, dtype=torch.float64), torch.zeros(seed_count, dtype=torch.float64)
     total = torch.zeros((), dtype=logits.dtype)
-    groups, searched = _loss_groups(method, params, ratio, advantages, mask, steps)
+    # what BAPO's search and the positive share read of each seed's mini-batch
+    seed_batches = [
+        TokenBatch(ratio=ratio[seed], advantages=advantages[seed], mask=mask[seed], old_log_prob=old_log_prob[seed])
+        for seed in range(seed_count)
+    ]
+    groups, searched = _loss_groups(method, params, seed_batches, steps)
     for members, group_params in groups:
         # a token sum (normalizer 1), made each seed's token mean below
         loss, metrics = policy_loss(
@@ -462,10 +469,7 @@ def _update(
         out.update({key: torch.tensor([metrics[key] for metrics in per_seed], dtype=torch.float64) for key in keys})
     if share and "positive_share" not in out:
         out["positive_share"] = torch.tensor(
-            [
-                positive_share(ratio[seed], advantages[seed], mask[seed], float(lower[seed]), float(upper[seed]))
-                for seed in range(seed_count)
-            ],
+            [positive_share(seed_batches[seed], float(lower[seed]), float(upper[seed])) for seed in range(seed_count)],
             dtype=torch.float64,
         )
     for key in ("positive_share", "bapo/search/reached", "entropy_change_estimate"):

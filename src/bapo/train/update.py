@@ -14,6 +14,7 @@ import torch
 from bapo.core import (
     BAPOStep,
     ClipStats,
+    TokenBatch,
     aggregate_loss,
     balance_metrics,
     balance_sums,
@@ -22,7 +23,6 @@ from bapo.core import (
     policy_loss,
     token_kind_metrics,
     token_kind_sums,
-    token_ratio,
 )
 from bapo.core.losses import PROXIMAL_METHODS, resolve_loss_params
 from bapo.train.config import TrainConfig
@@ -107,18 +107,28 @@ def _observe_update(
     per update, at the memory of one micro-batch's graph during the others' no-grad forwards)."""
     first = None
     for index, mb in enumerate(micro):
-        ratio, log_prob = None, mb.old_log_prob  # fresh: the current policy is the behaviour one
-        if not fresh:
+        if fresh:  # the current policy is the behaviour one: every ratio is 1
+            weights = token_weights(mb, cfg, mb.old_log_prob)
+            batch = TokenBatch.fresh(
+                mb.advantages, mb.response_mask, old_log_prob=mb.old_log_prob, importance_weights=weights
+            )
+        else:
             if index == 0:
                 first = _forward(model, mb, cfg)
                 log_prob = first[0].detach()
             else:
                 with torch.no_grad():
                     log_prob, _ = _forward(model, mb, cfg, with_entropy=False)
-            ratio = token_ratio(log_prob, mb.old_log_prob)
-        weights = token_weights(mb, cfg, log_prob)
-        bapo_step.observe(ratio, mb.advantages, mb.response_mask, weights=weights, behaviour_log_prob=mb.old_log_prob)
+            batch = _search_batch(mb, log_prob, token_weights(mb, cfg, log_prob))
+        bapo_step.observe(batch)
     return first
+
+
+def _search_batch(mb: Batch, log_prob: torch.Tensor, weights: torch.Tensor | None) -> TokenBatch:
+    """What BAPO's search reads of micro-batch `mb` at the current log-probs [B, T] (detached)."""
+    return TokenBatch.from_log_probs(
+        log_prob, mb.old_log_prob, mb.advantages, mb.response_mask, importance_weights=weights
+    )
 
 
 def with_proximal_log_prob(model, batch: Batch, cfg: TrainConfig, version: int | None) -> Batch:
@@ -190,24 +200,10 @@ def _micro_batch_loss(
         kind_mask = torch.isin(mb.response_ids, digit_ids.to(mb.response_ids.device))
         kind_sums = token_kind_sums(entropy, mb.response_mask, kind_mask)
     weights = token_weights(mb, cfg, log_prob.detach())  # the loss and BAPO's search see the same weights
-    ratio = token_ratio(log_prob.detach(), mb.old_log_prob)
-    balance = balance_sums(
-        ratio,
-        mb.advantages,
-        mb.response_mask,
-        mb.rewards > 0,
-        cfg.loss.bapo_config(),
-        weights=weights,
-        behaviour_log_prob=mb.old_log_prob,
-    )
+    search_batch = _search_batch(mb, log_prob.detach(), weights)
+    balance = balance_sums(search_batch, mb.rewards > 0, cfg.loss.bapo_config())
     if bapo_step is not None:
-        found = bapo_step.bounds_for(
-            ratio,
-            mb.advantages,
-            mb.response_mask,
-            weights=weights,
-            behaviour_log_prob=mb.old_log_prob,
-        )
+        found = bapo_step.bounds_for(search_batch)
         params = {**params, "bounds": (found.lower, found.upper)}
     mode = cfg.loss.resolved_agg_mode
     loss, metrics = policy_loss(

@@ -54,11 +54,11 @@ from bapo.core import (
     BAPOStep,
     ClipStats,
     SearchResult,
+    TokenBatch,
     aggregate_loss,
     balance_metrics,
     balance_sums,
     policy_loss,
-    token_ratio,
 )
 from bapo.core.validation import per_token
 from bapo.integrations.step_state import load_step_state, save_step_state
@@ -238,10 +238,13 @@ class BAPOGRPOTrainer(GRPOTrainer):
         if self.bapo_step is not None and mode == "train" and entropy is not None:
             self.bapo_step.record_entropy(entropy, mask)
         weights = self._token_weights(inputs, log_prob.detach(), old_log_prob, entropy, mask, advantages)
-        self._add_balance(inputs, token_ratio(log_prob.detach(), old_log_prob), advantages, mask, weights, mode)
+        search_batch = TokenBatch.from_log_probs(  # what BAPO's search and the balance metrics read
+            log_prob.detach(), old_log_prob, advantages, mask, importance_weights=weights
+        )
+        self._add_balance(inputs, search_batch, mode)
         params = dict(self._loss_params)
         if self.bapo_step is not None:
-            params["bounds"] = self._bapo_bounds(log_prob, old_log_prob, advantages, mask, weights, mode)
+            params["bounds"] = self._bapo_bounds(search_batch, mode)
         loss_agg_mode, normalizer = self._aggregation(inputs, mask, mode)
         if mode not in self._step_diagnostics:
             self._step_diagnostics[mode] = ClipStats.empty(self.accelerator.device)
@@ -295,25 +298,14 @@ class BAPOGRPOTrainer(GRPOTrainer):
             self._observe_step(model, self._step_micro_batches())
             self._log_search(self.bapo_step.metrics(), "train")
 
-    def _bapo_bounds(
-        self,
-        log_prob: Tensor,
-        old_log_prob: Tensor,
-        advantages: Tensor,
-        mask: Tensor,
-        weights: Tensor | None,
-        mode: str,
-    ) -> SearchResult:
+    def _bapo_bounds(self, batch: TokenBatch, mode: str) -> SearchResult:
         """BAPO bounds of this micro-batch: the step's (scope "step"), or searched on this
         micro-batch from the forward just run (scope "micro_batch"; evaluation, which has no
         accumulation, always: the batch is the whole step, not recorded in the training step)."""
-        ratio = token_ratio(log_prob.detach(), old_log_prob)
         alone = mode == "eval"
-        found = self.bapo_step.bounds_for(
-            ratio, advantages, mask, weights=weights, behaviour_log_prob=old_log_prob, alone=alone
-        )
+        found = self.bapo_step.bounds_for(batch, alone=alone)
         if alone:
-            self._log_search(self.bapo_step.metrics([(found, mask.to(torch.bool).sum())]), mode)
+            self._log_search(self.bapo_step.metrics([(found, batch.mask.to(torch.bool).sum())]), mode)
         elif self.bapo_step.scope == "micro_batch":
             self._log_search(self.bapo_step.metrics(self.bapo_step.searches[-1:]), mode)
         return found
@@ -351,11 +343,9 @@ class BAPOGRPOTrainer(GRPOTrainer):
                 old_log_prob = self._old_log_prob(inputs, log_prob)
                 weights = self._token_weights(inputs, log_prob, old_log_prob, entropy, mask, advantages)
                 self.bapo_step.observe(
-                    None if ratio_is_one else token_ratio(log_prob, old_log_prob),
-                    advantages,
-                    mask,
-                    weights=weights,
-                    behaviour_log_prob=old_log_prob,
+                    TokenBatch.fresh(advantages, mask, old_log_prob=old_log_prob, importance_weights=weights)
+                    if ratio_is_one
+                    else TokenBatch.from_log_probs(log_prob, old_log_prob, advantages, mask, importance_weights=weights)
                 )
         self.bapo_step.solve()
 
@@ -486,13 +476,11 @@ class BAPOGRPOTrainer(GRPOTrainer):
             normalizer = float(mask.size(0) * self.max_completion_length * accumulation)
         return self.args.bapo_loss_agg_mode, normalizer
 
-    def _add_balance(
-        self, inputs: dict[str, Any], ratio: Tensor, advantages: Tensor, mask: Tensor, weights: Tensor | None, mode: str
-    ) -> None:
+    def _add_balance(self, inputs: dict[str, Any], batch: TokenBatch, mode: str) -> None:
         """Add this micro-batch's bapo.core.balance_sums to the step's; a completion counts as
         rewarded when its advantage is > 0 (TRL's batch has advantages, not rewards)."""
         sequence_advantage = inputs["advantages"] if inputs["advantages"].dim() == 1 else inputs["advantages"][:, 0]
-        sums = balance_sums(ratio, advantages, mask, sequence_advantage > 0, self._start_config, weights=weights)
+        sums = balance_sums(batch, sequence_advantage > 0, self._start_config)
         self._step_balance[mode] = sums if mode not in self._step_balance else self._step_balance[mode] + sums
 
     def _log_step_metrics(self, mode: str) -> None:

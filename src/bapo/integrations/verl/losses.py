@@ -25,12 +25,12 @@ from bapo.core import (
     BAPOConfig,
     BAPOStep,
     SearchResult,
+    TokenBatch,
     balance_metrics,
     balance_sums,
     policy_loss,
     search_bounds,
     search_metrics,
-    token_ratio,
 )
 from bapo.core.diagnostics import LOG_RATIO_CLAMP
 from bapo.core.losses import resolve_loss_params
@@ -150,25 +150,15 @@ def _active_step(config: Any) -> BAPOStep | None:
     return step if step is not None and step.in_update else None
 
 
-def _bapo_bounds(
-    config: Any,
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    weights: Tensor | None,
-) -> tuple[SearchResult, dict[str, float]]:
+def _bapo_bounds(config: Any, batch: TokenBatch) -> tuple[SearchResult, dict[str, float]]:
     """This micro-batch's bounds and their bapo/search/* metrics and bapo/target: from the
     worker's BAPOStep (scope step: the step's bounds; scope micro_batch: searched on this
     micro-batch, one all-reduce over the data-parallel group), or, without a BAPOTrainingWorker,
     searched on this micro-batch alone (with a one-time warning)."""
     global _warned_per_micro_batch
-    ratio = token_ratio(log_prob.detach(), old_log_prob)
     step = _active_step(config)
     if step is not None:
-        found = step.bounds_for(
-            ratio, advantages, response_mask.bool(), weights=weights, behaviour_log_prob=old_log_prob
-        )
+        found = step.bounds_for(batch)
         return found, step.metrics(step.searches[-1:])
     search_config = _search_config(config)
     if search_config.target_mode == "entropy":
@@ -184,12 +174,9 @@ def _bapo_bounds(
             "Set actor_rollout_ref.actor.policy_loss._target_=bapo.integrations.verl.BAPOPolicyLossConfig "
             "so that the bounds are solved over the whole mini-batch and all data-parallel ranks."
         )
-    mask = response_mask.bool()
-    found = search_bounds(
-        ratio, advantages, mask, search_config, weights=weights, behaviour_log_prob=old_log_prob, validate=False
-    )
+    found = search_bounds(batch, search_config, validate=False)
     return found, {
-        **search_metrics([(found, int(mask.sum()))], "micro_batch"),
+        **search_metrics([(found, int(batch.mask.sum()))], "micro_batch"),
         "bapo/target": search_config.target,
     }
 
@@ -202,31 +189,16 @@ def _search_config(config: Any) -> BAPOConfig:
     return BAPOConfig()
 
 
-def balance(
-    log_prob: Tensor,
-    old_log_prob: Tensor,
-    advantages: Tensor,
-    response_mask: Tensor,
-    search_config: BAPOConfig,
-    weights: Tensor | None,
-) -> dict[str, float]:
-    """bapo.core.balance_metrics of one micro-batch (response_length/{rewarded, unrewarded}, a
-    response counting as rewarded when its advantage is > 0: verl's loss sees no rewards;
-    positive_share/start_bounds), plus its sums as balance/<field>. verl averages every key over
-    micro-batches and ranks, so the three named values are means of micro-batch values (NaN where a
-    micro-batch has no response of a kind), while the ratio of two balance/* sums (e.g.
-    balance/rewarded_tokens / balance/rewarded_responses) is exactly the mini-batch's value."""
-    counted = response_mask.to(torch.bool)
-    rewarded = (advantages.detach() * counted).sum(-1) > 0  # [B] (verl's advantages are [B, T])
-    sums = balance_sums(
-        token_ratio(log_prob.detach(), old_log_prob),
-        advantages,
-        counted,
-        rewarded,
-        search_config,
-        weights=weights,
-        behaviour_log_prob=old_log_prob,
-    )
+def balance(batch: TokenBatch, search_config: BAPOConfig) -> dict[str, float]:
+    """bapo.core.balance_metrics of one micro-batch (batch: what the search reads, mask bool):
+    response_length/{rewarded, unrewarded}, a response counting as rewarded when its advantage is
+    > 0 (verl's loss sees no rewards), and positive_share/start_bounds, plus its sums as
+    balance/<field>. verl averages every key over micro-batches and ranks, so the three named
+    values are means of micro-batch values (NaN where a micro-batch has no response of a kind),
+    while the ratio of two balance/* sums (e.g. balance/rewarded_tokens /
+    balance/rewarded_responses) is exactly the mini-batch's value."""
+    rewarded = (batch.advantages.detach() * batch.mask).sum(-1) > 0  # [B] (verl's advantages are [B, T])
+    sums = balance_sums(batch, rewarded, search_config)
     return {**balance_metrics(sums), **{f"balance/{name}": value for name, value in zip(BALANCE_FIELDS, sums.tolist())}}
 
 
@@ -248,10 +220,15 @@ def make_verl_loss(method: str):
         params = _core_params(method, config)
         mode, normalizer = core_aggregation(loss_agg_mode, response_mask, **config.global_batch_info)
         search = None
+        search_batch = TokenBatch.from_log_probs(  # what BAPO's search and the balance metrics read
+            log_prob.detach(),
+            old_log_prob,
+            advantages,
+            response_mask.to(torch.bool),
+            importance_weights=rollout_is_weights,
+        )
         if method == "bapo":
-            params["bounds"], search = _bapo_bounds(
-                config, log_prob, old_log_prob, advantages, response_mask, rollout_is_weights
-            )
+            params["bounds"], search = _bapo_bounds(config, search_batch)
         loss, core_metrics = policy_loss(
             log_prob,
             old_log_prob,
@@ -264,9 +241,7 @@ def make_verl_loss(method: str):
             **params,
         )
         k1_kl = float(_k1_kl(log_prob, old_log_prob, response_mask))
-        core_metrics.update(
-            balance(log_prob, old_log_prob, advantages, response_mask, _search_config(config), rollout_is_weights)
-        )
+        core_metrics.update(balance(search_batch, _search_config(config)))
         return loss, verl_metrics(core_metrics, k1_kl, search)
 
     verl_policy_loss.__name__ = verl_policy_loss.__qualname__ = f"verl_{method}_loss"

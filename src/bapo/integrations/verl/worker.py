@@ -56,7 +56,7 @@ from verl.utils import tensordict_utils as tu
 from verl.workers.engine_workers import TrainingWorker
 from verl.workers.utils.padding import no_padding_2_padding
 
-from bapo.core import BAPOStep, SearchResult, token_ratio
+from bapo.core import BAPOStep, SearchResult, TokenBatch
 from bapo.integrations.step_state import load_step_state, save_step_state
 from bapo.integrations.verl.config import BAPOPolicyLossConfig
 
@@ -82,11 +82,13 @@ def observe_micro_batch(
     weights = tokens["rollout_is_weights"].to(log_prob.dtype) if "rollout_is_weights" in tokens else None
     old_log_prob = tokens["old_log_probs"].to(log_prob.dtype)
     step.observe(
-        token_ratio(log_prob, old_log_prob),
-        tokens["advantages"].to(log_prob.dtype),
-        tokens["response_mask"].to(torch.bool),
-        weights=weights,
-        behaviour_log_prob=old_log_prob,
+        TokenBatch.from_log_probs(
+            log_prob,
+            old_log_prob,
+            tokens["advantages"].to(log_prob.dtype),
+            tokens["response_mask"].to(torch.bool),
+            importance_weights=weights,
+        )
     )
     return torch.zeros((), device=log_prob.device), {}
 
