@@ -251,6 +251,8 @@ def test_tiny_study_writes_report_and_resume_skips_finished_runs(char_model, tmp
     monkeypatch.chdir(tmp_path)  # a short path: typer's error box wraps long lines
     missing = CliRunner().invoke(app, ["study", "--gate", "."])
     assert missing.exit_code == 2 and "holds no study (no study.json)" in missing.output
+    mixed = CliRunner().invoke(app, ["study", "--gate", ".", "--lr", "1e-5"])
+    assert mixed.exit_code == 2 and "--gate only reads study folders" in mixed.output
 
 
 def test_regime_plan_is_grpo_alone_at_a_64_token_budget_with_whole_stale_mini_batches():

@@ -49,7 +49,8 @@ def study(
     """Does BAPO help a real pretrained model on stale data? SmolLM2-135M-Instruct with vLLM rollout
     on in-house arithmetic: grpo, clip-higher, bapo (default and paper presets), m2po and decoupled
     PPO at staleness E = 0, 4 and async delay k = 4, 16, 3 seeds; claims with 95% intervals.
-    --gpu: the same cells on CUDA with HF rollout, larger (5 seeds)."""
+    --gpu: the same cells on CUDA with HF rollout, larger (5 seeds). --regime: the regime gate's plan
+    (grpo alone where failing replies are longer; docs/STUDY.md); --gate DIR reads its verdict."""
     import time
 
     from bapo.experiments.study import load_plan, plan_for, run_study, write_study_report
@@ -62,16 +63,18 @@ def study(
         except ValueError:
             raise typer.BadParameter(f"{text!r}: comma-separated integers expected") from None
 
+    plan_options = (out, seeds, lr, rollout_steps, methods, staleness_e, delays, autocast)
     if gate:
         from bapo.experiments.study import gate_lines
 
+        if any(v is not None for v in (*plan_options, resume, results, max_runs)) or quick or gpu or regime:
+            raise typer.BadParameter("--gate only reads study folders: give it no other option")
         missing = [str(folder) for folder in gate if not (folder / "study.json").exists()]
         if missing:
             raise typer.BadParameter(f"--gate: {', '.join(missing)} holds no study (no study.json)")
         typer.echo("\n".join(gate_lines(gate)))
         return
     if resume is not None:
-        plan_options = (out, seeds, lr, rollout_steps, methods, staleness_e, delays, autocast)
         if any(v is not None for v in plan_options) or quick or gpu or regime:
             raise typer.BadParameter("--resume continues the saved plan: give no other plan option")
         plan, study_dir = load_plan(resume), resume
