@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from bapo.analysis.claims import mean_interval
 from bapo.analysis.runs import Run
 
-LENGTH_RATIO = 1.3  # failing replies at least this much longer than correct ones (issue 38's gate)
+LENGTH_RATIO = 1.3  # test (b): failing replies at least this much longer than correct ones (docs/STUDY.md)
 THIRDS = ("first", "middle", "last")
 
 
