@@ -34,24 +34,20 @@ def _thirds(values: Sequence[float]) -> list[float]:
     return [statistics.fmean(values[a:b]) if b > a else math.nan for a, b in zip(cuts, cuts[1:], strict=False)]
 
 
-def _finite_rows(run: Run, *keys: str) -> list[dict]:
-    return [
-        row for row in run.rows if all(isinstance(row.get(k), (int, float)) and math.isfinite(row[k]) for k in keys)
-    ]
-
-
 def length_ratios(run: Run) -> list[float]:
     """Unrewarded / rewarded mean response length per third of the run's updates (updates with both
     kinds only; each third's ratio is the ratio of its mean lengths)."""
-    rows = _finite_rows(run, "response_length/rewarded", "response_length/unrewarded")
-    unrewarded = _thirds([row["response_length/unrewarded"] for row in rows])
-    rewarded = _thirds([row["response_length/rewarded"] for row in rows])
+    keys = ("response_length/rewarded", "response_length/unrewarded")
+    both = set(run.series(keys[0])[0]) & set(run.series(keys[1])[0])  # the updates that logged both finite
+    rewarded, unrewarded = (
+        _thirds([value for update, value in zip(*run.series(key), strict=True) if update in both]) for key in keys
+    )
     return [u / r if r > 0 else math.nan for u, r in zip(unrewarded, rewarded, strict=True)]
 
 
 def share_below(run: Run, target: float, key: str = "positive_share") -> tuple[int, int]:
     """(updates whose `key` is below target, updates that logged it)."""
-    values = [row[key] for row in _finite_rows(run, key)]
+    values = run.values(key)
     return sum(value < target for value in values), len(values)
 
 
@@ -78,9 +74,7 @@ def gate_section(runs: list[Run], target: float, on_policy: str = "E=0") -> list
     for run in sorted(runs, key=lambda run: (run.setting != on_policy, run.setting, run.seed)):
         by_setting.setdefault(run.setting, []).append(run)
         below, counted = share_below(run, target)
-        starts = _thirds(
-            [row["positive_share/start_bounds"] for row in _finite_rows(run, "positive_share/start_bounds")]
-        )
+        starts = _thirds(run.values("positive_share/start_bounds"))
         lines.append(
             f"| {run.setting} | {run.seed} | {counted} | {heldout_lift(run):+.3f} | "
             + " / ".join(f"{value:.2f}" for value in length_ratios(run))
@@ -116,8 +110,7 @@ def gate_section(runs: list[Run], target: float, on_policy: str = "E=0") -> list
     for setting, group in by_setting.items():
         if setting == on_policy:
             continue
-        below = sum(share_below(run, target)[0] for run in group)
-        counted = sum(share_below(run, target)[1] for run in group)
+        below, counted = (sum(column) for column in zip(*(share_below(run, target) for run in group), strict=True))
         if not counted:
             lines.append(f"- (c) {setting}: no update logged a positive share (no mixed group)")
             continue
