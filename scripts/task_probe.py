@@ -122,30 +122,29 @@ REGIME_CANDIDATES = (
 
 
 def share_at_ratio_one(groups: list[list[tuple[float, int]]], target: float = 0.4) -> dict:
-    """The positive share of the loss at ratio 1 under token-mean aggregation with group-normalised
-    advantages, from (reward, length) of each group's replies. A group's advantages sum to zero, so a
-    mixed group's share is Lc / (Lc + Lw) (mean lengths of its correct and wrong replies); "pooled"
-    sums the positive and negative parts of every mixed group (what one update of these groups sees)."""
-    positive = negative = 0.0
-    shares, correct_lengths, wrong_lengths = [], [], []
-    for group in groups:
-        rewards = [reward for reward, _ in group]
-        mean = sum(rewards) / len(rewards)
-        std = (sum((reward - mean) ** 2 for reward in rewards) / len(rewards)) ** 0.5
-        for reward, length in group:
-            (correct_lengths if reward > 0 else wrong_lengths).append(length)
-        if std == 0:
-            continue
-        group_positive = sum((reward - mean) / std * length for reward, length in group if reward > mean)
-        group_negative = sum((mean - reward) / std * length for reward, length in group if reward < mean)
-        positive, negative = positive + group_positive, negative + group_negative
-        shares.append(group_positive / (group_positive + group_negative))
+    """The positive share of the loss at ratio 1 under token-mean aggregation with the trainer's
+    group-normalised advantages (bapo.core.group_advantages), from (reward, length) of each group's
+    replies (groups of one size). A group's advantages sum to zero, so a mixed group's share is
+    Lc / (Lc + Lw) (mean lengths of its correct and wrong replies); "pooled" sums the positive and
+    negative parts of every mixed group (what one update of these groups sees)."""
+    import torch
+
+    from bapo.core import group_advantages
+
+    rewards = torch.tensor([[reward for reward, _ in group] for group in groups])  # [groups, G]
+    lengths = torch.tensor([[length for _, length in group] for group in groups], dtype=torch.float64)
+    advantages, zero_variance = group_advantages(rewards.reshape(-1), rewards.shape[1])
+    signed = advantages.double().reshape(rewards.shape) * lengths  # A x length, summed per sign below
+    mixed = ~zero_variance.reshape(rewards.shape)[:, 0]
+    positive, negative = signed.clamp(min=0).sum(1)[mixed], (-signed).clamp(min=0).sum(1)[mixed]
+    shares = positive / (positive + negative)
+    correct = rewards > 0
     return {
-        "length_correct": sum(correct_lengths) / max(1, len(correct_lengths)),
-        "length_wrong": sum(wrong_lengths) / max(1, len(wrong_lengths)),
-        "mixed_groups": len(shares),
-        "pooled_share": positive / (positive + negative) if shares else float("nan"),
-        "groups_below_target": sum(share < target for share in shares) / max(1, len(shares)),
+        "length_correct": lengths[correct].mean().item() if correct.any() else float("nan"),
+        "length_wrong": lengths[~correct].mean().item() if (~correct).any() else float("nan"),
+        "mixed_groups": int(mixed.sum()),
+        "pooled_share": (positive.sum() / (positive.sum() + negative.sum())).item() if mixed.any() else float("nan"),
+        "groups_below_target": (shares < target).double().mean().item() if mixed.any() else 0.0,
     }
 
 
