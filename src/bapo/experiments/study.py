@@ -354,7 +354,9 @@ def run_study(
     return study_dir
 
 
-def _train_todo(plan: StudyPlan, study_dir: Path, threads: int, in_process: bool, log, max_runs=None) -> None:
+def _train_todo(
+    plan: StudyPlan, study_dir: Path, threads: int, in_process: bool, log, max_runs: int | None = None
+) -> None:
     specs = plan.runs()
     todo = [spec for spec in specs if not is_done(study_dir / spec.name)]
     log(f"study {study_dir}: {len(specs) - len(todo)} of {len(specs)} runs done, {len(todo)} to go")
