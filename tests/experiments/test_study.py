@@ -162,6 +162,30 @@ def test_decoupled_ppo_trains_as_grpo_at_staleness_e_without_delay(char_model, t
     assert torch.equal(weights["decoupled-ppo"], weights["grpo"])
 
 
+def test_lora_study_trains_adapters_only_and_keeps_its_rank_in_the_plan(char_model, tmp_path):
+    """`bapo study --lora-rank N`: every run's config trains peft adapters (alpha 32, every linear
+    layer), the plan saved in study.json keeps the rank, and a study.json from before the option
+    loads as full fine-tuning."""
+    pytest.importorskip("peft")
+    from bapo.experiments.harness import RunSpec
+    from bapo.experiments.study import prepare, train_config
+    from bapo.train import Trainer
+
+    plan = tiny_plan(char_model, lora_rank=2)
+    assert StudyPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    old_record = {name: value for name, value in plan.to_json().items() if name != "lora_rank"}
+    assert StudyPlan.from_json(old_record).lora_rank is None
+    prepare(plan, tmp_path / "study")
+    cfg = train_config(plan, RunSpec("grpo"), char_model, tmp_path / "study", tmp_path / "grpo")
+    assert (cfg.model.lora.rank, cfg.model.lora.alpha, cfg.model.lora.target_modules) == (2, 32.0, "all-linear")
+    trainer = Trainer(cfg, verifier=lambda response, row: float(len(response) % 2))
+    trained = [name for name, param in trainer.model.named_parameters() if param.requires_grad]
+    trainer.close()
+    assert trained and all("lora_" in name for name in trained)
+    full = train_config(replace(plan, lora_rank=None), RunSpec("grpo"), char_model, tmp_path / "study", tmp_path / "f")
+    assert full.model.lora.rank is None
+
+
 def test_tiny_study_writes_report_and_resume_skips_finished_runs(char_model, tmp_path, monkeypatch):
     study_dir = tmp_path / "study"
     plan = tiny_plan(char_model)

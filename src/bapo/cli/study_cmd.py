@@ -25,6 +25,13 @@ def study(
     ),
     seeds: str | None = typer.Option(None, "--seeds", help="comma-separated seeds (default 0,1,2; --gpu: 0-4)"),
     lr: float | None = typer.Option(None, "--lr", help="RL learning rate (the plan's default: docs/STUDY.md)"),
+    lora_rank: int | None = typer.Option(
+        None,
+        "--lora-rank",
+        min=1,
+        help="train LoRA adapters of this rank (alpha 32, every linear layer) instead of every weight; "
+        "LoRA Without Regret takes ~10x the full lr (--lr)",
+    ),
     rollout_steps: int | None = typer.Option(None, "--rollout-steps", help="rollout steps per run"),
     methods: str | None = typer.Option(None, "--methods", help="comma-separated methods (default: all six)"),
     staleness_e: str | None = typer.Option(
@@ -63,7 +70,7 @@ def study(
         except ValueError:
             raise typer.BadParameter(f"{text!r}: comma-separated integers expected") from None
 
-    plan_options = (out, seeds, lr, rollout_steps, methods, staleness_e, delays, autocast)
+    plan_options = (out, seeds, lr, lora_rank, rollout_steps, methods, staleness_e, delays, autocast)
     if gate:
         from bapo.experiments.study import gate_lines
 
@@ -97,6 +104,7 @@ def study(
                 "quick" if quick else "gpu" if gpu else "regime" if regime else "full",
                 seeds=ints(seeds),
                 lr=lr,
+                lora_rank=lora_rank,
                 rollout_steps=rollout_steps,
                 methods=chosen,
                 staleness_e=ints(staleness_e),

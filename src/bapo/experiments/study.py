@@ -87,6 +87,9 @@ class StudyPlan:
     prompts_per_batch: int = 5
     group_size: int = 8
     lr: float = 1e-5
+    # model.lora.rank of every run (None: full fine-tuning). LoRA as TRL's "LoRA Without Regret" runs
+    # GRPO: alpha 32 on every linear layer (bapo train's defaults), with ~10x the full lr (--lr)
+    lora_rank: int | None = None
     # rollout and held-out sampling: at 1.0 SmolLM2 (from the Q4_1 GGUF) answers 6% of the task
     # (below the 10-60% start accuracy the study asks for, so that groups have reward variance), at
     # 0.7 15% (docs/STUDY.md)
@@ -246,6 +249,8 @@ def train_config(plan: StudyPlan, spec: RunSpec, model: Path, study_dir: Path, r
         overrides["rollout.vllm_enforce_eager"] = plan.vllm_enforce_eager
     if plan.autocast is not None:
         overrides["model.autocast"] = plan.autocast
+    if plan.lora_rank is not None:
+        overrides["model.lora.rank"] = plan.lora_rank
     return config_from_overrides(overrides)
 
 
@@ -546,7 +551,8 @@ def gate_lines(study_dirs: list[Path]) -> list[str]:
     for study_dir in study_dirs:
         plan = load_plan(study_dir)
         runs += find_runs(finished_runs(plan, study_dir))
-        sources.append(f"{study_dir} (lr {plan.lr}, {plan.task.max_new_tokens}-token budget)")
+        lora = f", LoRA rank {plan.lora_rank}" if plan.lora_rank is not None else ""
+        sources.append(f"{study_dir} (lr {plan.lr}{lora}, {plan.task.max_new_tokens}-token budget)")
     return [f"Runs from: {'; '.join(sources)}.", "", *gate_section(runs, BAPO_TARGET)]
 
 
