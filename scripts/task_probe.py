@@ -4,6 +4,7 @@ behind the study's choice of task (docs/STUDY.md, "Why this task").
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/task_probe.py                 # markdown table (after make vllm)
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/task_probe.py --json out.json
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/task_probe.py --share --questions 64 --samples 8 --temperatures 0.7
+    ... --share --task '*:2-12:2-19:64' --task '+:2-19:2-29:96'          # other spaces of the study's task
 
 Each candidate is a prompt format (system turn, user turn) over a range of operands; `--questions`
 of its questions (drawn with `--seed`) are sampled `--samples` times each by vLLM at every
@@ -96,19 +97,33 @@ CANDIDATES = (
 )
 
 
-def study_candidate(budget: int | None = None, a_range=None, b_range=None) -> Candidate:
+def study_candidate(budget: int | None = None, a_range=None, b_range=None, op: str = "+") -> Candidate:
     """The study's task as it is configured (bapo.experiments.arith defaults), for comparison; with
-    another budget or operand ranges for the regime probe (--share)."""
+    another budget, operand ranges or operation for the regime probe (--share, --task)."""
     cfg = ArithTaskConfig()
     a_range, b_range = a_range or (cfg.a_min, cfg.a_max), b_range or (cfg.b_min, cfg.b_max)
     return Candidate(
-        f"study task (a {a_range[0]}-{a_range[1]} + b {b_range[0]}-{b_range[1]}, just the number)",
-        question("{a}", "+", "{b}", cfg.suffix),  # the study's own question, as a format string
+        f"study task (a {a_range[0]}-{a_range[1]} {op} b {b_range[0]}-{b_range[1]}, just the number)",
+        question("{a}", op, "{b}", cfg.suffix),  # the study's own question, as a format string
         cfg.system_prompt,
         a_range,
         b_range,
         budget or cfg.max_new_tokens,
+        op,
     )
+
+
+def task_candidate(text: str) -> Candidate:
+    """--task OP:A_MIN-A_MAX:B_MIN-B_MAX:BUDGET (e.g. '*:2-12:2-19:64'): the study's prompt over
+    another space of bapo.experiments.arith (ArithTaskConfig's ops and ranges)."""
+    try:
+        op, a_text, b_text, budget = text.split(":")
+        a_range = tuple(int(part) for part in a_text.split("-"))
+        b_range = tuple(int(part) for part in b_text.split("-"))
+        ArithTaskConfig(ops=(op,), a_min=a_range[0], a_max=a_range[1], b_min=b_range[0], b_max=b_range[1])
+        return study_candidate(int(budget), a_range, b_range, op)
+    except (ValueError, IndexError) as err:
+        raise argparse.ArgumentTypeError(f"{text!r}: OP:A_MIN-A_MAX:B_MIN-B_MAX:BUDGET, e.g. '*:2-12:2-19:64' ({err})")
 
 
 # --share: where BAPO's premise holds at the start (docs/STUDY.md, "The regime gate"): the study's
@@ -261,11 +276,20 @@ def main() -> None:
         help="the regime probe: the study prompt at budgets 10/64/128 and operands 20-99, with the positive "
         "share at ratio 1 and the lengths of correct and wrong replies (use --samples 8: GRPO's groups)",
     )
+    parser.add_argument(
+        "--task",
+        type=task_candidate,
+        action="append",
+        help="with --share: probe this space instead of the default four, OP:A_MIN-A_MAX:B_MIN-B_MAX:BUDGET "
+        "(OP + - or *; repeat the option), e.g. --task '*:2-12:2-19:64'",
+    )
     args = parser.parse_args()
+    if args.task and not args.share:
+        parser.error("--task goes with --share (the regime probe)")
     if not (Path(args.model) / "config.json").exists():
         parser.error(f"--model {args.model}: no config.json there; run `bapo smollm2` first or pass an HF model folder")
     temperatures = [float(t) for t in args.temperatures.split(",")]
-    candidates = REGIME_CANDIDATES if args.share else (*CANDIDATES, study_candidate())
+    candidates = (args.task or REGIME_CANDIDATES) if args.share else (*CANDIDATES, study_candidate())
     rows = probe(args.model, candidates, args.questions, args.samples, temperatures, args.seed, share=args.share)
     print(markdown(rows, temperatures))
     if args.json:

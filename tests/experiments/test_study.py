@@ -363,6 +363,15 @@ def test_task_probe_draws_valid_questions_and_probes_the_study_task_as_configure
     assert len(drawn) == len(study_prompts) == 504  # the whole space when asked for more
     assert {study.user.format(a=a, b=b) for a, b, _ in drawn} == study_prompts
     assert study.system is ArithTaskConfig().system_prompt is None and study.budget == ArithTaskConfig().max_new_tokens
+    # --task: another space of the study's task, prompt for prompt what `bapo study` would train on
+    products = probe.task_candidate("*:2-12:2-19:64")
+    space = ArithTaskConfig(ops=("*",), a_min=2, a_max=12, b_min=2, b_max=19)
+    drawn = probe.questions(products, 1000, seed=0)
+    assert {products.user.format(a=a, b=b) for a, b, _ in drawn} == {row["prompt"] for row in problems(space)}
+    assert products.budget == 64 and all(answer == a * b for a, b, answer in drawn)
+    for bad in ("*:2-12:2-19", "/:2-12:2-19:64", "+:9-2:2-19:64"):
+        with pytest.raises(probe.argparse.ArgumentTypeError, match="OP:A_MIN-A_MAX:B_MIN-B_MAX:BUDGET"):
+            probe.task_candidate(bad)
 
 
 def test_task_probe_share_is_the_correct_length_share_of_each_mixed_group():
