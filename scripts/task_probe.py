@@ -4,7 +4,7 @@ behind the study's choice of task (docs/STUDY.md, "Why this task").
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/task_probe.py                 # markdown table (after make vllm)
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/task_probe.py --json out.json
     HF_HUB_OFFLINE=1 .venv/bin/python scripts/task_probe.py --share --questions 64 --samples 8 --temperatures 0.7
-    ... --share --task '*:2-12:2-19:64' --task '+:2-19:2-29:96'          # other spaces of the study's task
+    ... --share --task '*:2-12:2-19:64' --task=-:20-99:2-49:64    # other spaces of the study's task ('=' before a '-')
 
 Each candidate is a prompt format (system turn, user turn) over a range of operands; `--questions`
 of its questions (drawn with `--seed`) are sampled `--samples` times each by vLLM at every
@@ -281,7 +281,7 @@ def main() -> None:
         type=task_candidate,
         action="append",
         help="with --share: probe this space instead of the default four, OP:A_MIN-A_MAX:B_MIN-B_MAX:BUDGET "
-        "(OP + - or *; repeat the option), e.g. --task '*:2-12:2-19:64'",
+        "(OP + - or *; repeat the option), e.g. --task '*:2-12:2-19:64' or --task=-:20-99:2-49:64",
     )
     args = parser.parse_args()
     if args.task and not args.share:

@@ -186,6 +186,34 @@ def test_lora_study_trains_adapters_only_and_keeps_its_rank_in_the_plan(char_mod
     assert full.model.lora.rank is None
 
 
+def test_step_time_line_reports_the_push_share_of_each_rollout_step():
+    """The report's cost line (issue 36's push <= 5% of a rollout step): medians over every step of
+    every run, the share taken step by step (not the ratio of the medians)."""
+    from bapo.analysis.runs import Run
+    from bapo.experiments.study import step_time_lines
+
+    def row(step_s, push_s):
+        return {
+            "time/rollout_step_s": step_s,
+            "time/rollout_s": step_s / 2,
+            "time/update_s": step_s / 2,
+            "time/vllm_sample_s": step_s / 4,
+            "time/vllm_push_s": push_s,
+        }
+
+    runs = [
+        Run(Path("a"), "grpo", "E=0", 0, [row(10.0, 0.1), row(20.0, 1.0)]),
+        Run(Path("b"), "grpo", "E=0", 1, [row(30.0, 0.3)]),
+    ]
+    (line,) = step_time_lines(runs)
+    assert line.startswith(
+        "Time per rollout step (medians over every step of the finished runs): 20.0 s: rollout 10.0 s"
+    )
+    assert "vLLM sampling 5.0 s; weight push 0.30 s = 1.0% of a rollout step, at most 5.0%" in line
+    assert line.endswith("update 10.0 s.")
+    assert step_time_lines([Run(Path("c"), "grpo", "E=0", 0, [{"loss": 1.0}])]) == []
+
+
 def test_tiny_study_writes_report_and_resume_skips_finished_runs(char_model, tmp_path, monkeypatch):
     study_dir = tmp_path / "study"
     plan = tiny_plan(char_model)
@@ -209,6 +237,7 @@ def test_tiny_study_writes_report_and_resume_skips_finished_runs(char_model, tmp
     report = (study_dir / "report.md").read_text()
     assert report.startswith("# bapo study report") and "## Per-run table" in report
     assert "Runs finished: 5 of 5;" in report and "entropy digits" in report
+    assert "Time per rollout step (medians over every step of the finished runs):" in report  # hf: no push
     claim_ids = {claim["id"] for claim in json.loads((study_dir / "claims.json").read_text())}
     assert {"0-rl-improves", "4-heldout-E=1", "4-entropy-digit-E=1", "4-entropy-other-E=1"} <= claim_ids
     assert (study_dir / "plots" / "entropy_by_kind.png").exists()

@@ -396,6 +396,8 @@ def finished_runs(plan: StudyPlan, study_dir: Path) -> list[Path]:
 
 def header(plan: StudyPlan, study_dir: Path) -> list[str]:
     """The report's setting lines: task, model, plan, cost, what is finished."""
+    from bapo.analysis.runs import find_runs
+
     task = plan.task
     info = json.loads((study_dir / "study.json").read_text())
     done, total = len(finished_runs(plan, study_dir)), len(plan.runs())
@@ -410,7 +412,9 @@ def header(plan: StudyPlan, study_dir: Path) -> list[str]:
         f"rollout backend {plan.backend}, device {plan.device}; trainer forwards "
         + ("under bf16 autocast (fp32 weights)." if plan.autocast == "bfloat16" else "in fp32."),
         f"RL: {plan.rollout_steps} rollout steps per run, {plan.prompts_per_batch} prompts x {plan.group_size} "
-        f"samples at temperature {plan.temperature}, lr {plan.lr}; methods {', '.join(plan.methods)}; staleness E "
+        f"samples at temperature {plan.temperature}, lr {plan.lr}"
+        + (f", LoRA rank {plan.lora_rank} (alpha 32, every linear layer)" if plan.lora_rank is not None else "")
+        + f"; methods {', '.join(plan.methods)}; staleness E "
         f"{', '.join(map(str, plan.staleness_e))}"
         + (f"; async delay {', '.join(map(str, plan.async_delays))}" if plan.async_delays else "")
         + f"; seeds {', '.join(map(str, plan.seeds))}; bapo target share {BAPO_TARGET}. At E=0 without delay every "
@@ -421,7 +425,44 @@ def header(plan: StudyPlan, study_dir: Path) -> list[str]:
         + (" (PARTIAL study)" if done < total else "")
         + "; "
         + (f"wall time per run {min(wall):.0f}-{max(wall):.0f} s, {sum(wall):.0f} s summed." if wall else ""),
+        *step_time_lines(find_runs(finished_runs(plan, study_dir))),
     ]
+
+
+def step_time_lines(runs) -> list[str]:
+    """One line: the median rollout step of these runs and its parts, from the trainer's own timers
+    (time/rollout_step_s = rollout + update; the rollout holds the sampling, the vLLM weight push
+    and the trainer's log-prob recompute), with the push's share of the step (issue 36's <= 5%)."""
+    import statistics
+
+    def median(key: str) -> float | None:
+        values = [value for run in runs for value in run.values(key)]
+        return statistics.median(values) if values else None
+
+    step, rollout, update = median("time/rollout_step_s"), median("time/rollout_s"), median("time/update_s")
+    if step is None:
+        return []
+    sample, push = median("time/vllm_sample_s"), median("time/vllm_push_s")
+    shares = [
+        row["time/vllm_push_s"] / row["time/rollout_step_s"]
+        for run in runs
+        for row in run.rows
+        if row.get("time/vllm_push_s") and row.get("time/rollout_step_s")
+    ]
+    inside = []  # the rollout's parts
+    if sample is not None:
+        inside.append(f"vLLM sampling {sample:.1f} s")
+    if push is not None and shares:
+        inside.append(
+            f"weight push {push:.2f} s = {statistics.median(shares):.1%} of a rollout step, at most {max(shares):.1%}"
+        )
+    parts = []
+    if rollout is not None:
+        parts.append(f"rollout {rollout:.1f} s" + (f" ({'; '.join(inside)})" if inside else ""))
+    if update is not None:
+        parts.append(f"update {update:.1f} s")
+    line = f"Time per rollout step (medians over every step of the finished runs): {step:.1f} s"
+    return [line + (": " + ", ".join(parts) if parts else "") + "."]
 
 
 def write_study_report(plan: StudyPlan, study_dir: Path, record_headline: bool = True) -> Path | None:
