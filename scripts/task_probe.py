@@ -25,7 +25,7 @@ import random
 from dataclasses import dataclass
 from pathlib import Path
 
-from bapo.experiments.arith import ArithTaskConfig, operands, question, verify
+from bapo.experiments.arith import ArithTaskConfig, operands, question, task_from_spec, verify
 from bapo.train.data import format_prompt
 
 _JUST = "What is {a} + {b}? Answer with just the number."
@@ -115,15 +115,12 @@ def study_candidate(budget: int | None = None, a_range=None, b_range=None, op: s
 
 def task_candidate(text: str) -> Candidate:
     """--task OP:A_MIN-A_MAX:B_MIN-B_MAX:BUDGET (e.g. '*:2-12:2-19:64'): the study's prompt over
-    another space of bapo.experiments.arith (ArithTaskConfig's ops and ranges)."""
+    another space of bapo.experiments.arith (what `bapo study --task` trains on)."""
     try:
-        op, a_text, b_text, budget = text.split(":")
-        a_range = tuple(int(part) for part in a_text.split("-"))
-        b_range = tuple(int(part) for part in b_text.split("-"))
-        ArithTaskConfig(ops=(op,), a_min=a_range[0], a_max=a_range[1], b_min=b_range[0], b_max=b_range[1])
-        return study_candidate(int(budget), a_range, b_range, op)
-    except (ValueError, IndexError) as err:
-        raise argparse.ArgumentTypeError(f"{text!r}: OP:A_MIN-A_MAX:B_MIN-B_MAX:BUDGET, e.g. '*:2-12:2-19:64' ({err})")
+        cfg = task_from_spec(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return study_candidate(cfg.max_new_tokens, (cfg.a_min, cfg.a_max), (cfg.b_min, cfg.b_max), cfg.ops[0])
 
 
 # --share: where BAPO's premise holds at the start (docs/STUDY.md, "The regime gate"): the study's

@@ -440,3 +440,38 @@ def test_study_without_vllm_fails_in_one_line_before_any_work(tmp_path, monkeypa
     assert "bapo study samples with vLLM: vLLM is not installed" in line and "`make vllm`" in line
     assert (f".venv/bin/bapo study --resume {study_dir}" if resume else ".venv/bin/bapo study") in line
     assert not (tmp_path / "quick").exists()
+
+
+def test_study_task_option_sets_the_plans_space_and_refuses_a_bad_one(tmp_path, monkeypatch):
+    """`bapo study --regime --task '*:2-19:2-29:64'`: the regime plan over products (the rest of its
+    task kept), saved as given; a malformed or too small space is refused before any work."""
+    from typer.testing import CliRunner
+
+    import bapo.cli.study_cmd as study_cmd
+    import bapo.experiments.smollm2 as smollm2
+    import bapo.experiments.study as study
+    from bapo.cli.main import app
+    from bapo.experiments.arith import task_from_spec, task_spec
+
+    plans = []
+    monkeypatch.setattr(study_cmd, "check_vllm", lambda *a: None)
+    monkeypatch.setattr(smollm2, "convert", lambda *a, **k: tmp_path / "model")
+
+    def start(plan, *args, **kwargs):  # stands in for the runs: keep the plan, train nothing
+        plans.append(plan)
+        raise RuntimeError("no runs in this test")
+
+    monkeypatch.setattr(study, "run_study", start)
+
+    def run(*args):
+        return CliRunner().invoke(app, ["study", "--regime", "--out", str(tmp_path / "s"), *args])
+
+    assert str(run("--task", "*:2-19:2-29:64", "--lr", "3e-6").exception) == "no runs in this test"
+    (plan,) = plans
+    assert plan.task == task_from_spec("*:2-19:2-29:64", PROFILES["regime"].task)
+    assert (plan.task.ops, plan.task.max_new_tokens, plan.task.n_heldout, plan.lr) == (("*",), 64, 200, 3e-6)
+    assert task_spec(plan.task) == "*:2-19:2-29:64" and task_spec(PROFILES["full"].task) == "+:2-19:2-29:10"
+    for bad, message in (("*:2-12:2-19:64", "198 questions, not more than the 200 held out"), ("*:2-19", "OP:A_MIN")):
+        result = run("--task", bad)
+        assert result.exit_code == 2 and message in " ".join(result.output.replace("│", "").split())
+    assert len(plans) == 1

@@ -32,6 +32,12 @@ def study(
         help="train LoRA adapters of this rank (alpha 32, every linear layer) instead of every weight; "
         "LoRA Without Regret takes ~10x the full lr (--lr)",
     ),
+    task: str | None = typer.Option(
+        None,
+        "--task",
+        help="the task's space OP:A_MIN-A_MAX:B_MIN-B_MAX:BUDGET, e.g. '*:2-19:2-29:64' (a '-' op: --task=-:...; "
+        "default '+:2-19:2-29:10', --regime '+:2-19:2-29:64')",
+    ),
     rollout_steps: int | None = typer.Option(None, "--rollout-steps", help="rollout steps per run"),
     methods: str | None = typer.Option(None, "--methods", help="comma-separated methods (default: all six)"),
     staleness_e: str | None = typer.Option(
@@ -70,7 +76,7 @@ def study(
         except ValueError:
             raise typer.BadParameter(f"{text!r}: comma-separated integers expected") from None
 
-    plan_options = (out, seeds, lr, lora_rank, rollout_steps, methods, staleness_e, delays, autocast)
+    plan_options = (out, seeds, lr, lora_rank, task, rollout_steps, methods, staleness_e, delays, autocast)
     if gate:
         from bapo.experiments.study import gate_lines
 
@@ -99,9 +105,14 @@ def study(
         unknown = [m for m in chosen or () if m not in METHODS]
         if unknown:
             raise typer.BadParameter(f"--methods: {', '.join(unknown)} not among {', '.join(METHODS)}")
+        profile = "quick" if quick else "gpu" if gpu else "regime" if regime else "full"
         try:
+            from bapo.experiments.arith import task_from_spec
+            from bapo.experiments.study import PROFILES
+
             plan = plan_for(
-                "quick" if quick else "gpu" if gpu else "regime" if regime else "full",
+                profile,
+                task=task_from_spec(task, PROFILES[profile].task) if task is not None else None,
                 seeds=ints(seeds),
                 lr=lr,
                 lora_rank=lora_rank,

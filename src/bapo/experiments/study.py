@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 
-from bapo.experiments.arith import ArithTaskConfig, make_split, verify
+from bapo.experiments.arith import ArithTaskConfig, make_split, operands, task_spec, verify
 from bapo.experiments.harness import (
     HeldOutHook,
     RunSpec,
@@ -126,6 +126,11 @@ class StudyPlan:
                     f"staleness E={staleness_e}: E+1 optimizer updates must divide the rollout batch of "
                     f"{batch} responses (prompts_per_batch x group_size); change prompts_per_batch"
                 )
+        if len(operands(self.task)) <= self.task.n_heldout:
+            raise ValueError(
+                f"task {task_spec(self.task)}: {len(operands(self.task))} questions, not more than the "
+                f"{self.task.n_heldout} held out; widen the operand ranges"
+            )
         unknown = [method for method in self.methods if method not in METHODS]
         if unknown:
             raise ValueError(f"methods: {', '.join(unknown)} not among {', '.join(METHODS)}")
@@ -593,7 +598,7 @@ def gate_lines(study_dirs: list[Path]) -> list[str]:
         plan = load_plan(study_dir)
         runs += find_runs(finished_runs(plan, study_dir))
         lora = f", LoRA rank {plan.lora_rank}" if plan.lora_rank is not None else ""
-        sources.append(f"{study_dir} (lr {plan.lr}{lora}, {plan.task.max_new_tokens}-token budget)")
+        sources.append(f"{study_dir} (task {task_spec(plan.task)}, lr {plan.lr}{lora})")
     return [f"Runs from: {'; '.join(sources)}.", "", *gate_section(runs, BAPO_TARGET)]
 
 
