@@ -5,19 +5,28 @@
 # Resumable: run it again and each study continues (finished runs skipped, a started one from its
 # last checkpoint). One study process at a time: a run's vLLM engine and trainer hold ~10 GB.
 #   nice -n 19 bash scripts/regime_gate.sh            # LRS="1e-5 3e-6" ROUNDS=3 THREADS=2
+#   TASK='*:2-19:2-29:64' TAG=mul LRS=3e-6 nice -n 19 bash scripts/regime_gate.sh   # another task space
+#     (bapo study --task; folders docs/study/regime-TAG-lrLR)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BAPO=${BAPO:-.venv/bin/bapo}
 LRS=${LRS:-"3e-6 1e-5"}
 ROUNDS=${ROUNDS:-3}   # the plan's seeds
 THREADS=${THREADS:-2}
+TASK=${TASK:-}        # empty: the regime plan's task (+:2-19:2-29:64)
+TAG=${TAG:-}
+if [ -n "$TASK" ] && [ -z "$TAG" ]; then
+  echo "TASK=$TASK needs TAG=<short name> for its folders (docs/study/regime-TAG-lrLR)" >&2
+  exit 2
+fi
 for _ in $(seq "$ROUNDS"); do
   for lr in $LRS; do
-    dir=docs/study/regime-lr$lr
+    dir=docs/study/regime${TAG:+-$TAG}-lr$lr
     if [ -f "$dir/study.json" ]; then
       "$BAPO" study --resume "$dir" --max-runs 1 --threads "$THREADS"
     else
-      "$BAPO" study --regime --staleness 0 --delays '' --lr "$lr" --out "$dir" --max-runs 1 --threads "$THREADS"
+      "$BAPO" study --regime ${TASK:+--task="$TASK"} --staleness 0 --delays '' --lr "$lr" --out "$dir" \
+        --max-runs 1 --threads "$THREADS"
     fi
   done
 done
