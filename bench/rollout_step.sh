@@ -11,12 +11,16 @@
 # rollout.behaviour_log_prob=engine), old, new, then old-bf16 and new-bf16 (model.autocast=bfloat16:
 # worth it only where the CPU computes bf16 natively). Needs vLLM (make vllm) and bapo smollm2's folder.
 set -euo pipefail
-cd "$(dirname "$0")/.."
-PY=${PY:-.venv/bin/python}
+usage="usage: bench/rollout_step.sh [--read] OUT [--json]"
 read_only=0
 if [ "${1:-}" = "--read" ]; then read_only=1; shift; fi
-OUT=${1:?usage: bench/rollout_step.sh [--read] OUT [--json]}
+case "${1:-}" in
+  "" | -*) echo "$usage" >&2; exit 2 ;;
+esac
+OUT=$(realpath -m "$1")   # before the cd below: OUT is relative to the caller's folder
 JSON=${2:-}
+cd "$(dirname "$0")/.."
+PY=${PY:-.venv/bin/python}
 MODEL=${MODEL:-$HOME/.cache/bapo/smollm2-135m-instruct}
 DATA=${DATA:-docs/study/regime-lr1e-5/data/train.jsonl}
 STEPS=${STEPS:-4}
@@ -46,35 +50,55 @@ if [ "$read_only" = 0 ]; then
   run new-bf16 src model.autocast=bfloat16
 fi
 
-"$PY" - "$OUT" "$JSON" <<'PYTHON'
-import json, statistics, sys
+"$PY" - "$OUT" "$JSON" "$STEPS" <<'PYTHON'
+# the table: each system's rollout steps but the first (the engine's warm-up), medians of the
+# trainer's own timers as the study report reads them (bapo.analysis.runs)
+import json, sys
 from pathlib import Path
 
-out, as_json = Path(sys.argv[1]), sys.argv[2] == "--json"
-keys = {"step_s": "time/rollout_step_s", "rollout_s": "time/rollout_s", "sample_s": "time/vllm_sample_s",
-        "push_s": "time/vllm_push_s", "update_s": "time/update_s"}
-systems: dict[str, dict[str, list[float]]] = {}
+from bapo.analysis.runs import Run, step_time_summary
+from bapo.train.metrics import read_metrics
+
+out, as_json, planned = Path(sys.argv[1]), sys.argv[2] == "--json", int(sys.argv[3])
+steps: dict[str, list[dict]] = {}
 for metrics in sorted(out.glob("*/metrics.jsonl")):
-    rows = [json.loads(line) for line in metrics.read_text().splitlines()][1:]  # step 0: the engine warms up
+    run = Run(metrics.parent, "grpo", "", 0, read_metrics(metrics.parent))
+    timed = run.rollout_step_times()[1:]
+    if len(timed) < planned - 1:
+        print(f"warning: {metrics.parent.name} has {len(timed)} timed rollout steps of {planned - 1}", file=sys.stderr)
     base, _, repeat = metrics.parent.name.rpartition("-")  # new-1 and new-2 are one system; new-bf16 another
-    system = systems.setdefault(base if repeat.isdigit() else metrics.parent.name, {name: [] for name in keys})
-    for name, key in keys.items():
-        system[name] += [row[key] for row in rows if isinstance(row.get(key), (int, float))]
-medians = {name: {k: statistics.median(v) for k, v in parts.items() if v} for name, parts in systems.items()}
-def ratio(a, b):
-    return round(medians[a]["step_s"] / medians[b]["step_s"], 3) if a in medians and b in medians else None
-result = {"systems": medians, "steps": {name: len(parts["step_s"]) for name, parts in systems.items()},
-          "step_new_vs_old": ratio("old", "new"), "step_engine_vs_old": ratio("old", "engine"),
-          "step_new_bf16_vs_old_bf16": ratio("old-bf16", "new-bf16"), "step_new_bf16_vs_old": ratio("old", "new-bf16")}
+    steps.setdefault(base if repeat.isdigit() else metrics.parent.name, []).extend(timed)
+summaries = {name: step_time_summary(timed) for name, timed in steps.items() if timed}
+if not summaries:
+    sys.exit(f"no timed rollout step under {out} (runs are OUT/<system>-<n>/metrics.jsonl)")
+
+
+def speedup(baseline: str, system: str):  # the baseline's median rollout step over the system's
+    if baseline in summaries and system in summaries:
+        return round(summaries[baseline]["step_s"] / summaries[system]["step_s"], 3)
+    return None
+
+
+result = {
+    "systems": summaries,
+    "steps": {name: len(timed) for name, timed in steps.items()},
+    "speedup_new_over_old": speedup("old", "new"),
+    "speedup_engine_over_old": speedup("old", "engine"),
+    "speedup_new_bf16_over_old_bf16": speedup("old-bf16", "new-bf16"),
+    "speedup_new_bf16_over_old": speedup("old", "new-bf16"),
+}
 if as_json:
     print(json.dumps(result))
 else:
-    print("| system | steps | rollout step s | rollout s | vLLM sampling s | push s (share of the step) | update s |")
+    print("| system | rollout steps | rollout step s | rollout s | vLLM sampling s | push s (share of its step) | updates s |")
     print("|---|---|---|---|---|---|---|")
-    for name, m in medians.items():
-        push = f"{m['push_s']:.2f} ({m['push_s'] / m['step_s']:.1%})" if "push_s" in m else "-"
-        print(f"| {name} | {result['steps'][name]} | {m['step_s']:.1f} | {m.get('rollout_s', float('nan')):.1f} | "
-              f"{m.get('sample_s', float('nan')):.1f} | {push} | {m.get('update_s', float('nan')):.1f} |")
-    for key in ("step_new_vs_old", "step_engine_vs_old", "step_new_bf16_vs_old_bf16", "step_new_bf16_vs_old"):
-        print(f"{key} (old's median step over the other's; goal >= 2): {result[key]}")
+    for name, m in summaries.items():
+        push = f"{m['push_s']:.2f} ({m['push_share']:.1%})" if "push_share" in m else "-"
+        print(
+            f"| {name} | {result['steps'][name]} | {m['step_s']:.1f} | {m.get('rollout_s', float('nan')):.1f} | "
+            f"{m.get('sample_s', float('nan')):.1f} | {push} | {m.get('update_s', float('nan')):.1f} |"
+        )
+    for key, value in result.items():
+        if key.startswith("speedup"):
+            print(f"{key} (median rollout step, goal >= 2): {value}")
 PYTHON

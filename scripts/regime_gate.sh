@@ -15,13 +15,22 @@ ROUNDS=${ROUNDS:-3}   # the plan's seeds
 THREADS=${THREADS:-2}
 TASK=${TASK:-}        # empty: the regime plan's task (+:2-19:2-29:64)
 TAG=${TAG:-}
-if [ -n "$TASK" ] && [ -z "$TAG" ]; then
-  echo "TASK=$TASK needs TAG=<short name> for its folders (docs/study/regime-TAG-lrLR)" >&2
+if { [ -n "$TASK" ] && [ -z "$TAG" ]; } || { [ -z "$TASK" ] && [ -n "$TAG" ]; }; then
+  echo "TASK and TAG go together: TASK=<op:a-range:b-range:budget> TAG=<short name> (docs/study/regime-TAG-lrLR)" >&2
   exit 2
 fi
 for _ in $(seq "$ROUNDS"); do
   for lr in $LRS; do
     dir=docs/study/regime${TAG:+-$TAG}-lr$lr
+    if [ -f "$dir/study.json" ] && [ -n "$TASK" ]; then
+      # a resumed study keeps its saved task: refuse a TASK that names another one under the same TAG
+      saved=$(.venv/bin/python -c "import sys; from bapo.experiments.study import load_plan; \
+from bapo.experiments.arith import task_spec; print(task_spec(load_plan(sys.argv[1]).task))" "$dir")
+      if [ "$saved" != "$TASK" ]; then
+        echo "$dir holds task $saved, not TASK=$TASK: use another TAG" >&2
+        exit 2
+      fi
+    fi
     if [ -f "$dir/study.json" ]; then
       "$BAPO" study --resume "$dir" --max-runs 1 --threads "$THREADS"
     else

@@ -108,7 +108,7 @@ def study_candidate(budget: int | None = None, a_range=None, b_range=None, op: s
         cfg.system_prompt,
         a_range,
         b_range,
-        budget or cfg.max_new_tokens,
+        cfg.max_new_tokens if budget is None else budget,
         op,
     )
 

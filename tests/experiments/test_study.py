@@ -186,32 +186,27 @@ def test_lora_study_trains_adapters_only_and_keeps_its_rank_in_the_plan(char_mod
     assert full.model.lora.rank is None
 
 
-def test_step_time_line_reports_the_push_share_of_each_rollout_step():
-    """The report's cost line (issue 36's push <= 5% of a rollout step): medians over every step of
-    every run, the share taken step by step (not the ratio of the medians)."""
+def test_step_time_line_counts_each_rollout_step_once_and_sums_its_updates():
+    """The report's cost line (issue 36's push <= 5% of a rollout step): metrics.jsonl has one row
+    per optimizer update, so at staleness E a step's timers repeat on E+1 rows and its update time
+    is their sum; medians are over rollout steps, the push share taken step by step (not the ratio
+    of the medians)."""
     from bapo.analysis.runs import Run
     from bapo.experiments.study import step_time_lines
 
-    def row(step_s, push_s):
-        return {
-            "time/rollout_step_s": step_s,
-            "time/rollout_s": step_s / 2,
-            "time/update_s": step_s / 2,
-            "time/vllm_sample_s": step_s / 4,
-            "time/vllm_push_s": push_s,
-        }
+    def rows(rollout_step, step_s, push_s, updates):  # one row per optimizer update of the step
+        timers = {"time/rollout_step_s": step_s, "time/rollout_s": step_s / 2, "time/vllm_sample_s": step_s / 4}
+        timers["time/vllm_push_s"] = push_s
+        return [{"rollout_step": rollout_step, **timers, "time/update_s": update_s} for update_s in updates]
 
-    runs = [
-        Run(Path("a"), "grpo", "E=0", 0, [row(10.0, 0.1), row(20.0, 1.0)]),
-        Run(Path("b"), "grpo", "E=0", 1, [row(30.0, 0.3)]),
-    ]
-    (line,) = step_time_lines(runs)
-    assert line.startswith(
-        "Time per rollout step (medians over every step of the finished runs): 20.0 s: rollout 10.0 s"
-    )
-    assert "vLLM sampling 5.0 s; weight push 0.30 s = 1.0% of a rollout step, at most 5.0%" in line
-    assert line.endswith("update 10.0 s.")
-    assert step_time_lines([Run(Path("c"), "grpo", "E=0", 0, [{"loss": 1.0}])]) == []
+    stale = Run(Path("a"), "grpo", "E=2", 0, rows(0, 10.0, 0.1, [2.0, 1.0, 2.0]) + rows(1, 20.0, 1.0, [3.0, 3.0, 4.0]))
+    on_policy = Run(Path("b"), "grpo", "E=0", 0, rows(0, 30.0, 0.3, [15.0]))
+    assert [step["update_s"] for step in stale.rollout_step_times()] == [5.0, 10.0]
+    (line,) = step_time_lines([stale, on_policy])
+    assert line.startswith("Time per rollout step (medians over every rollout step of the finished runs): 20.0 s:")
+    assert "rollout 10.0 s (vLLM sampling 5.0 s; weight push 0.30 s = 1.0% of a rollout step, at most 5.0%)" in line
+    assert line.endswith("optimizer updates 10.0 s.")
+    assert step_time_lines([Run(Path("c"), "grpo", "E=0", 0, [{"rollout_step": 0, "loss": 1.0}])]) == []
 
 
 def test_tiny_study_writes_report_and_resume_skips_finished_runs(char_model, tmp_path, monkeypatch):
@@ -237,7 +232,7 @@ def test_tiny_study_writes_report_and_resume_skips_finished_runs(char_model, tmp
     report = (study_dir / "report.md").read_text()
     assert report.startswith("# bapo study report") and "## Per-run table" in report
     assert "Runs finished: 5 of 5;" in report and "entropy digits" in report
-    assert "Time per rollout step (medians over every step of the finished runs):" in report  # hf: no push
+    assert "Time per rollout step (medians over every rollout step of the finished runs):" in report  # hf: no push
     claim_ids = {claim["id"] for claim in json.loads((study_dir / "claims.json").read_text())}
     assert {"0-rl-improves", "4-heldout-E=1", "4-entropy-digit-E=1", "4-entropy-other-E=1"} <= claim_ids
     assert (study_dir / "plots" / "entropy_by_kind.png").exists()
@@ -398,7 +393,7 @@ def test_task_probe_draws_valid_questions_and_probes_the_study_task_as_configure
     drawn = probe.questions(products, 1000, seed=0)
     assert {products.user.format(a=a, b=b) for a, b, _ in drawn} == {row["prompt"] for row in problems(space)}
     assert products.budget == 64 and all(answer == a * b for a, b, answer in drawn)
-    for bad in ("*:2-12:2-19", "/:2-12:2-19:64", "+:9-2:2-19:64"):
+    for bad in ("*:2-12:2-19", "/:2-12:2-19:64", "+:9-2:2-19:64", "+:2-19:2-29:0", "-:2-5:10-20:64"):
         with pytest.raises(probe.argparse.ArgumentTypeError, match="OP:A_MIN-A_MAX:B_MIN-B_MAX:BUDGET"):
             probe.task_candidate(bad)
 
@@ -474,4 +469,13 @@ def test_study_task_option_sets_the_plans_space_and_refuses_a_bad_one(tmp_path, 
     for bad, message in (("*:2-12:2-19:64", "198 questions, not more than the 200 held out"), ("*:2-19", "OP:A_MIN")):
         result = run("--task", bad)
         assert result.exit_code == 2 and message in " ".join(result.output.replace("│", "").split())
+    assert len(plans) == 1
+    # --lora-rank without peft: one line before any work (the model is not converted, no plan is made)
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "peft" else find_spec(name, *a))
+    monkeypatch.setattr(smollm2, "convert", lambda *a, **k: pytest.fail("converted the model before the check"))
+    result = run("--lora-rank", "1", "--lr", "1e-4")
+    assert result.exit_code == 2 and "--lora-rank 1 needs peft" in " ".join(result.output.replace("│", "").split())
     assert len(plans) == 1

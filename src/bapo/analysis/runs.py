@@ -109,6 +109,42 @@ class Run:
     def final(self) -> dict:
         return self.heldout()
 
+    def rollout_step_times(self) -> list[dict[str, float]]:
+        """One dict per rollout step, from the trainer's timers (bapo.train.trainer): "step_s" the whole
+        step (rollout, its optimizer updates and the held-out check that ends some steps), "rollout_s"
+        (vLLM sampling "sample_s" and weight push "push_s" where the backend is vLLM, plus the
+        trainer's behaviour log-probs and scoring) and "update_s" summed over the step's optimizer
+        updates (one row each: E+1 at staleness E). Steps whose rows carry no step timer are left out."""
+        by_step: dict[int, list[dict]] = {}
+        for row in self.rows:
+            if isinstance(row.get("time/rollout_step_s"), (int, float)):
+                by_step.setdefault(row["rollout_step"], []).append(row)
+        timers = {"step_s": "time/rollout_step_s", "rollout_s": "time/rollout_s"}
+        timers |= {"sample_s": "time/vllm_sample_s", "push_s": "time/vllm_push_s"}
+        steps = []
+        for rows in by_step.values():
+            first = rows[0]  # the step's own timers repeat on each of its rows
+            step = {name: float(first[key]) for name, key in timers.items() if isinstance(first.get(key), (int, float))}
+            updates = [row["time/update_s"] for row in rows if isinstance(row.get("time/update_s"), (int, float))]
+            if updates:
+                step["update_s"] = float(sum(updates))
+            steps.append(step)
+        return steps
+
+
+def step_time_summary(steps: list[dict[str, float]]) -> dict[str, float]:
+    """Medians over these rollout steps (Run.rollout_step_times, of one or many runs) of each timer,
+    and "push_share": the median over steps of push_s / step_s (each step's own share)."""
+    import statistics
+
+    names = sorted({name for step in steps for name in step})
+    summary = {name: statistics.median(step[name] for step in steps if name in step) for name in names}
+    shares = [step["push_s"] / step["step_s"] for step in steps if "push_s" in step and step.get("step_s")]
+    if shares:
+        summary["push_share"] = statistics.median(shares)
+        summary["push_share_max"] = max(shares)
+    return summary
+
 
 def _identity(run_dir: Path) -> tuple[str, str, int]:
     info_file = run_dir / "demo_run.json"

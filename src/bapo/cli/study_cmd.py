@@ -35,7 +35,7 @@ def study(
     task: str | None = typer.Option(
         None,
         "--task",
-        help="the task's space OP:A_MIN-A_MAX:B_MIN-B_MAX:BUDGET, e.g. '*:2-19:2-29:64' (a '-' op: --task=-:...; "
+        help="the task's space, e.g. '*:2-19:2-29:64' (op, a's range, b's range, reply budget in tokens; "
         "default '+:2-19:2-29:10', --regime '+:2-19:2-29:64')",
     ),
     rollout_steps: int | None = typer.Option(None, "--rollout-steps", help="rollout steps per run"),
@@ -126,6 +126,7 @@ def study(
             raise typer.BadParameter(str(err)) from None
         check_device(plan.device)  # before any work: converting the model, writing the split
         check_vllm(plan.backend, None)
+        check_peft(plan.lora_rank)
         if plan.model == "smollm2":
             from dataclasses import replace
 
@@ -162,6 +163,18 @@ def study(
     for line in json.loads((study_dir / "study.json").read_text()).get("headline", []):
         typer.echo(line.replace("**", ""))
     typer.echo(f"report: {study_dir / 'report.md'}  ({time.time() - started:.0f} s)")
+
+
+def check_peft(lora_rank: int | None) -> None:
+    """--lora-rank without peft: the one line model.lora's check prints, before any work (each run
+    would otherwise fail in its own process after the model is converted and study.json written)."""
+    import importlib.util
+
+    if lora_rank is not None and importlib.util.find_spec("peft") is None:
+        raise typer.BadParameter(
+            f"--lora-rank {lora_rank} needs peft, which is not installed: pip install 'bapo[train]' (or pip install "
+            "peft), or drop --lora-rank"
+        )
 
 
 def check_device(device: str) -> None:

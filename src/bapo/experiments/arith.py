@@ -45,6 +45,8 @@ class ArithTaskConfig:
             raise ValueError(f"ops={self.ops!r}: each must be one of {tuple(_OPS)}")
         if not (self.a_min <= self.a_max and self.b_min <= self.b_max):
             raise ValueError("a_min <= a_max and b_min <= b_max are required")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens={self.max_new_tokens}: a budget of at least 1 token is required")
 
 
 SPACE_FORMAT = "OP:A_MIN-A_MAX:B_MIN-B_MAX:BUDGET"
@@ -60,7 +62,10 @@ def task_from_spec(text: str, base: ArithTaskConfig | None = None) -> ArithTaskC
         op, a_text, b_text, budget = text.split(":")
         (a_min, a_max), (b_min, b_max) = (tuple(int(n) for n in part.split("-")) for part in (a_text, b_text))
         fields = dict(ops=(op,), a_min=a_min, a_max=a_max, b_min=b_min, b_max=b_max, max_new_tokens=int(budget))
-        return replace(base or ArithTaskConfig(), **fields)
+        cfg = replace(base or ArithTaskConfig(), **fields)
+        if not operands(cfg):
+            raise ValueError("no question in this space (a - b needs some a >= b)")
+        return cfg
     except ValueError as err:
         raise ValueError(f"{text!r}: {SPACE_FORMAT} expected, e.g. '*:2-19:2-29:64' ({err})") from None
 

@@ -428,45 +428,34 @@ def header(plan: StudyPlan, study_dir: Path) -> list[str]:
         f"{plan.eval_every} rollout steps, avg@{plan.final_k} / pass@{plan.final_k} on all at the end.",
         f"Runs finished: {done} of {total}"
         + (" (PARTIAL study)" if done < total else "")
-        + "; "
-        + (f"wall time per run {min(wall):.0f}-{max(wall):.0f} s, {sum(wall):.0f} s summed." if wall else ""),
+        + (f"; wall time per run {min(wall):.0f}-{max(wall):.0f} s, {sum(wall):.0f} s summed." if wall else "."),
         *step_time_lines(find_runs(finished_runs(plan, study_dir))),
     ]
 
 
 def step_time_lines(runs) -> list[str]:
-    """One line: the median rollout step of these runs and its parts, from the trainer's own timers
-    (time/rollout_step_s = rollout + update; the rollout holds the sampling, the vLLM weight push
-    and the trainer's log-prob recompute), with the push's share of the step (issue 36's <= 5%)."""
-    import statistics
+    """One line: the median rollout step of these runs and its parts (bapo.analysis.runs'
+    rollout_step_times: each step counted once, its optimizer updates summed), with the vLLM weight
+    push's share of the step (issue 36's <= 5%)."""
+    from bapo.analysis.runs import step_time_summary
 
-    def median(key: str) -> float | None:
-        values = [value for run in runs for value in run.values(key)]
-        return statistics.median(values) if values else None
-
-    step, rollout, update = median("time/rollout_step_s"), median("time/rollout_s"), median("time/update_s")
-    if step is None:
+    times = step_time_summary([step for run in runs for step in run.rollout_step_times()])
+    if "step_s" not in times:
         return []
-    sample, push = median("time/vllm_sample_s"), median("time/vllm_push_s")
-    shares = [
-        row["time/vllm_push_s"] / row["time/rollout_step_s"]
-        for run in runs
-        for row in run.rows
-        if row.get("time/vllm_push_s") and row.get("time/rollout_step_s")
-    ]
     inside = []  # the rollout's parts
-    if sample is not None:
-        inside.append(f"vLLM sampling {sample:.1f} s")
-    if push is not None and shares:
+    if "sample_s" in times:
+        inside.append(f"vLLM sampling {times['sample_s']:.1f} s")
+    if "push_share" in times:
         inside.append(
-            f"weight push {push:.2f} s = {statistics.median(shares):.1%} of a rollout step, at most {max(shares):.1%}"
+            f"weight push {times['push_s']:.2f} s = {times['push_share']:.1%} of a rollout step, "
+            f"at most {times['push_share_max']:.1%}"
         )
     parts = []
-    if rollout is not None:
-        parts.append(f"rollout {rollout:.1f} s" + (f" ({'; '.join(inside)})" if inside else ""))
-    if update is not None:
-        parts.append(f"update {update:.1f} s")
-    line = f"Time per rollout step (medians over every step of the finished runs): {step:.1f} s"
+    if "rollout_s" in times:
+        parts.append(f"rollout {times['rollout_s']:.1f} s" + (f" ({'; '.join(inside)})" if inside else ""))
+    if "update_s" in times:
+        parts.append(f"optimizer updates {times['update_s']:.1f} s")
+    line = f"Time per rollout step (medians over every rollout step of the finished runs): {times['step_s']:.1f} s"
     return [line + (": " + ", ".join(parts) if parts else "") + "."]
 
 
