@@ -479,3 +479,21 @@ def test_study_task_option_sets_the_plans_space_and_refuses_a_bad_one(tmp_path, 
     result = run("--lora-rank", "1", "--lr", "1e-4")
     assert result.exit_code == 2 and "--lora-rank 1 needs peft" in " ".join(result.output.replace("│", "").split())
     assert len(plans) == 1
+
+
+def test_paired_lift_reads_each_seeds_lift_and_pairs_by_seed(capsys, monkeypatch):
+    """scripts/paired_lift.py on the committed regime records: the lifts the gate prints, per seed,
+    and a folder against itself differs by exactly 0 over every seed."""
+    import importlib.util
+    import sys
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "paired_lift.py"
+    spec = importlib.util.spec_from_file_location("paired_lift", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    folder = Path(__file__).resolve().parents[2] / "docs" / "study" / "regime-lr3e-6"
+    lifts = module.lifts(folder)
+    assert sorted(lifts) == [0, 1, 2] and all(0.3 < lift < 0.6 for lift in lifts.values())
+    monkeypatch.setattr(sys, "argv", ["paired_lift.py", str(folder), str(folder)])
+    module.main()
+    assert "A - B, paired over seeds 0, 1, 2: +0.000 [+0.000, +0.000]" in capsys.readouterr().out
