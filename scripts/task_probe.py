@@ -120,6 +120,8 @@ def task_candidate(text: str) -> Candidate:
         cfg = task_from_spec(text)
     except ValueError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
+    if len(cfg.ops) > 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: the probe takes one op per candidate (OP one of + - *)")
     return study_candidate(cfg.max_new_tokens, (cfg.a_min, cfg.a_max), (cfg.b_min, cfg.b_max), cfg.ops[0])
 
 

@@ -466,6 +466,8 @@ def test_study_task_option_sets_the_plans_space_and_refuses_a_bad_one(tmp_path, 
     assert plan.task == task_from_spec("*:2-19:2-29:64", PROFILES["regime"].task)
     assert (plan.task.ops, plan.task.max_new_tokens, plan.task.n_heldout, plan.lr) == (("*",), 64, 200, 3e-6)
     assert task_spec(plan.task) == "*:2-19:2-29:64" and task_spec(PROFILES["full"].task) == "+:2-19:2-29:10"
+    both = task_from_spec("+*:2-19:2-29:64")
+    assert both.ops == ("+", "*") and task_from_spec(task_spec(both)) == both
     for bad, message in (("*:2-12:2-19:64", "198 questions, not more than the 200 held out"), ("*:2-19", "OP:A_MIN")):
         result = run("--task", bad)
         assert result.exit_code == 2 and message in " ".join(result.output.replace("│", "").split())

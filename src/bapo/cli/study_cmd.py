@@ -35,7 +35,7 @@ def study(
     task: str | None = typer.Option(
         None,
         "--task",
-        help="the task's space, e.g. '*:2-19:2-29:64' (op, a's range, b's range, reply budget in tokens; "
+        help="the task's space, e.g. '*:2-19:2-29:64' (op or ops, a's range, b's range, reply budget in tokens; "
         "default '+:2-19:2-29:10', --regime '+:2-19:2-29:64')",
     ),
     rollout_steps: int | None = typer.Option(None, "--rollout-steps", help="rollout steps per run"),

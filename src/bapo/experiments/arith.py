@@ -54,14 +54,15 @@ SPACE_FORMAT = "OP:A_MIN-A_MAX:B_MIN-B_MAX:BUDGET"
 
 def task_from_spec(text: str, base: ArithTaskConfig | None = None) -> ArithTaskConfig:
     """`base` (the defaults when None) over another space, from "OP:A_MIN-A_MAX:B_MIN-B_MAX:BUDGET"
-    (e.g. "*:2-19:2-29:64": products, a in 2-19, b in 2-29, replies of <= 64 tokens). ValueError
-    naming the format when the text does not parse or the space is empty."""
+    (e.g. "*:2-19:2-29:64": products, a in 2-19, b in 2-29, replies of <= 64 tokens; OP may name
+    several ops, "+*": sums and products). ValueError naming the format when the text does not
+    parse or the space is empty."""
     from dataclasses import replace
 
     try:
         op, a_text, b_text, budget = text.split(":")
         (a_min, a_max), (b_min, b_max) = (tuple(int(n) for n in part.split("-")) for part in (a_text, b_text))
-        fields = dict(ops=(op,), a_min=a_min, a_max=a_max, b_min=b_min, b_max=b_max, max_new_tokens=int(budget))
+        fields = dict(ops=tuple(op), a_min=a_min, a_max=a_max, b_min=b_min, b_max=b_max, max_new_tokens=int(budget))
         cfg = replace(base or ArithTaskConfig(), **fields)
         if not operands(cfg):
             raise ValueError("no question in this space (a - b needs some a >= b)")
@@ -71,8 +72,8 @@ def task_from_spec(text: str, base: ArithTaskConfig | None = None) -> ArithTaskC
 
 
 def task_spec(cfg: ArithTaskConfig) -> str:
-    """task_from_spec's text for cfg's space (its first op)."""
-    return f"{cfg.ops[0]}:{cfg.a_min}-{cfg.a_max}:{cfg.b_min}-{cfg.b_max}:{cfg.max_new_tokens}"
+    """task_from_spec's text for cfg's space."""
+    return f"{''.join(cfg.ops)}:{cfg.a_min}-{cfg.a_max}:{cfg.b_min}-{cfg.b_max}:{cfg.max_new_tokens}"
 
 
 def question(a: int, op: str, b: int, suffix: str = "") -> str:
