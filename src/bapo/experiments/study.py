@@ -126,9 +126,10 @@ class StudyPlan:
                     f"staleness E={staleness_e}: E+1 optimizer updates must divide the rollout batch of "
                     f"{batch} responses (prompts_per_batch x group_size); change prompts_per_batch"
                 )
-        if len(operands(self.task)) <= self.task.n_heldout:
+        questions = len(operands(self.task))
+        if questions <= self.task.n_heldout:
             raise ValueError(
-                f"task {task_spec(self.task)}: {len(operands(self.task))} questions, not more than the "
+                f"task {task_spec(self.task)}: {questions} questions, not more than the "
                 f"{self.task.n_heldout} held out; widen the operand ranges"
             )
         unknown = [method for method in self.methods if method not in METHODS]
