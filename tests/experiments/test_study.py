@@ -499,3 +499,24 @@ def test_paired_lift_reads_each_seeds_lift_and_pairs_by_seed(capsys, monkeypatch
     monkeypatch.setattr(sys, "argv", ["paired_lift.py", str(folder), str(folder)])
     module.main()
     assert "A - B, paired over seeds 0, 1, 2: +0.000 [+0.000, +0.000]" in capsys.readouterr().out
+
+
+def test_resume_on_a_new_machine_rebuilds_the_converted_model_at_its_saved_path(tmp_path, monkeypatch):
+    import bapo.experiments.smollm2 as smollm2
+    from bapo.cli.study_cmd import reconvert_missing_model
+
+    converted: list[Path] = []
+
+    def fake_convert(out=None, gguf_file=None):
+        converted.append(Path(out))
+        (Path(out) / "config.json").parent.mkdir(parents=True)
+        (Path(out) / "config.json").write_text("{}")
+        return Path(out)
+
+    monkeypatch.setattr(smollm2, "convert", fake_convert)
+    saved = tmp_path / "elsewhere" / smollm2.FOLDER  # the path a study.json from another machine holds
+    reconvert_missing_model(str(saved))
+    assert converted == [saved]
+    reconvert_missing_model(str(saved))  # present now: not converted again
+    reconvert_missing_model(str(tmp_path / "my-own-model"))  # a user's folder is the run's own check
+    assert converted == [saved]

@@ -94,6 +94,7 @@ def study(
         if not report_only:
             check_device(plan.device)
             check_vllm(plan.backend, resume)
+            reconvert_missing_model(plan.model)
     else:
         if report_only:
             raise typer.BadParameter("--report needs --resume DIR")
@@ -184,6 +185,21 @@ def check_device(device: str) -> None:
     problem = device_problem(device)
     if problem:
         raise typer.BadParameter(f"the plan's device is {device}: {problem[0]}; run it where there is one")
+
+
+def reconvert_missing_model(model: str) -> None:
+    """A study resumed on a new machine (a clone of committed records): the converted SmolLM2
+    folder its study.json names is rebuilt at that same path, which the runs' configs and the
+    start policy's cache key hold. Any other missing folder is left to the run's own check."""
+    from bapo.experiments.smollm2 import FOLDER, convert
+
+    path = Path(model)
+    if path.name == FOLDER and not (path / "config.json").exists():
+        typer.echo(f"{path} is missing on this machine: converting SmolLM2-135M-Instruct into it", err=True)
+        try:
+            convert(path)
+        except ValueError as err:
+            raise typer.BadParameter(f"study.json's model {path}: {err}") from None
 
 
 def check_vllm(backend: str, resume: Path | None) -> None:
