@@ -472,6 +472,10 @@ def test_study_task_option_sets_the_plans_space_and_refuses_a_bad_one(tmp_path, 
         result = run("--task", bad)
         assert result.exit_code == 2 and message in " ".join(result.output.replace("│", "").split())
     assert len(plans) == 1
+    # --temperature: rollouts and held-out samples at verl's and TRL's 1.0; 0 is refused before any plan
+    assert str(run("--temperature", "1.0").exception) == "no runs in this test"
+    assert (plans[-1].temperature, PROFILES["regime"].temperature) == (1.0, 0.7)
+    assert run("--temperature", "0").exit_code == 2 and len(plans) == 2
     # --lora-rank without peft: one line before any work (the model is not converted, no plan is made)
     import importlib.util
 
@@ -480,7 +484,7 @@ def test_study_task_option_sets_the_plans_space_and_refuses_a_bad_one(tmp_path, 
     monkeypatch.setattr(smollm2, "convert", lambda *a, **k: pytest.fail("converted the model before the check"))
     result = run("--lora-rank", "1", "--lr", "1e-4")
     assert result.exit_code == 2 and "--lora-rank 1 needs peft" in " ".join(result.output.replace("│", "").split())
-    assert len(plans) == 1
+    assert len(plans) == 2
 
 
 def test_paired_lift_reads_each_seeds_lift_and_pairs_by_seed(capsys, monkeypatch):

@@ -39,6 +39,11 @@ def study(
         "default '+:2-19:2-29:10', --regime '+:2-19:2-29:64')",
     ),
     rollout_steps: int | None = typer.Option(None, "--rollout-steps", help="rollout steps per run"),
+    temperature: float | None = typer.Option(
+        None,
+        "--temperature",
+        help="sampling temperature of rollouts and of the held-out avg@k (default 0.7; verl's and TRL's 1.0)",
+    ),
     methods: str | None = typer.Option(None, "--methods", help="comma-separated methods (default: all six)"),
     staleness_e: str | None = typer.Option(
         None, "--staleness", help="comma-separated staleness E values, E+1 updates per rollout batch (default 0,4)"
@@ -76,7 +81,7 @@ def study(
         except ValueError:
             raise typer.BadParameter(f"{text!r}: comma-separated integers expected") from None
 
-    plan_options = (out, seeds, lr, lora_rank, task, rollout_steps, methods, staleness_e, delays, autocast)
+    plan_options = (out, seeds, lr, lora_rank, task, rollout_steps, temperature, methods, staleness_e, delays, autocast)
     if gate:
         from bapo.experiments.study import gate_lines
 
@@ -106,6 +111,8 @@ def study(
         unknown = [m for m in chosen or () if m not in METHODS]
         if unknown:
             raise typer.BadParameter(f"--methods: {', '.join(unknown)} not among {', '.join(METHODS)}")
+        if temperature is not None and not temperature > 0:
+            raise typer.BadParameter(f"--temperature {temperature}: a sampling temperature above 0 is required")
         profile = "quick" if quick else "gpu" if gpu else "regime" if regime else "full"
         try:
             from bapo.experiments.arith import task_from_spec
@@ -118,6 +125,7 @@ def study(
                 lr=lr,
                 lora_rank=lora_rank,
                 rollout_steps=rollout_steps,
+                temperature=temperature,
                 methods=chosen,
                 staleness_e=ints(staleness_e),
                 async_delays=ints(delays),

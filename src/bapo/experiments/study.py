@@ -588,7 +588,7 @@ def gate_lines(study_dirs: list[Path]) -> list[str]:
         plan = load_plan(study_dir)
         runs += find_runs(finished_runs(plan, study_dir))
         lora = f", LoRA rank {plan.lora_rank}" if plan.lora_rank is not None else ""
-        sources.append(f"{study_dir} (task {task_spec(plan.task)}, lr {plan.lr}{lora})")
+        sources.append(f"{study_dir} (task {task_spec(plan.task)}, temperature {plan.temperature}, lr {plan.lr}{lora})")
     return [f"Runs from: {'; '.join(sources)}.", "", *gate_section(runs, BAPO_TARGET)]
 
 
