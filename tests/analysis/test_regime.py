@@ -19,6 +19,9 @@ def _run(seed: int, setting: str, rewarded, unrewarded, shares, start=0.2, end=0
             "response_length/unrewarded": u,
             "positive_share": share,
             "positive_share/start_bounds": share,
+            "entropy": 0.9 - 0.1 * i,
+            "reward/mean": 0.2 + 0.1 * i,
+            "grad_norm": 1.0 + i,
         }
         for i, (r, u, share) in enumerate(zip(rewarded, unrewarded, shares, strict=True))
     ]
@@ -56,7 +59,10 @@ def test_gate_passes_only_when_lift_lengths_and_stale_share_all_hold():
     assert "(a) on-policy held-out lift +0.310" in text and "over 3 seeds: **passes**" in text
     assert "(b) every third of every setting >= 1.3: **passes**" in text
     assert "(c) E=3: positive share < 0.4 in 8 of 12 updates (67%): **passes**" in text
-    assert text.count("| E=3 |") == 2  # the bapo run is not in the table
+    assert text.count("| E=3 |") == 3  # two grpo runs in the per-run table, one row in (d): the bapo run in neither
+    # (d): per setting, seed means; six updates 0.9, 0.8, ... entropy, 0.2, 0.3, ... reward, grad norm 1-6
+    assert "| E=0 | 3 | +0.310 | 0.850 -> 0.450 | 0.250 -> 0.650 | 3.500 / 6.000 |" in text
+    assert "| E=3 | 2 | +0.300 | 0.850 -> 0.450 |" in text
 
     # the imbalance fades in the last third (replies shorten): (b) fails; the stale share > 0.4: (c) fails
     fading = dict(rewarded=[15] * 6, unrewarded=[30, 30, 30, 30, 16, 16])

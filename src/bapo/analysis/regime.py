@@ -9,6 +9,8 @@ unrewarded}, positive_share/start_bounds and positive_share; held-out scores fro
                   passes when every third of every setting is >= LENGTH_RATIO, not only the first
     (c) share     in each stale setting, the fraction of updates whose positive share at the bounds
                   used is below the target: passes when it is more than half (seeds pooled)
+    (d) staleness what each setting does to GRPO, seed means: held-out lift, entropy and reward in
+                  the first and last third of updates, gradient norm median and max (measured, no verdict)
 
 With group-normalised advantages and ratio 1 the share is Lc / (Lc + Lw) per mixed group, so (b) and (c)
 are one premise seen twice: (b) from the lengths of all responses, (c) from the loss itself.
@@ -57,6 +59,35 @@ def heldout_lift(run: Run) -> float:
     if not start or not end or start["k"] != end["k"]:
         return math.nan
     return end[f"avg@{end['k']}"] - start[f"avg@{start['k']}"]
+
+
+def staleness_effects(by_setting: dict[str, list[Run]]) -> list[str]:
+    """(d), the paper's Figure 2 question for GRPO alone: one row per setting, seed means."""
+
+    def seed_mean(group: list[Run], measure) -> float:
+        values = [value for value in map(measure, group) if math.isfinite(value)]
+        return statistics.fmean(values) if values else math.nan
+
+    def third(key: str, index: int):
+        return lambda run: _thirds(run.values(key))[index] if len(run.values(key)) >= 3 else math.nan
+
+    def norm(pick):
+        return lambda run: pick(run.values("grad_norm")) if run.values("grad_norm") else math.nan
+
+    lines = [
+        "| setting | seeds | held-out lift | entropy (first -> last third) | reward (first -> last third) "
+        "| gradient norm (median / max) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for setting, group in by_setting.items():
+        entropy = [seed_mean(group, third("entropy", index)) for index in (0, 2)]
+        reward = [seed_mean(group, third("reward/mean", index)) for index in (0, 2)]
+        lines.append(
+            f"| {setting} | {len(group)} | {seed_mean(group, heldout_lift):+.3f} "
+            f"| {entropy[0]:.3f} -> {entropy[1]:.3f} | {reward[0]:.3f} -> {reward[1]:.3f} "
+            f"| {seed_mean(group, norm(statistics.median)):.3f} / {seed_mean(group, norm(max)):.3f} |"
+        )
+    return lines
 
 
 def gate_section(runs: list[Run], target: float, on_policy: str = "E=0") -> list[str]:
@@ -118,4 +149,5 @@ def gate_section(runs: list[Run], target: float, on_policy: str = "E=0") -> list
             f"- (c) {setting}: positive share < {target} in {below} of {counted} updates ({below / counted:.0%}): "
             f"{verdict[below / counted > 0.5]}"
         )
-    return lines
+    lines += ["", "(d) What each setting does to GRPO (seed means; no verdict, the measurement the plan reports):", ""]
+    return lines + staleness_effects(by_setting)
