@@ -22,24 +22,38 @@ if { [ -n "$TASK$TEMPERATURE" ] && [ -z "$TAG" ]; } || { [ -z "$TASK$TEMPERATURE
     "TAG=<short name> (docs/study/regime-TAG-lrLR)" >&2
   exit 2
 fi
+PYTHON=${PYTHON:-$(dirname "$BAPO")/python}
+# before any run: a resumed study keeps its saved plan, so refuse a folder whose task or temperature is
+# not the one asked for (TASK / TEMPERATURE, or the regime plan's when unset): pick another TAG instead
+for lr in $LRS; do
+  dir=docs/study/regime${TAG:+-$TAG}-lr$lr
+  [ -f "$dir/study.json" ] || continue
+  "$PYTHON" - "$dir" "$TASK" "$TEMPERATURE" <<'PY' || exit 2
+import sys
+
+from bapo.experiments.arith import task_spec
+from bapo.experiments.study import PROFILES, load_plan
+
+folder, task, temperature = sys.argv[1:]
+plan, default = load_plan(folder), PROFILES["regime"]
+try:
+    wanted_temperature = float(temperature) if temperature else default.temperature
+except ValueError:
+    sys.exit(f"TEMPERATURE={temperature}: a number above 0 expected, e.g. 1.0")
+wanted_task = task or task_spec(default.task)
+unset = " (unset: the regime plan's)"
+if task_spec(plan.task) != wanted_task:
+    sys.exit(f"{folder} holds task {task_spec(plan.task)}, not {wanted_task}{'' if task else unset}: use another TAG")
+if plan.temperature != wanted_temperature:
+    sys.exit(
+        f"{folder} holds temperature {plan.temperature}, not {wanted_temperature}{'' if temperature else unset}: "
+        "use another TAG"
+    )
+PY
+done
 for _ in $(seq "$ROUNDS"); do
   for lr in $LRS; do
     dir=docs/study/regime${TAG:+-$TAG}-lr$lr
-    if [ -f "$dir/study.json" ] && [ -n "$TAG" ]; then
-      # a resumed study keeps its saved plan: refuse a TASK or TEMPERATURE other than it under the same TAG
-      read -r saved_task saved_temperature < <(.venv/bin/python -c "import sys; \
-from bapo.experiments.study import load_plan; from bapo.experiments.arith import task_spec; \
-plan = load_plan(sys.argv[1]); print(task_spec(plan.task), plan.temperature)" "$dir")
-      if [ -n "$TASK" ] && [ "$saved_task" != "$TASK" ]; then
-        echo "$dir holds task $saved_task, not TASK=$TASK: use another TAG" >&2
-        exit 2
-      fi
-      if [ -n "$TEMPERATURE" ] && ! .venv/bin/python -c "import sys; sys.exit(float(sys.argv[1]) != float(sys.argv[2]))" \
-        "$saved_temperature" "$TEMPERATURE"; then
-        echo "$dir holds temperature $saved_temperature, not TEMPERATURE=$TEMPERATURE: use another TAG" >&2
-        exit 2
-      fi
-    fi
     if [ -f "$dir/study.json" ]; then
       "$BAPO" study --resume "$dir" --max-runs 1 --threads "$THREADS"
     else

@@ -61,7 +61,7 @@ def test_gate_passes_only_when_lift_lengths_and_stale_share_all_hold():
     assert "(c) E=3: positive share < 0.4 in 8 of 12 updates (67%): **passes**" in text
     assert text.count("| E=3 |") == 3  # two grpo runs in the per-run table, one row in (d): the bapo run in neither
     # (d): per setting, seed means; six updates 0.9, 0.8, ... entropy, 0.2, 0.3, ... reward, grad norm 1-6
-    assert "| E=0 | 3 | +0.310 | 0.850 -> 0.450 | 0.250 -> 0.650 | 3.500 / 6.000 |" in text
+    assert "| E=0 | 3 | +0.310 | 0.850 -> 0.450 | 0.250 -> 0.650 | 3.500; 6.000 | 0 |" in text
     assert "| E=3 | 2 | +0.300 | 0.850 -> 0.450 |" in text
 
     # the imbalance fades in the last third (replies shorten): (b) fails; the stale share > 0.4: (c) fails
@@ -76,3 +76,19 @@ def test_gate_passes_only_when_lift_lengths_and_stale_share_all_hold():
     assert "(c) E=3: positive share < 0.4 in 0 of 6 updates (0%): **fails**" in text
     assert "**fails**" in next(line for line in text.splitlines() if line.startswith("- (a)"))
     assert gate_section([_run(0, "E=0", [1], [2], [0.3], method="bapo")], 0.4) == []
+
+
+def test_staleness_effects_name_the_seeds_a_cell_lacks_and_count_non_finite_gradient_norms():
+    from bapo.analysis.regime import staleness_effects
+
+    full = _run(0, "E=3", [15] * 6, [30] * 6, [0.3] * 6)
+    short = _run(1, "E=3", [15] * 2, [30] * 2, [0.3] * 2)  # two updates: no thirds
+    short.rows[1]["grad_norm"] = float("nan")  # a skipped update
+    del short.rows[0]["heldout/start/avg@4"]  # no held-out start: no lift
+    (row,) = staleness_effects({"E=3": [full, short]})[2:]
+    assert row == (
+        "| E=3 | 2 | +0.300 (1 of 2 seeds) | 0.850 (1 of 2 seeds) -> 0.450 (1 of 2 seeds) "
+        "| 0.250 (1 of 2 seeds) -> 0.650 (1 of 2 seeds) | 2.250; 6.000 | 1 |"
+    )
+    (empty,) = staleness_effects({"E=0": [_run(0, "E=0", [1], [2], [0.3])]})[2:]
+    assert empty == "| E=0 | 1 | +0.300 | - -> - | - -> - | 1.000; 1.000 | 0 |"

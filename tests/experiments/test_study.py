@@ -475,7 +475,11 @@ def test_study_task_option_sets_the_plans_space_and_refuses_a_bad_one(tmp_path, 
     # --temperature: rollouts and held-out samples at verl's and TRL's 1.0; 0 is refused before any plan
     assert str(run("--temperature", "1.0").exception) == "no runs in this test"
     assert (plans[-1].temperature, PROFILES["regime"].temperature) == (1.0, 0.7)
-    assert run("--temperature", "0").exit_code == 2 and len(plans) == 2
+    for bad in ("0", "-1", "inf"):
+        result = run("--temperature", bad)
+        line = " ".join(result.output.replace("│", "").split())
+        assert result.exit_code == 2 and "a finite sampling temperature above 0 is required" in line, line
+    assert len(plans) == 2
     # --lora-rank without peft: one line before any work (the model is not converted, no plan is made)
     import importlib.util
 
@@ -506,21 +510,76 @@ def test_paired_lift_reads_each_seeds_lift_and_pairs_by_seed(capsys, monkeypatch
 
 
 def test_resume_on_a_new_machine_rebuilds_the_converted_model_at_its_saved_path(tmp_path, monkeypatch):
-    import bapo.experiments.smollm2 as smollm2
-    from bapo.cli.study_cmd import reconvert_missing_model
+    """`bapo study --resume DIR` where DIR's study.json names a converted SmolLM2 folder this machine
+    lacks (a clone of committed records): the folder is rebuilt at that path before the runs; a
+    rebuild that fails is one line naming the path."""
+    from typer.testing import CliRunner
 
+    import bapo.cli.study_cmd as study_cmd
+    import bapo.experiments.smollm2 as smollm2
+    import bapo.experiments.study as study
+    from bapo.cli.main import app
+
+    saved = tmp_path / "elsewhere" / smollm2.FOLDER  # the path a study.json from another machine holds
+    study_dir = tmp_path / "study"
+    study_dir.mkdir()
+    record = json.loads((Path(__file__).resolve().parents[2] / "docs/study/regime-mul-lr3e-6/study.json").read_text())
+    record["plan"]["model"] = str(saved)
+    (study_dir / "study.json").write_text(json.dumps(record))
     converted: list[Path] = []
 
     def fake_convert(out=None, gguf_file=None):
         converted.append(Path(out))
-        (Path(out) / "config.json").parent.mkdir(parents=True)
+        Path(out).mkdir(parents=True)
         (Path(out) / "config.json").write_text("{}")
         return Path(out)
 
+    def start(plan, *args, **kwargs):  # stands in for the runs
+        raise RuntimeError(f"runs on {plan.model}")
+
+    monkeypatch.setattr(study_cmd, "check_vllm", lambda *a: None)
+    monkeypatch.setattr(study, "run_study", start)
     monkeypatch.setattr(smollm2, "convert", fake_convert)
-    saved = tmp_path / "elsewhere" / smollm2.FOLDER  # the path a study.json from another machine holds
-    reconvert_missing_model(str(saved))
+    result = CliRunner().invoke(app, ["study", "--resume", str(study_dir)])
+    assert str(result.exception) == f"runs on {saved}" and converted == [saved]
+    CliRunner().invoke(app, ["study", "--resume", str(study_dir)])  # present now: not converted again
     assert converted == [saved]
-    reconvert_missing_model(str(saved))  # present now: not converted again
-    reconvert_missing_model(str(tmp_path / "my-own-model"))  # a user's folder is the run's own check
-    assert converted == [saved]
+
+    def unwritable(out=None, gguf_file=None):
+        raise PermissionError(13, "Permission denied", str(out))
+
+    monkeypatch.setattr(smollm2, "convert", unwritable)
+    record["plan"]["model"] = str(tmp_path / "other" / smollm2.FOLDER)
+    (study_dir / "study.json").write_text(json.dumps(record))
+    result = CliRunner().invoke(app, ["study", "--resume", str(study_dir)])
+    line = " ".join(result.output.replace("│", "").split())
+    assert result.exit_code == 2 and "is missing and could not be rebuilt there" in line and "Permission denied" in line
+
+
+def test_regime_gate_script_refuses_a_saved_folder_of_another_task_or_temperature_before_any_run():
+    """scripts/regime_gate.sh on the committed products folder (task *:2-19:2-29:64, temperature 0.7):
+    a TASK or TEMPERATURE (or, unset, the regime plan's) other than the saved one stops it in one line
+    with exit 2; the saved one passes the check (ROUNDS=0: no run)."""
+    import os
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+
+    def gate(**env):
+        settings = {"LRS": "3e-6", "ROUNDS": "0", "TAG": "mul", "PYTHON": sys.executable, "BAPO": "false", **env}
+        return subprocess.run(
+            ["bash", "scripts/regime_gate.sh"], cwd=repo, env={**os.environ, **settings}, capture_output=True, text=True
+        )
+
+    assert gate(TASK="*:2-19:2-29:64").returncode == 0
+    assert gate(TASK="*:2-19:2-29:64", TEMPERATURE="0.7").returncode == 0
+    for env, message in (
+        ({"TASK": "+:2-19:2-29:64"}, "holds task *:2-19:2-29:64, not +:2-19:2-29:64: use another TAG"),
+        ({"TEMPERATURE": "0.7"}, "not +:2-19:2-29:64 (unset: the regime plan's): use another TAG"),
+        ({"TASK": "*:2-19:2-29:64", "TEMPERATURE": "1.0"}, "holds temperature 0.7, not 1.0: use another TAG"),
+        ({"TASK": "*:2-19:2-29:64", "TEMPERATURE": "hot"}, "TEMPERATURE=hot: a number above 0 expected"),
+        ({"TAG": "", "TEMPERATURE": "1.0"}, "TASK or TEMPERATURE goes with TAG"),
+    ):
+        result = gate(**env)
+        assert result.returncode == 2 and message in result.stderr, (env, result.stderr)

@@ -62,36 +62,52 @@ def heldout_lift(run: Run) -> float:
 
 
 def staleness_effects(by_setting: dict[str, list[Run]]) -> list[str]:
-    """(d), the paper's Figure 2 question for GRPO alone: one row per setting, seed means."""
+    """(d), the paper's Figure 2 question for GRPO alone: a markdown table, one row per setting of
+    `by_setting` (setting -> its runs, one per seed). Each cell is a mean over the seeds that have the
+    measure (held-out start and end at one k, >= 3 updates for thirds), "(n of m seeds)" where some
+    lack it; the gradient norm (before clipping) is each seed's median, averaged, and the largest over
+    all seeds, beside the count of updates whose norm was not finite (which the median hides)."""
+    from collections.abc import Callable
 
-    def seed_mean(group: list[Run], measure) -> float:
+    def seed_mean(group: list[Run], measure: Callable[[Run], float], fmt: str) -> str:
         values = [value for value in map(measure, group) if math.isfinite(value)]
-        return statistics.fmean(values) if values else math.nan
+        if not values:
+            return "-"
+        text = format(statistics.fmean(values), fmt)
+        return text if len(values) == len(group) else f"{text} ({len(values)} of {len(group)} seeds)"
 
-    def third(key: str, index: int):
+    def third_mean(key: str, index: int) -> Callable[[Run], float]:
         return lambda run: _thirds(run.values(key))[index] if len(run.values(key)) >= 3 else math.nan
 
-    def norm(pick):
-        return lambda run: pick(run.values("grad_norm")) if run.values("grad_norm") else math.nan
+    def median_grad_norm(run: Run) -> float:
+        return statistics.median(run.values("grad_norm")) if run.values("grad_norm") else math.nan
+
+    def non_finite_grad_norms(run: Run) -> int:
+        logged = [row["grad_norm"] for row in run.rows if isinstance(row.get("grad_norm"), (int, float))]
+        return sum(not math.isfinite(value) for value in logged)
 
     lines = [
         "| setting | seeds | held-out lift | entropy (first -> last third) | reward (first -> last third) "
-        "| gradient norm (median / max) |",
-        "|---|---|---|---|---|---|",
+        "| gradient norm (median; max over seeds) | non-finite gradient norms |",
+        "|---|---|---|---|---|---|---|",
     ]
     for setting, group in by_setting.items():
-        entropy = [seed_mean(group, third("entropy", index)) for index in (0, 2)]
-        reward = [seed_mean(group, third("reward/mean", index)) for index in (0, 2)]
+        entropy, reward = (
+            " -> ".join(seed_mean(group, third_mean(key, index), ".3f") for index in (0, 2))
+            for key in ("entropy", "reward/mean")
+        )
+        norms = [value for run in group for value in run.values("grad_norm")]
+        largest = f"{max(norms):.3f}" if norms else "-"
         lines.append(
-            f"| {setting} | {len(group)} | {seed_mean(group, heldout_lift):+.3f} "
-            f"| {entropy[0]:.3f} -> {entropy[1]:.3f} | {reward[0]:.3f} -> {reward[1]:.3f} "
-            f"| {seed_mean(group, norm(statistics.median)):.3f} / {seed_mean(group, norm(max)):.3f} |"
+            f"| {setting} | {len(group)} | {seed_mean(group, heldout_lift, '+.3f')} | {entropy} | {reward} "
+            f"| {seed_mean(group, median_grad_norm, '.3f')}; {largest} | {sum(map(non_finite_grad_norms, group))} |"
         )
     return lines
 
 
 def gate_section(runs: list[Run], target: float, on_policy: str = "E=0") -> list[str]:
-    """The gate's markdown: a per-run table, then (a)-(c) with their verdicts ([] without runs)."""
+    """The gate's markdown: a per-run table, (a)-(c) with their verdicts, then (d)'s table ([] without
+    grpo runs)."""
     runs = [run for run in runs if run.method == "grpo"]
     if not runs:
         return []

@@ -90,7 +90,10 @@ def study(
         missing = [str(folder) for folder in gate if not (folder / "study.json").exists()]
         if missing:
             raise typer.BadParameter(f"--gate: {', '.join(missing)} holds no study (no study.json)")
-        typer.echo("\n".join(gate_lines(gate)))
+        try:
+            typer.echo("\n".join(gate_lines(gate)))
+        except ValueError as err:
+            raise typer.BadParameter(str(err)) from None
         return
     if resume is not None:
         if any(v is not None for v in plan_options) or quick or gpu or regime:
@@ -99,7 +102,10 @@ def study(
         if not report_only:
             check_device(plan.device)
             check_vllm(plan.backend, resume)
-            reconvert_missing_model(plan.model)
+            from bapo.experiments.study import finished_runs
+
+            if len(finished_runs(plan, resume)) < len(plan.runs()):  # runs left to train need the model
+                reconvert_missing_model(plan.model)
     else:
         if report_only:
             raise typer.BadParameter("--report needs --resume DIR")
@@ -111,8 +117,6 @@ def study(
         unknown = [m for m in chosen or () if m not in METHODS]
         if unknown:
             raise typer.BadParameter(f"--methods: {', '.join(unknown)} not among {', '.join(METHODS)}")
-        if temperature is not None and not temperature > 0:
-            raise typer.BadParameter(f"--temperature {temperature}: a sampling temperature above 0 is required")
         profile = "quick" if quick else "gpu" if gpu else "regime" if regime else "full"
         try:
             from bapo.experiments.arith import task_from_spec
@@ -206,8 +210,11 @@ def reconvert_missing_model(model: str) -> None:
         typer.echo(f"{path} is missing on this machine: converting SmolLM2-135M-Instruct into it", err=True)
         try:
             convert(path)
-        except ValueError as err:
-            raise typer.BadParameter(f"study.json's model {path}: {err}") from None
+        except (ValueError, OSError) as err:  # OSError: the saved path is not writable for this user
+            raise typer.BadParameter(
+                f"study.json's model {path} is missing and could not be rebuilt there ({err}); the runs' "
+                f"model.path must stay {path}: make {path.parent} writable, or resume where it exists"
+            ) from None
 
 
 def check_vllm(backend: str, resume: Path | None) -> None:

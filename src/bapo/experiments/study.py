@@ -25,6 +25,7 @@ a started run from its last checkpoint (bapo train's exact resume).
 from __future__ import annotations
 
 import json
+import math
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -135,6 +136,11 @@ class StudyPlan:
         unknown = [method for method in self.methods if method not in METHODS]
         if unknown:
             raise ValueError(f"methods: {', '.join(unknown)} not among {', '.join(METHODS)}")
+        if not (math.isfinite(self.temperature) and self.temperature > 0):
+            raise ValueError(
+                f"temperature={self.temperature}: a finite sampling temperature above 0 is required "
+                "(GRPO's groups and avg@k need k different replies), e.g. 0.7 or 1.0"
+            )
 
     @property
     def max_new_tokens(self) -> int:
@@ -577,16 +583,30 @@ STUDY_FIGURES = {
 }
 
 
+# what the folders of one gate share: the cells (staleness, delays), seeds and methods may differ
+GATE_SAME = ("task", "temperature", "lr", "lora_rank", "rollout_steps", "prompts_per_batch", "group_size", "autocast")
+
+
 def gate_lines(study_dirs: list[Path]) -> list[str]:
     """The regime gate (bapo.analysis.regime) over the finished grpo runs of these study folders
-    (e.g. the on-policy study at the chosen lr and the stale one), with each folder's lr."""
+    (e.g. the on-policy study at the chosen lr and the stale one), with each folder's lr. ValueError
+    when the folders' plans differ in a GATE_SAME field."""
     from bapo.analysis.regime import gate_section
     from bapo.analysis.runs import find_runs
 
     runs, sources = [], []
-    for study_dir in study_dirs:
-        plan = load_plan(study_dir)
-        runs += find_runs(finished_runs(plan, study_dir))
+    plans = [load_plan(study_dir) for study_dir in study_dirs]
+    for field_name in GATE_SAME:  # runs are pooled by setting: one plan's runs only, whatever their cells
+        values = [getattr(plan, field_name) for plan in plans]
+        if any(value != values[0] for value in values):
+            named = ", ".join(
+                f"{study_dir} ({field_name} {task_spec(value) if field_name == 'task' else value})"
+                for study_dir, value in zip(study_dirs, values, strict=True)
+            )
+            raise ValueError(f"--gate {named}: different plans (their runs would be pooled): gate them separately")
+    for study_dir, plan in zip(study_dirs, plans, strict=True):
+        finished = finished_runs(plan, study_dir)
+        runs += find_runs(finished) if finished else []  # a folder whose first run is still training
         lora = f", LoRA rank {plan.lora_rank}" if plan.lora_rank is not None else ""
         sources.append(f"{study_dir} (task {task_spec(plan.task)}, temperature {plan.temperature}, lr {plan.lr}{lora})")
     return [f"Runs from: {'; '.join(sources)}.", "", *gate_section(runs, BAPO_TARGET)]
