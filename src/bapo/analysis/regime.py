@@ -77,10 +77,15 @@ def staleness_effects(by_setting: dict[str, list[Run]]) -> list[str]:
         return text if len(values) == len(group) else f"{text} ({len(values)} of {len(group)} seeds)"
 
     def third_mean(key: str, index: int) -> Callable[[Run], float]:
-        return lambda run: _thirds(run.values(key))[index] if len(run.values(key)) >= 3 else math.nan
+        def measure(run: Run) -> float:
+            values = run.values(key)
+            return _thirds(values)[index] if len(values) >= 3 else math.nan
+
+        return measure
 
     def median_grad_norm(run: Run) -> float:
-        return statistics.median(run.values("grad_norm")) if run.values("grad_norm") else math.nan
+        norms = run.values("grad_norm")
+        return statistics.median(norms) if norms else math.nan
 
     def non_finite_grad_norms(run: Run) -> int:
         logged = [row["grad_norm"] for row in run.rows if isinstance(row.get("grad_norm"), (int, float))]

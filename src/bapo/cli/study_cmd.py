@@ -71,7 +71,7 @@ def study(
     (grpo alone where failing replies are longer; docs/STUDY.md); --gate DIR reads its verdict."""
     import time
 
-    from bapo.experiments.study import load_plan, plan_for, run_study, write_study_report
+    from bapo.experiments.study import finished_runs, load_plan, plan_for, run_study, write_study_report
 
     def ints(text: str | None) -> tuple[int, ...] | None:
         if text is None:
@@ -102,8 +102,6 @@ def study(
         if not report_only:
             check_device(plan.device)
             check_vllm(plan.backend, resume)
-            from bapo.experiments.study import finished_runs
-
             if len(finished_runs(plan, resume)) < len(plan.runs()):  # runs left to train need the model
                 reconvert_missing_model(plan.model)
     else:
