@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bapo.analysis.mechanics import identical_methods, mechanics_section, search_outcomes
+import pytest
+
+from bapo.analysis.mechanics import identical_methods, mechanics_section, search_bounds, search_outcomes
 from bapo.analysis.report import write_report
 from bapo.analysis.runs import Run
 
@@ -84,3 +86,29 @@ def test_report_gets_the_section_only_when_there_is_something_to_say(tmp_path):
     text = write_report(tmp_path / "c.md", searched, [], [], 0.4, []).read_text()
     assert "identically" not in text
     assert "| E=4 | bapo | 2 | 0.00 | 1.00 | 0.00 | 0.00 |" in text
+
+
+def test_search_bounds_pool_seeds_and_report_the_share_before_and_after():
+    def search(lower, upper, share, start):
+        row = {"bapo/search/reached": 1.0, "bapo/search/no_signal": 0.0, "bapo/search/steps": 1.0}
+        row.update({"bapo/search/lower": lower, "bapo/search/upper": upper, "bapo/search/share": share})
+        return row | ({} if start is None else {"positive_share/start_bounds": start})
+
+    seed0 = [search(0.6, 1.2, 0.40, 0.30), search(0.7, 1.4, 0.42, 0.36)]
+    seed1 = [search(0.8, 1.2, 0.50, "nan"), search(0.8, 1.2, 0.48, None)]  # start share not logged
+    no_signal = {"bapo/search/reached": "nan", "bapo/search/no_signal": 1.0, "bapo/search/share": "nan"}
+    runs = [
+        _run("bapo", 0, [0.1, 0.1], extra=seed0),
+        _run("bapo", 1, [0.1, 0.1, 0.1], extra=[*seed1, no_signal]),
+        _run("grpo", 0, [0.1, 0.1]),
+    ]
+    (row,) = search_bounds(runs)
+    assert (row["method"], row["updates"]) == ("bapo", 5)
+    assert row["share_start"] == pytest.approx(0.33)
+    assert row["share_used"] == pytest.approx((0.40 + 0.42 + 0.50 + 0.48) / 4)
+    assert row["lower"] == (0.75, 0.6, 0.8) and row["upper"] == (1.2, 1.2, 1.4)
+    lines = mechanics_section(runs)
+    assert "| E=4 | bapo | 0.330 | 0.450 | 0.75 [0.60, 0.80] | 1.20 [1.20, 1.40] |" in lines
+    # a run that never logged a start share or a bound shows "-", not nan
+    bare = [_run("bapo", 0, [0.1], extra=[{"bapo/search/reached": 1.0, "bapo/search/no_signal": 0.0}])]
+    assert "| E=4 | bapo | - | - | - | - |" in mechanics_section(bare)

@@ -1,5 +1,5 @@
 """What the runs' updates actually did, read from metrics.jsonl: which methods trained identically,
-and how often BAPO's bound search met its target.
+how often BAPO's bound search met its target, and the share and bounds before and after it.
 
 Both answer a reader's first question about a comparison that shows no difference: did the two
 methods differ at all in this setting? Two methods whose every update logged exactly the same loss
@@ -15,6 +15,7 @@ metrics.jsonl writes NaN and infinities as strings ("nan"); they are read back a
 from __future__ import annotations
 
 import math
+import statistics
 
 from bapo.analysis.runs import Run, group_runs
 
@@ -99,6 +100,52 @@ def search_outcomes(runs: list[Run]) -> list[dict]:
     return table
 
 
+def _finite(rows: list[dict], key: str) -> list[float]:
+    values = [_number(row.get(key)) for row in rows]
+    return [value for value in values if value is not None and math.isfinite(value)]
+
+
+def search_bounds(runs: list[Run]) -> list[dict]:
+    """One row per (setting, method) whose runs searched bounds, seeds pooled: the updates, the mean
+    positive share at BAPO's start bounds (`positive_share/start_bounds`, before the search; NaN
+    where not logged) and at the bounds the search chose (`bapo/search/share`), and the bounds used,
+    each as (median, min, max) over the updates: what BAPO reduced to (a fixed clip when min = max)."""
+    table = []
+    for setting, by_method in group_runs(runs).items():
+        for method, group in by_method.items():
+            rows = [row for run in group for row in run.rows if _outcome(row)]
+            if not rows:
+                continue
+            before = _finite(rows, "positive_share/start_bounds")
+            after = _finite(rows, "bapo/search/share")
+            bounds = {}
+            for side in ("lower", "upper"):
+                values = _finite(rows, f"bapo/search/{side}")
+                bounds[side] = (statistics.median(values), min(values), max(values)) if values else None
+            table.append(
+                {
+                    "setting": setting,
+                    "method": method,
+                    "updates": len(rows),
+                    "share_start": statistics.fmean(before) if before else math.nan,
+                    "share_used": statistics.fmean(after) if after else math.nan,
+                    **bounds,
+                }
+            )
+    return table
+
+
+def _share(value: float) -> str:
+    return "-" if math.isnan(value) else f"{value:.3f}"
+
+
+def _spread(bound: tuple[float, float, float] | None) -> str:
+    if bound is None:
+        return "-"
+    median, low, high = bound
+    return f"{median:.2f} [{low:.2f}, {high:.2f}]"
+
+
 def mechanics_section(runs: list[Run]) -> list[str]:
     """report.md's lines on what the updates did ([] when there is nothing to say)."""
     lines: list[str] = []
@@ -126,6 +173,20 @@ def mechanics_section(runs: list[Run]) -> list[str]:
             + " | ".join(f"{row[name]:.2f}" for name in OUTCOMES)
             + " |"
             for row in outcomes
+        ]
+        lines += [
+            "",
+            "Its positive share before the search (at the start bounds) and after it (at the bounds "
+            "used), means over updates with signal, and the bounds used, median [min, max] over "
+            "updates (min = max: a fixed clip).",
+            "",
+            "| setting | method | share at start bounds | share at bounds used | lower bound | upper bound |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {row['setting']} | {row['method']} | {_share(row['share_start'])} | {_share(row['share_used'])} | "
+            f"{_spread(row['lower'])} | {_spread(row['upper'])} |"
+            for row in search_bounds(runs)
         ]
         lines.append("")
     return lines
