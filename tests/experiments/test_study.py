@@ -11,7 +11,17 @@ import pytest
 import torch
 
 from bapo.experiments.arith import ArithTaskConfig, make_split, problems, verify
-from bapo.experiments.study import HEADLINE_METHODS, METHODS, PEERS, PROFILES, StudyPlan, load_plan, run_study
+from bapo.experiments.study import (
+    FIRST_METHODS,
+    HEADLINE_METHODS,
+    METHODS,
+    ON_POLICY_DIFFERENT,
+    PEERS,
+    PROFILES,
+    StudyPlan,
+    load_plan,
+    run_study,
+)
 from bapo.train.tiny import ModelConfig, save_tiny_model
 
 TASK = ArithTaskConfig(a_min=2, a_max=9, b_min=2, b_max=9, n_heldout=6, n_train=40, system_prompt="", max_new_tokens=4)
@@ -53,11 +63,12 @@ def test_full_plan_shares_the_on_policy_run_and_has_every_cell():
     runs = plan.runs()
     # claim 5 judges every method that claim 4 does not (BAPO's two presets) against GRPO
     assert set(PEERS) | set(HEADLINE_METHODS) == set(METHODS) and not set(PEERS) & set(HEADLINE_METHODS)
-    per_seed = 1 + len(METHODS) * 3  # grpo at E=0, every method at E=4, k=4, k=16
+    assert plan.methods == FIRST_METHODS and not set(FIRST_METHODS) & set(ON_POLICY_DIFFERENT)
+    per_seed = 1 + len(plan.methods) * 3  # grpo at E=0, every method at E=4, k=4, k=16
     assert len(runs) == per_seed * len(plan.seeds) == 57
     assert {spec.method for spec in runs if spec.setting == "E=0"} == {"grpo"}
     for setting in ("E=4", "E=0, async delay 4", "E=0, async delay 16"):
-        assert {spec.method for spec in runs if spec.setting == setting} == set(METHODS)
+        assert {spec.method for spec in runs if spec.setting == setting} == set(plan.methods)
     assert len({spec.name for spec in runs}) == len(runs)
     quick = PROFILES["quick"].runs()
     assert [(spec.method, spec.setting) for spec in quick] == [("grpo", "E=4"), ("bapo", "E=4")]
@@ -100,7 +111,9 @@ def test_task_split_is_disjoint_and_the_verifier_reads_the_last_integer():
 
 def test_every_study_method_gives_grpos_update_on_policy(char_model, tmp_path):
     """The reason E=0 is one run per seed: with every ratio 1 (a batch the current weights just
-    generated), each of the six losses moves the weights exactly as grpo does."""
+    generated), each loss moves the weights exactly as grpo does; grpo-seq-mean (another
+    aggregation) does not, which is why it runs its own E=0 runs (icepop and opsm act on the vLLM
+    engine's gap, which this HF-sampled batch does not have)."""
     from bapo.experiments.study import train_config
     from bapo.train import Trainer
     from bapo.train.update import optimizer_update
@@ -111,7 +124,7 @@ def test_every_study_method_gives_grpos_update_on_policy(char_model, tmp_path):
     from bapo.experiments.study import prepare
 
     prepare(plan, tmp_path / "study")
-    for method in METHODS:
+    for method in [m for m in METHODS if m not in ("icepop", "opsm")]:
         spec_cfg[method] = train_config(plan, RunSpec(method), char_model, tmp_path / "study", tmp_path / method)
     trainer = Trainer(spec_cfg["grpo"], verifier=lambda response, row: float(len(response) % 2))
     batch, _ = trainer.rollout_step()
@@ -125,6 +138,7 @@ def test_every_study_method_gives_grpos_update_on_policy(char_model, tmp_path):
         optimizer_update(model, opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda _: 1.0), batch, cfg, version=0)
         deltas[method] = torch.cat([(p.detach() - b).flatten() for p, b in zip(model.parameters(), before)])
     assert deltas["grpo"].abs().max() > 0
+    assert not torch.allclose(deltas.pop("grpo-seq-mean"), deltas["grpo"], rtol=1e-3, atol=1e-6)
     for method, delta in deltas.items():
         torch.testing.assert_close(delta, deltas["grpo"], rtol=1e-5, atol=1e-7, msg=method)
 
@@ -313,6 +327,59 @@ def test_regime_plan_is_grpo_alone_at_a_64_token_budget_with_whole_stale_mini_ba
     assert StudyPlan.from_json(json.loads(json.dumps(regime.to_json()))) == regime
 
 
+def test_plan_with_partial_rollout_and_the_new_methods_runs_each_cell_once_and_configures_it(char_model, tmp_path):
+    """The regime plan's cells: grpo-seq-mean, icepop and opsm run their own E=0 runs (their
+    on-policy gradient is not GRPO's), partial rollout comes last with the plan's segment, and each
+    new method's config is the one its comment names."""
+    from bapo.experiments.harness import RunSpec
+    from bapo.experiments.study import train_config
+
+    plan = replace(
+        PROFILES["regime"],
+        methods=("grpo", "bapo", "grpo-seq-mean", "dppo-tv", "icepop", "opsm"),
+        partial_rollout=("grpo", "bapo"),
+        seeds=(0, 1),
+    )
+    runs = plan.runs()
+    assert len({spec.name for spec in runs}) == len(runs) == 2 * (4 + 6 + 6 + 2)
+    assert {spec.method for spec in runs if spec.setting == "E=0"} == {"grpo", "grpo-seq-mean", "icepop", "opsm"}
+    partial = [spec for spec in runs if spec.partial_rollout]
+    assert runs[-len(partial) :] == partial and {spec.setting for spec in partial} == {"E=0, partial rollout"}
+    assert [spec.name for spec in partial] == [
+        f"{m}-E0-partialrollout-seed{s}" for s in (0, 1) for m in ("grpo", "bapo")
+    ]
+    assert StudyPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
+    old_record = {k: v for k, v in PROFILES["full"].to_json().items() if k not in ("partial_rollout", "segment_tokens")}
+    assert StudyPlan.from_json(old_record).partial_rollout == ()
+
+    vllm = replace(tiny_plan(char_model), backend="vllm", segment_tokens=2)
+    configs = {
+        spec.name: train_config(vllm, spec, char_model, tmp_path / "study", tmp_path / spec.name)
+        for spec in (RunSpec("grpo-seq-mean"), RunSpec("dppo-tv"), RunSpec("icepop"), RunSpec("opsm"))
+        + (RunSpec("bapo", partial_rollout=True), RunSpec("bapo"))
+    }
+    loss = {name: cfg.loss for name, cfg in configs.items()}
+    assert (loss["grpo-seq-mean-E0-seed0"].method, loss["grpo-seq-mean-E0-seed0"].agg_mode) == (
+        "grpo",
+        "seq-mean-token-mean",
+    )
+    assert (loss["dppo-tv-E0-seed0"].method, loss["dppo-tv-E0-seed0"].resolved_agg_mode) == ("dppo-tv", "token-mean")
+    assert configs["icepop-E0-seed0"].rollout.correction == "icepop" and loss["icepop-E0-seed0"].method == "grpo"
+    assert loss["opsm-E0-seed0"].off_policy_mask == 0.5 and loss["opsm-E0-seed0"].method == "grpo"
+    assert configs["bapo-E0-partialrollout-seed0"].rollout.segment_tokens == 2
+    assert configs["bapo-E0-seed0"].rollout.segment_tokens is None
+
+
+def test_plan_refuses_a_bad_partial_rollout_or_an_engine_correction_without_vllm():
+    with pytest.raises(ValueError, match="partial_rollout: gpro not among"):
+        replace(PROFILES["regime"], partial_rollout=("gpro",))
+    with pytest.raises(ValueError, match="segment_tokens=64: partial rollout needs a segment between 1 and"):
+        replace(PROFILES["regime"], partial_rollout=("grpo",), segment_tokens=64)
+    assert replace(PROFILES["regime"], segment_tokens=64).partial_rollout == ()  # no partial rollout: unused
+    with pytest.raises(ValueError, match="methods: icepop correct the vLLM engine's gap, and backend hf has none"):
+        replace(PROFILES["gpu"], methods=("grpo", "icepop"))
+
+
 def test_full_plan_trains_the_headline_cells_of_every_seed_first():
     """A partial study is a useful one: grpo at E=0 and grpo / bapo / bapo-paper at E=4 for all
     three seeds come first, then the other methods at E=4, then delay 4, then delay 16."""
@@ -480,6 +547,18 @@ def test_study_task_option_sets_the_plans_space_and_refuses_a_bad_one(tmp_path, 
         line = " ".join(result.output.replace("│", "").split())
         assert result.exit_code == 2 and "a finite sampling temperature above 0 is required" in line, line
     assert len(plans) == 2
+    # --partial / --segment-tokens: the methods also run with partial rollout; a typo is refused by name
+    assert str(run("--methods", "grpo,opsm", "--partial", "grpo", "--segment-tokens", "8").exception) == (
+        "no runs in this test"
+    )
+    assert (plans[-1].methods, plans[-1].partial_rollout, plans[-1].segment_tokens) == (("grpo", "opsm"), ("grpo",), 8)
+    for args, message in (
+        (("--partial", "bapo,gpro"), "--partial: gpro not among"),
+        (("--partial", "grpo", "--segment-tokens", "64"), "segment_tokens=64: partial rollout needs a segment"),
+    ):
+        result = run(*args)
+        assert result.exit_code == 2 and message in " ".join(result.output.replace("│", "").split())
+    assert len(plans) == 3
     # --lora-rank without peft: one line before any work (the model is not converted, no plan is made)
     import importlib.util
 
@@ -488,7 +567,7 @@ def test_study_task_option_sets_the_plans_space_and_refuses_a_bad_one(tmp_path, 
     monkeypatch.setattr(smollm2, "convert", lambda *a, **k: pytest.fail("converted the model before the check"))
     result = run("--lora-rank", "1", "--lr", "1e-4")
     assert result.exit_code == 2 and "--lora-rank 1 needs peft" in " ".join(result.output.replace("│", "").split())
-    assert len(plans) == 2
+    assert len(plans) == 3
 
 
 def test_paired_lift_reads_each_seeds_lift_and_pairs_by_seed(capsys, monkeypatch):

@@ -44,11 +44,22 @@ def study(
         "--temperature",
         help="sampling temperature of rollouts and of the held-out avg@k (default 0.7; verl's and TRL's 1.0)",
     ),
-    methods: str | None = typer.Option(None, "--methods", help="comma-separated methods (default: all six)"),
+    methods: str | None = typer.Option(
+        None,
+        "--methods",
+        help="comma-separated methods (default: grpo, clip-higher, bapo, bapo-paper, m2po, decoupled-ppo; "
+        "also grpo-seq-mean, dppo-tv, icepop, opsm)",
+    ),
     staleness_e: str | None = typer.Option(
         None, "--staleness", help="comma-separated staleness E values, E+1 updates per rollout batch (default 0,4)"
     ),
     delays: str | None = typer.Option(None, "--delays", help="comma-separated async delays k (default 4,16; '' none)"),
+    partial: str | None = typer.Option(
+        None, "--partial", help="comma-separated methods also run with partial rollout at E=0 (default none)"
+    ),
+    segment_tokens: int | None = typer.Option(
+        None, "--segment-tokens", help="with --partial: new tokens per reply per rollout step (default 16)"
+    ),
     autocast: str | None = typer.Option(
         None, "--autocast", help="model.autocast of every run: none | bfloat16 | auto (default: bfloat16 where native)"
     ),
@@ -81,7 +92,10 @@ def study(
         except ValueError:
             raise typer.BadParameter(f"{text!r}: comma-separated integers expected") from None
 
-    plan_options = (out, seeds, lr, lora_rank, task, rollout_steps, temperature, methods, staleness_e, delays, autocast)
+    plan_options = (
+        *(out, seeds, lr, lora_rank, task, rollout_steps, temperature, methods, staleness_e, delays),
+        *(partial, segment_tokens, autocast),
+    )
     if gate:
         from bapo.experiments.study import gate_lines
 
@@ -111,10 +125,14 @@ def study(
             raise typer.BadParameter("--quick, --gpu and --regime are three plans: give one")
         from bapo.experiments.study import METHODS
 
-        chosen = tuple(m.strip() for m in methods.split(",")) if methods else None
-        unknown = [m for m in chosen or () if m not in METHODS]
-        if unknown:
-            raise typer.BadParameter(f"--methods: {', '.join(unknown)} not among {', '.join(METHODS)}")
+        def names(option: str, text: str | None) -> tuple[str, ...] | None:
+            chosen = tuple(m.strip() for m in text.split(",") if m.strip()) if text is not None else None
+            unknown = [m for m in chosen or () if m not in METHODS]
+            if unknown:
+                raise typer.BadParameter(f"{option}: {', '.join(unknown)} not among {', '.join(METHODS)}")
+            return chosen
+
+        chosen = names("--methods", methods or None)
         profile = "quick" if quick else "gpu" if gpu else "regime" if regime else "full"
         try:
             from bapo.experiments.arith import task_from_spec
@@ -131,6 +149,8 @@ def study(
                 methods=chosen,
                 staleness_e=ints(staleness_e),
                 async_delays=ints(delays),
+                partial_rollout=names("--partial", partial),
+                segment_tokens=segment_tokens,
                 autocast=autocast,
             )
         except ValueError as err:

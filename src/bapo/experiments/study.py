@@ -56,11 +56,26 @@ METHODS: dict[str, dict[str, object]] = {
     "bapo-paper": {"loss.method": "bapo", "loss.bapo.preset": "paper"},
     "m2po": {"loss.method": "m2po"},
     "decoupled-ppo": {"loss.method": "decoupled-ppo"},
+    # GRPO weighting every reply equally: a long failing reply no longer outweighs a short correct
+    # one, so the length imbalance BAPO answers is removed by construction (the control users ask for)
+    "grpo-seq-mean": {"loss.method": "grpo", "loss.agg_mode": "seq-mean-token-mean"},
+    # the 2026 peers at their defaults; DPPO with a token mean like every other method here (its
+    # paper's seq-mean-token-sum-norm divides by the 64-token budget: ~1/3 of the step at the same lr)
+    "dppo-tv": {"loss.method": "dppo-tv", "loss.agg_mode": "token-mean"},
+    # IcePop: GRPO whose tokens with trainer / engine probability outside [0.5, 5] are masked
+    "icepop": {"loss.method": "grpo", "rollout.correction": "icepop"},
+    # OPSM: GRPO dropping a failing reply whose mean log(pi_engine / pi) exceeds 0.5 (TRL's example value)
+    "opsm": {"loss.method": "grpo", "loss.off_policy_mask": 0.5},
 }
+# methods whose on-policy gradient is not GRPO's (another aggregation, the engine-gap weight or
+# mask): at E=0 without delay they run their own runs instead of sharing GRPO's
+ON_POLICY_DIFFERENT = ("grpo-seq-mean", "icepop", "opsm")
+# the short-reply study's methods (docs/study/full), the default plan's
+FIRST_METHODS = ("grpo", "clip-higher", "bapo", "bapo-paper", "m2po", "decoupled-ppo")
 # trained first on each axis: the paper's comparison (grpo vs bapo, both presets)
 HEADLINE_METHODS = ("grpo", "bapo", "bapo-paper")
 # the other methods, each judged against GRPO on held-out accuracy (claim 5) as BAPO is (claim 4)
-PEERS = ("clip-higher", "m2po", "decoupled-ppo")
+PEERS = ("clip-higher", "m2po", "decoupled-ppo", "grpo-seq-mean", "dppo-tv", "icepop", "opsm")
 BAPO_TARGET = 0.4  # rho0 of both bapo presets (the paper's); not tuned here
 
 
@@ -78,9 +93,13 @@ def native_bf16() -> bool:
 class StudyPlan:
     """What a study runs. Sizes: docs/STUDY.md (measured per-run cost, the lr choice)."""
 
-    methods: tuple[str, ...] = tuple(METHODS)
+    methods: tuple[str, ...] = FIRST_METHODS
     staleness_e: tuple[int, ...] = (0, 4)
     async_delays: tuple[int, ...] = (4, 16)
+    # methods also run with partial rollout (at E=0, no delay): each rollout step adds at most
+    # segment_tokens tokens to every unfinished reply, so a long reply spans policy versions
+    partial_rollout: tuple[str, ...] = ()
+    segment_tokens: int = 16
     seeds: tuple[int, ...] = (0, 1, 2)
     rollout_steps: int = 20
     # 5 x 8 = 40 responses per rollout step (E=4: 5 mini-batches of 8; bapo train requires E+1 to
@@ -133,9 +152,21 @@ class StudyPlan:
                 f"task {task_spec(self.task)}: {questions} questions, not more than the "
                 f"{self.task.n_heldout} held out; widen the operand ranges"
             )
-        unknown = [method for method in self.methods if method not in METHODS]
-        if unknown:
-            raise ValueError(f"methods: {', '.join(unknown)} not among {', '.join(METHODS)}")
+        for name, chosen in (("methods", self.methods), ("partial_rollout", self.partial_rollout)):
+            unknown = [method for method in chosen if method not in METHODS]
+            if unknown:
+                raise ValueError(f"{name}: {', '.join(unknown)} not among {', '.join(METHODS)}")
+        engine_only = [m for m in {*self.methods, *self.partial_rollout} if "rollout.correction" in METHODS[m]]
+        if engine_only and self.backend != "vllm":
+            raise ValueError(
+                f"methods: {', '.join(sorted(engine_only))} correct the vLLM engine's gap, and backend "
+                f"{self.backend} has none; drop them or sample with vLLM"
+            )
+        if self.partial_rollout and not 0 < self.segment_tokens < self.max_new_tokens:
+            raise ValueError(
+                f"segment_tokens={self.segment_tokens}: partial rollout needs a segment between 1 and the "
+                f"{self.max_new_tokens}-token budget minus 1 (at the budget every reply ends in one pass)"
+            )
         if not (math.isfinite(self.temperature) and self.temperature > 0):
             raise ValueError(
                 f"temperature={self.temperature}: a finite sampling temperature above 0 is required "
@@ -154,22 +185,22 @@ class StudyPlan:
         specs: list[RunSpec] = []
         for staleness_e in self.staleness_e:
             shared = staleness_e == 0 and self.on_policy_shared
-            methods = self.methods[:1] if shared else self.methods
+            methods = self.methods
+            if shared:
+                methods = self.methods[:1] + tuple(m for m in self.methods[1:] if m in ON_POLICY_DIFFERENT)
             specs += [RunSpec(method, staleness_e, 0, False, seed) for seed in self.seeds for method in methods]
         for delay in self.async_delays:
             specs += [RunSpec(method, 0, delay, False, seed) for seed in self.seeds for method in self.methods]
-        block = {(spec.staleness_e, spec.async_delay): index for index, spec in enumerate(specs)}
+        specs += [RunSpec(method, 0, 0, True, seed) for seed in self.seeds for method in self.partial_rollout]
+        block = {spec.setting: index for index, spec in enumerate(specs)}
+        methods = (*self.methods, *self.partial_rollout)
 
         def order(spec: RunSpec):
-            axis = 0 if not spec.async_delay else 1 + self.async_delays.index(spec.async_delay)
+            axis = 1 + self.async_delays.index(spec.async_delay) if spec.async_delay else 0
+            if spec.partial_rollout:
+                axis = 1 + len(self.async_delays)
             headline = spec.method in HEADLINE_METHODS
-            return (
-                axis,
-                not headline,
-                spec.seed,
-                block[(spec.staleness_e, spec.async_delay)],
-                self.methods.index(spec.method),
-            )
+            return (axis, not headline, spec.seed, block[spec.setting], methods.index(spec.method))
 
         return sorted(specs, key=order)
 
@@ -181,8 +212,9 @@ class StudyPlan:
         known = {spec.name for spec in fields(cls)}
         values = {name: value for name, value in data.items() if name in known}
         values["task"] = ArithTaskConfig(**{**values.get("task", {}), "ops": tuple(values.get("task", {})["ops"])})
-        for name in ("methods", "staleness_e", "async_delays", "seeds"):
-            values[name] = tuple(values[name])
+        for name in ("methods", "staleness_e", "async_delays", "seeds", "partial_rollout"):
+            if name in values:  # partial_rollout: absent from the studies saved before it
+                values[name] = tuple(values[name])
         return cls(**values)
 
 
@@ -263,6 +295,8 @@ def train_config(plan: StudyPlan, spec: RunSpec, model: Path, study_dir: Path, r
         overrides["model.autocast"] = plan.autocast
     if plan.lora_rank is not None:
         overrides["model.lora.rank"] = plan.lora_rank
+    if spec.partial_rollout:
+        overrides["rollout.segment_tokens"] = plan.segment_tokens
     return config_from_overrides(overrides)
 
 
@@ -406,6 +440,13 @@ def finished_runs(plan: StudyPlan, study_dir: Path) -> list[Path]:
     return [study_dir / spec.name for spec in plan.runs() if is_done(study_dir / spec.name)]
 
 
+def on_policy_own(plan: StudyPlan) -> list[str]:
+    """The plan's methods that run their own E=0 runs (ON_POLICY_DIFFERENT), when E=0 is shared."""
+    if not (plan.on_policy_shared and 0 in plan.staleness_e):
+        return []
+    return [method for method in plan.methods[1:] if method in ON_POLICY_DIFFERENT]
+
+
 def header(plan: StudyPlan, study_dir: Path) -> list[str]:
     """The report's setting lines: task, model, plan, cost, what is finished."""
     from bapo.analysis.runs import find_runs
@@ -429,8 +470,15 @@ def header(plan: StudyPlan, study_dir: Path) -> list[str]:
         + f"; methods {', '.join(plan.methods)}; staleness E "
         f"{', '.join(map(str, plan.staleness_e))}"
         + (f"; async delay {', '.join(map(str, plan.async_delays))}" if plan.async_delays else "")
+        + (
+            f"; partial rollout ({plan.segment_tokens} tokens per reply per rollout step) for "
+            f"{', '.join(plan.partial_rollout)}"
+            if plan.partial_rollout
+            else ""
+        )
         + f"; seeds {', '.join(map(str, plan.seeds))}; bapo target share {BAPO_TARGET}. At E=0 without delay every "
-        "ratio is 1 and every method gives GRPO's gradient, so E=0 is one run (listed as grpo).",
+        "ratio is 1 and every method gives GRPO's gradient, so E=0 is one run (listed as grpo)"
+        + (f", except {', '.join(own)}, which run their own." if (own := on_policy_own(plan)) else "."),
         f"Held-out: avg@{plan.eval_k_during} / pass@{plan.eval_k_during} on {plan.eval_prompts} questions every "
         f"{plan.eval_every} rollout steps, avg@{plan.final_k} / pass@{plan.final_k} on all at the end.",
         f"Runs finished: {done} of {total}"
