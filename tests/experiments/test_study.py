@@ -329,8 +329,8 @@ def test_regime_plan_is_grpo_alone_at_a_64_token_budget_with_whole_stale_mini_ba
 
 def test_plan_with_partial_rollout_and_the_new_methods_runs_each_cell_once_and_configures_it(char_model, tmp_path):
     """The regime plan's cells: grpo-seq-mean, icepop and opsm run their own E=0 runs (their
-    on-policy gradient is not GRPO's), partial rollout comes last with the plan's segment, and each
-    new method's config is the one its comment names."""
+    on-policy gradient is not GRPO's), partial rollout ends the headline methods' runs, with the
+    plan's segment, and each new method's config is the one its comment names."""
     from bapo.experiments.harness import RunSpec
     from bapo.experiments.study import train_config
 
@@ -344,7 +344,9 @@ def test_plan_with_partial_rollout_and_the_new_methods_runs_each_cell_once_and_c
     assert len({spec.name for spec in runs}) == len(runs) == 2 * (4 + 6 + 6 + 2)
     assert {spec.method for spec in runs if spec.setting == "E=0"} == {"grpo", "grpo-seq-mean", "icepop", "opsm"}
     partial = [spec for spec in runs if spec.partial_rollout]
-    assert runs[-len(partial) :] == partial and {spec.setting for spec in partial} == {"E=0, partial rollout"}
+    headline = [spec for spec in runs if spec.method in ("grpo", "bapo")]
+    assert runs[: len(headline)] == headline and headline[-len(partial) :] == partial  # after E and delay
+    assert {spec.setting for spec in partial} == {"E=0, partial rollout"}
     assert [spec.name for spec in partial] == [
         f"{m}-E0-partialrollout-seed{s}" for s in (0, 1) for m in ("grpo", "bapo")
     ]
@@ -380,17 +382,69 @@ def test_plan_refuses_a_bad_partial_rollout_or_an_engine_correction_without_vllm
         replace(PROFILES["gpu"], methods=("grpo", "icepop"))
 
 
+def test_reuse_copies_only_the_finished_runs_the_plan_would_train_alike(char_model, tmp_path):
+    """--reuse: the gate's grpo run enters the plan that follows it; a source of another lr or
+    held-out setting is named with the field and left alone, and a run already finished stays."""
+    import shutil
+
+    from bapo.experiments.study import header, prepare, reuse_runs
+
+    gate = tmp_path / "gate"
+    run_study(
+        tiny_plan(char_model, methods=("grpo",), staleness_e=(0,), async_delays=()), gate, threads=1, in_process=True
+    )
+
+    def variant(name: str, **plan_changes) -> Path:
+        folder = tmp_path / name
+        shutil.copytree(gate, folder)
+        info = json.loads((folder / "study.json").read_text())
+        info["plan"].update(plan_changes)
+        (folder / "study.json").write_text(json.dumps(info))
+        return folder
+
+    other_lr, other_eval = variant("lr", lr=2e-3), variant("eval", eval_every=2)
+    plan, study_dir = tiny_plan(char_model), tmp_path / "plan"
+    prepare(plan, study_dir)
+    lines: list[str] = []
+    assert reuse_runs(plan, study_dir, [other_lr, other_eval], lines.append) == []
+    assert lines == [
+        f"not reused: {other_lr / 'grpo-E0-seed0'} differs in optim.lr 0.002 (this plan: 0.001)",
+        f"not reused: {other_eval / 'grpo-E0-seed0'} differs in eval_every 2 (this plan: 1)",
+    ]
+    assert not (study_dir / "grpo-E0-seed0").exists()
+    (study_dir / "grpo-E0-seed0").mkdir()  # a started, unfinished run: the finished one replaces it
+    assert reuse_runs(plan, study_dir, [gate], lines.append) == ["grpo-E0-seed0"]
+    copied = (study_dir / "grpo-E0-seed0" / "metrics.jsonl").read_text()
+    assert copied == (gate / "grpo-E0-seed0" / "metrics.jsonl").read_text()
+    record = json.loads((study_dir / "study.json").read_text())["runs"]["grpo-E0-seed0"]
+    assert record["reused_from"] == str(gate / "grpo-E0-seed0") and record["wall_s"] > 0
+    assert reuse_runs(plan, study_dir, [gate], lines.append) == []  # finished here: kept
+    assert f"Runs finished: 1 of 5 (PARTIAL study), 1 of them reused from {gate};" in " ".join(header(plan, study_dir))
+
+
 def test_full_plan_trains_the_headline_cells_of_every_seed_first():
     """A partial study is a useful one: grpo at E=0 and grpo / bapo / bapo-paper at E=4 for all
-    three seeds come first, then the other methods at E=4, then delay 4, then delay 16."""
+    three seeds come first, then the same three at delay 4 and at delay 16, then the other methods
+    on each axis in turn."""
     runs = PROFILES["full"].runs()
     first = [(spec.method, spec.setting, spec.seed) for spec in runs[:12]]
     assert {cell[:2] for cell in first} == {("grpo", "E=0"), ("grpo", "E=4"), ("bapo", "E=4"), ("bapo-paper", "E=4")}
     assert sorted(cell[2] for cell in first) == [0] * 4 + [1] * 4 + [2] * 4
     assert first[:4] == [("grpo", "E=0", 0), ("grpo", "E=4", 0), ("bapo", "E=4", 0), ("bapo-paper", "E=4", 0)]
-    assert {spec.setting for spec in runs[12:21]} == {"E=4"}
-    assert {spec.setting for spec in runs[21:39]} == {"E=0, async delay 4"}
-    assert {spec.setting for spec in runs[39:]} == {"E=0, async delay 16"}
+    headline = {spec.method for spec in runs[:30]}
+    assert headline == set(HEADLINE_METHODS) and not headline & {spec.method for spec in runs[30:]}
+    assert {spec.setting for spec in runs[12:21]} == {"E=0, async delay 4"}
+    assert {spec.setting for spec in runs[21:30]} == {"E=0, async delay 16"}
+    assert [{spec.setting for spec in runs[start : start + 9]} for start in (30, 39, 48)] == [
+        {"E=4"},
+        {"E=0, async delay 4"},
+        {"E=0, async delay 16"},
+    ]
+    # the regime plan's control (grpo-seq-mean) comes after the headline methods, before the other peers
+    plan = replace(PROFILES["regime"], methods=("grpo", "m2po", "grpo-seq-mean", "bapo"), partial_rollout=("bapo",))
+    tiers = [spec.method for spec in plan.runs()]
+    assert tiers.index("grpo-seq-mean") > max(i for i, m in enumerate(tiers) if m in ("grpo", "bapo"))
+    assert tiers.index("m2po") > max(i for i, m in enumerate(tiers) if m == "grpo-seq-mean")
 
 
 def test_gpu_plan_has_the_full_plans_cells_larger_and_on_cuda():
@@ -521,7 +575,10 @@ def test_study_task_option_sets_the_plans_space_and_refuses_a_bad_one(tmp_path, 
 
     def start(plan, *args, **kwargs):  # stands in for the runs: keep the plan, train nothing
         plans.append(plan)
+        reused.append(kwargs.get("reuse"))
         raise RuntimeError("no runs in this test")
+
+    reused: list = []
 
     monkeypatch.setattr(study, "run_study", start)
 
@@ -559,6 +616,16 @@ def test_study_task_option_sets_the_plans_space_and_refuses_a_bad_one(tmp_path, 
         result = run(*args)
         assert result.exit_code == 2 and message in " ".join(result.output.replace("│", "").split())
     assert len(plans) == 3
+    # --reuse DIR: passed on to the runs; a folder without a study is refused before any plan
+    (tmp_path / "gate").mkdir()
+    (tmp_path / "gate" / "study.json").write_text("{}")
+    assert str(run("--reuse", str(tmp_path / "gate")).exception) == "no runs in this test"
+    assert reused[-1] == [tmp_path / "gate"] and reused[0] == ()
+    result = run("--reuse", str(tmp_path / "nothing"))
+    assert result.exit_code == 2 and "holds no study (no study.json)" in " ".join(
+        result.output.replace("│", "").split()
+    )
+    assert len(plans) == 4
     # --lora-rank without peft: one line before any work (the model is not converted, no plan is made)
     import importlib.util
 
@@ -567,7 +634,7 @@ def test_study_task_option_sets_the_plans_space_and_refuses_a_bad_one(tmp_path, 
     monkeypatch.setattr(smollm2, "convert", lambda *a, **k: pytest.fail("converted the model before the check"))
     result = run("--lora-rank", "1", "--lr", "1e-4")
     assert result.exit_code == 2 and "--lora-rank 1 needs peft" in " ".join(result.output.replace("│", "").split())
-    assert len(plans) == 3
+    assert len(plans) == 4
 
 
 def test_paired_lift_reads_each_seeds_lift_and_pairs_by_seed(capsys, monkeypatch):

@@ -70,6 +70,12 @@ def study(
     gate: list[Path] = typer.Option(
         None, "--gate", help="print the regime gate of these study folders' grpo runs (repeat the option)"
     ),
+    reuse: list[Path] = typer.Option(
+        None,
+        "--reuse",
+        help="copy the finished runs of this study folder that the plan would train alike (same cell, seed, "
+        "config, held-out settings and split), e.g. the regime gate's grpo runs (repeat the option)",
+    ),
     report_only: bool = typer.Option(False, "--report", help="with --resume: only rewrite the report"),
     results: Path | None = typer.Option(
         None, "--results", help="with --report: also write the tables into this file's STUDY_TABLES block"
@@ -99,7 +105,7 @@ def study(
     if gate:
         from bapo.experiments.study import gate_lines
 
-        if any(v is not None for v in (*plan_options, resume, results, max_runs)) or quick or gpu or regime:
+        if any(v is not None for v in (*plan_options, resume, results, max_runs)) or quick or gpu or regime or reuse:
             raise typer.BadParameter("--gate only reads study folders: give it no other option")
         missing = [str(folder) for folder in gate if not (folder / "study.json").exists()]
         if missing:
@@ -109,6 +115,11 @@ def study(
         except ValueError as err:
             raise typer.BadParameter(str(err)) from None
         return
+    missing = [str(folder) for folder in reuse or () if not (folder / "study.json").exists()]
+    if missing:
+        raise typer.BadParameter(f"--reuse: {', '.join(missing)} holds no study (no study.json)")
+    if report_only and reuse:
+        raise typer.BadParameter("--report only rewrites the report: drop --reuse")
     if resume is not None:
         if any(v is not None for v in plan_options) or quick or gpu or regime:
             raise typer.BadParameter("--resume continues the saved plan: give no other plan option")
@@ -185,7 +196,9 @@ def study(
     from bapo.experiments.study import RunFailed
 
     try:
-        run_study(plan, study_dir, threads=threads, log=lambda line: typer.echo(line), max_runs=max_runs)
+        run_study(
+            plan, study_dir, threads=threads, log=lambda line: typer.echo(line), max_runs=max_runs, reuse=reuse or ()
+        )
     except RunFailed as err:  # the child printed its own error; this is the one line after it
         typer.echo(f"error: {err}", err=True)
         raise typer.Exit(1) from None

@@ -72,8 +72,9 @@ METHODS: dict[str, dict[str, object]] = {
 ON_POLICY_DIFFERENT = ("grpo-seq-mean", "icepop", "opsm")
 # the short-reply study's methods (docs/study/full), the default plan's
 FIRST_METHODS = ("grpo", "clip-higher", "bapo", "bapo-paper", "m2po", "decoupled-ppo")
-# trained first on each axis: the paper's comparison (grpo vs bapo, both presets)
+# trained first, on every axis: the paper's comparison (grpo vs bapo, both presets); then the control
 HEADLINE_METHODS = ("grpo", "bapo", "bapo-paper")
+CONTROL_METHODS = ("grpo-seq-mean",)
 # the other methods, each judged against GRPO on held-out accuracy (claim 5) as BAPO is (claim 4)
 PEERS = ("clip-higher", "m2po", "decoupled-ppo", "grpo-seq-mean", "dppo-tv", "icepop", "opsm")
 BAPO_TARGET = 0.4  # rho0 of both bapo presets (the paper's); not tuned here
@@ -179,9 +180,10 @@ class StudyPlan:
 
     def runs(self) -> list[RunSpec]:
         """Every run, in the order the study trains them (so that a partial study is a useful
-        one): the paper's axis first (E), its headline methods (HEADLINE_METHODS) before the
-        others, then each async delay k in turn; within each block seed by seed, so a block
-        finishes with all its seeds before the next starts."""
+        one): the headline methods (HEADLINE_METHODS) on every axis first, then the control
+        (CONTROL_METHODS), then the other peers; within each tier the paper's axis (E) first, then
+        each async delay k, then partial rollout, and within each axis seed by seed, so a cell
+        finishes with all its seeds before the next axis starts."""
         specs: list[RunSpec] = []
         for staleness_e in self.staleness_e:
             shared = staleness_e == 0 and self.on_policy_shared
@@ -199,8 +201,8 @@ class StudyPlan:
             axis = 1 + self.async_delays.index(spec.async_delay) if spec.async_delay else 0
             if spec.partial_rollout:
                 axis = 1 + len(self.async_delays)
-            headline = spec.method in HEADLINE_METHODS
-            return (axis, not headline, spec.seed, block[spec.setting], methods.index(spec.method))
+            tier = 0 if spec.method in HEADLINE_METHODS else 1 if spec.method in CONTROL_METHODS else 2
+            return (tier, axis, spec.seed, block[spec.setting], methods.index(spec.method))
 
         return sorted(specs, key=order)
 
@@ -388,17 +390,21 @@ def run_study(
     in_process: bool = False,
     log=print,
     max_runs: int | None = None,
+    reuse: list[Path] = (),
 ) -> Path:
     """Train every unfinished run of `plan` into study_dir (finished ones are skipped), and
     rewrite the report after each. in_process: runs in this process (the tests' tiny model);
     else each run in a spawned process. max_runs: stop after this many runs finish in this sitting
-    (one sitting per study in turn, e.g. two learning rates' studies a seed at a time)."""
+    (one sitting per study in turn, e.g. two learning rates' studies a seed at a time). reuse:
+    study folders whose finished runs this plan would train alike are copied first (reuse_runs)."""
     from bapo.train.rundir import RunLock
 
     study_dir = Path(study_dir)
     prepare(plan, study_dir)
     lock = RunLock(study_dir)  # one study process per folder (a second --resume fails in one line)
     try:
+        if reuse and reuse_runs(plan, study_dir, list(reuse), log):
+            write_study_report(plan, study_dir)
         _train_todo(plan, study_dir, threads, in_process, log, max_runs)
     finally:
         lock.release()
@@ -436,6 +442,64 @@ def _record(study_dir: Path, spec: RunSpec, done: dict) -> None:
     write_json(info_path, info)
 
 
+# plan fields a run depends on outside its bapo.train config (the held-out hook's)
+HOOK_FIELDS = ("eval_every", "eval_prompts", "eval_k_during", "final_k")
+
+
+def _differs(plan: StudyPlan, spec: RunSpec, study_dir: Path, source_plan: StudyPlan, source: Path) -> str | None:
+    """What would make source's finished run of `spec` another run than the one `plan` trains in
+    study_dir (None when nothing): a held-out setting, the task split, or a field of the bapo.train
+    config (its output folder and data path aside)."""
+    for name in HOOK_FIELDS:
+        if getattr(plan, name) != getattr(source_plan, name):
+            return f"{name} {getattr(source_plan, name)} (this plan: {getattr(plan, name)})"
+    for split in ("train.jsonl", "heldout.jsonl"):
+        if (source / "data" / split).read_bytes() != (study_dir / "data" / split).read_bytes():
+            return f"its task split (data/{split})"
+
+    def fields_of(run_plan: StudyPlan, folder: Path) -> dict:
+        cfg = train_config(run_plan, spec, model_path(run_plan), folder, folder / spec.name).model_dump(mode="json")
+        cfg["run"].pop("output_dir")
+        cfg["data"].pop("path")
+        return cfg
+
+    ours, theirs = fields_of(plan, study_dir), fields_of(source_plan, source)
+    for section in ours:
+        for key in ours[section]:
+            if ours[section][key] != theirs.get(section, {}).get(key):
+                return f"{section}.{key} {theirs.get(section, {}).get(key)!r} (this plan: {ours[section][key]!r})"
+    return None
+
+
+def reuse_runs(plan: StudyPlan, study_dir: Path, sources: list[Path], log=print) -> list[str]:
+    """Copy into study_dir every finished run of the `sources` study folders that this plan would
+    train and has not: the same cell and seed, the same bapo.train config, held-out settings and
+    task split (e.g. the regime gate's grpo runs into the plan that follows it). Each copy is
+    recorded in study.json with `reused_from`; a run that differs is named with the first field
+    that differs and left alone. Returns the names copied."""
+    import shutil
+
+    copied = []
+    for source in sources:
+        source_plan = load_plan(source)
+        for spec in plan.runs():
+            target, origin = study_dir / spec.name, source / spec.name
+            if is_done(target) or not is_done(origin):
+                continue
+            problem = _differs(plan, spec, study_dir, source_plan, origin.parent)
+            if problem:
+                log(f"not reused: {origin} differs in {problem}")
+                continue
+            if target.exists():  # a started, unfinished run of this study: the finished one replaces it
+                shutil.rmtree(target)
+            shutil.copytree(origin, target)
+            done = json.loads((target / "done.json").read_text())
+            _record(study_dir, spec, {**done, "reused_from": str(origin)})
+            copied.append(spec.name)
+            log(f"reused {origin}")
+    return copied
+
+
 def finished_runs(plan: StudyPlan, study_dir: Path) -> list[Path]:
     return [study_dir / spec.name for spec in plan.runs() if is_done(study_dir / spec.name)]
 
@@ -455,6 +519,7 @@ def header(plan: StudyPlan, study_dir: Path) -> list[str]:
     info = json.loads((study_dir / "study.json").read_text())
     done, total = len(finished_runs(plan, study_dir)), len(plan.runs())
     wall = [run["wall_s"] for run in info["runs"].values()]
+    reused = [str(Path(run["reused_from"]).parent) for run in info["runs"].values() if "reused_from" in run]
     ops = ", ".join(task.ops)
     return [
         f"Task: 'What is a op b?' (op {ops}; a in {task.a_min}-{task.a_max}, b in {task.b_min}-{task.b_max}), "
@@ -483,6 +548,7 @@ def header(plan: StudyPlan, study_dir: Path) -> list[str]:
         f"{plan.eval_every} rollout steps, avg@{plan.final_k} / pass@{plan.final_k} on all at the end.",
         f"Runs finished: {done} of {total}"
         + (" (PARTIAL study)" if done < total else "")
+        + (f", {len(reused)} of them reused from {', '.join(sorted(set(reused)))}" if reused else "")
         + (f"; wall time per run {min(wall):.0f}-{max(wall):.0f} s, {sum(wall):.0f} s summed." if wall else "."),
         *step_time_lines(find_runs(finished_runs(plan, study_dir))),
     ]
