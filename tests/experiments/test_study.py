@@ -626,6 +626,16 @@ def test_study_task_option_sets_the_plans_space_and_refuses_a_bad_one(tmp_path, 
         result.output.replace("│", "").split()
     )
     assert len(plans) == 4
+
+    # a model that cannot be converted: one line naming it and the converter's reason, no plan run
+    def no_gguf(*args, **kwargs):
+        raise ValueError("reading GGUF files needs the gguf package: pip install 'bapo[real]'")
+
+    monkeypatch.setattr(smollm2, "convert", no_gguf)
+    result = run()
+    line = " ".join(result.output.replace("│", "").split())
+    assert result.exit_code == 2 and "bapo study needs SmolLM2-135M-Instruct converted (reading GGUF" in line, line
+    assert len(plans) == 4
     # --lora-rank without peft: one line before any work (the model is not converted, no plan is made)
     import importlib.util
 

@@ -172,9 +172,8 @@ def study(
         if plan.model == "smollm2":
             from dataclasses import replace
 
-            from bapo.experiments.smollm2 import convert
-
-            plan = replace(plan, model=str(convert()))  # the converted folder (cached), saved in study.json
+            # the converted folder (cached), saved in study.json
+            plan = replace(plan, model=str(converted_smollm2(None, "bapo study needs SmolLM2-135M-Instruct converted")))
         study_dir = out or Path("runs") / time.strftime("study-%Y%m%d-%H%M%S")
         if (study_dir / "study.json").exists():
             raise typer.BadParameter(f"--out {study_dir} already holds a study: continue it with --resume {study_dir}")
@@ -234,18 +233,28 @@ def reconvert_missing_model(model: str) -> None:
     """A study resumed on a new machine (a clone of committed records): the converted SmolLM2
     folder its study.json names is rebuilt at that same path, which the runs' configs and the
     start policy's cache key hold. Any other missing folder is left to the run's own check."""
-    from bapo.experiments.smollm2 import FOLDER, convert
+    from bapo.experiments.smollm2 import FOLDER
 
     path = Path(model)
     if path.name == FOLDER and not (path / "config.json").exists():
         typer.echo(f"{path} is missing on this machine: converting SmolLM2-135M-Instruct into it", err=True)
-        try:
-            convert(path)
-        except (ValueError, OSError) as err:  # OSError: the saved path is not writable for this user
-            raise typer.BadParameter(
-                f"study.json's model {path} is missing and could not be rebuilt there ({err}); the runs' "
-                f"model.path must stay {path}: make {path.parent} writable, or resume where it exists"
-            ) from None
+        converted_smollm2(
+            path,
+            f"study.json's model {path} is missing and could not be rebuilt there; the runs' model.path must "
+            f"stay {path}: make {path.parent} writable, or resume where it exists",
+        )
+
+
+def converted_smollm2(path: Path | None, why: str) -> Path:
+    """bapo smollm2's converted folder (at `path`, else its default place), converted when missing;
+    a failed conversion (no gguf package or GGUF file: ValueError; a folder this user cannot write:
+    OSError) is one line, `why` and the error."""
+    from bapo.experiments.smollm2 import convert
+
+    try:
+        return convert(path)
+    except (ValueError, OSError) as err:
+        raise typer.BadParameter(f"{why} ({err})") from None
 
 
 def check_vllm(backend: str, resume: Path | None) -> None:
