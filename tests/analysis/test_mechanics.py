@@ -97,13 +97,14 @@ def test_search_bounds_pool_seeds_and_report_the_share_before_and_after():
     seed0 = [search(0.6, 1.2, 0.40, 0.30), search(0.7, 1.4, 0.42, 0.36)]
     seed1 = [search(0.8, 1.2, 0.50, "nan"), search(0.8, 1.2, 0.48, None)]  # start share not logged
     no_signal = {"bapo/search/reached": "nan", "bapo/search/no_signal": 1.0, "bapo/search/share": "nan"}
+    no_signal |= {"bapo/search/lower": 0.5, "bapo/search/upper": 1.1}  # not searched: left out of the bounds
     runs = [
         _run("bapo", 0, [0.1, 0.1], extra=seed0),
         _run("bapo", 1, [0.1, 0.1, 0.1], extra=[*seed1, no_signal]),
         _run("grpo", 0, [0.1, 0.1]),
     ]
     (row,) = search_bounds(runs)
-    assert (row["method"], row["updates"]) == ("bapo", 5)
+    assert (row["method"], row["updates"]) == ("bapo", 4)
     assert row["share_start"] == pytest.approx(0.33)
     assert row["share_used"] == pytest.approx((0.40 + 0.42 + 0.50 + 0.48) / 4)
     assert row["lower"] == (0.75, 0.6, 0.8) and row["upper"] == (1.2, 1.2, 1.4)

@@ -140,6 +140,13 @@ def test_peers_are_judged_on_held_out_accuracy_against_the_same_grpo_runs():
     assert not any("cispo" in claim_id for claim_id in claims)  # no runs, no claim
     assert list(claims)[-3:] == [f"5-heldout-{p}@E=4" for p in ("m2po", "decoupled-ppo", "clip-higher")]
     assert not any(c.id.startswith("5-") for c in run_claims(runs, 0.4))
+    # on-policy, a peer with runs of its own at E=0 (grpo-seq-mean) is judged there too; BAPO's
+    # claims 2 and 4 stay off at E=0, where the clipped methods share grpo's runs
+    on_policy = _three_seeds(
+        [("grpo", 0, 0.5, 0.4, 0.4), ("grpo-seq-mean", 0, 0.5, 0.6, 0.4), ("bapo", 0, 0.5, 0.6, 0.4)]
+    )
+    ids = {c.id: c for c in run_claims(on_policy, 0.4, peers=("grpo-seq-mean",))}
+    assert ids["5-heldout-grpo-seq-mean@E=0"].verdict == "held" and not any(i.startswith(("2-", "4-")) for i in ids)
     # a peer ahead in one seed and behind in another: the interval straddles 0
     noisy = [_fake_run("grpo", 4, 0.5, 0.5, seed) for seed in range(3)]
     noisy += [_fake_run("m2po", 4, 0.5, 0.5 + d, seed) for seed, d in enumerate((0.1, -0.08, 0.02))]

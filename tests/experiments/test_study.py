@@ -12,10 +12,10 @@ import torch
 
 from bapo.experiments.arith import ArithTaskConfig, make_split, problems, verify
 from bapo.experiments.study import (
-    FIRST_METHODS,
+    FULL_PLAN_METHODS,
     HEADLINE_METHODS,
     METHODS,
-    ON_POLICY_DIFFERENT,
+    OWN_ON_POLICY_RUN_METHODS,
     PEERS,
     PROFILES,
     StudyPlan,
@@ -63,7 +63,7 @@ def test_full_plan_shares_the_on_policy_run_and_has_every_cell():
     runs = plan.runs()
     # claim 5 judges every method that claim 4 does not (BAPO's two presets) against GRPO
     assert set(PEERS) | set(HEADLINE_METHODS) == set(METHODS) and not set(PEERS) & set(HEADLINE_METHODS)
-    assert plan.methods == FIRST_METHODS and not set(FIRST_METHODS) & set(ON_POLICY_DIFFERENT)
+    assert plan.methods == FULL_PLAN_METHODS and not set(FULL_PLAN_METHODS) & set(OWN_ON_POLICY_RUN_METHODS)
     per_seed = 1 + len(plan.methods) * 3  # grpo at E=0, every method at E=4, k=4, k=16
     assert len(runs) == per_seed * len(plan.seeds) == 57
     assert {spec.method for spec in runs if spec.setting == "E=0"} == {"grpo"}
@@ -124,7 +124,7 @@ def test_every_study_method_gives_grpos_update_on_policy(char_model, tmp_path):
     from bapo.experiments.study import prepare
 
     prepare(plan, tmp_path / "study")
-    for method in [m for m in METHODS if m not in ("icepop", "opsm")]:
+    for method in [m for m in METHODS if m not in ("icepop", "opsm")]:  # vLLM-only (icepop) or its gap (opsm)
         spec_cfg[method] = train_config(plan, RunSpec(method), char_model, tmp_path / "study", tmp_path / method)
     trainer = Trainer(spec_cfg["grpo"], verifier=lambda response, row: float(len(response) % 2))
     batch, _ = trainer.rollout_step()
@@ -337,7 +337,7 @@ def test_plan_with_partial_rollout_and_the_new_methods_runs_each_cell_once_and_c
     plan = replace(
         PROFILES["regime"],
         methods=("grpo", "bapo", "grpo-seq-mean", "dppo-tv", "icepop", "opsm"),
-        partial_rollout=("grpo", "bapo"),
+        partial_rollout_methods=("grpo", "bapo"),
         seeds=(0, 1),
     )
     runs = plan.runs()
@@ -351,8 +351,20 @@ def test_plan_with_partial_rollout_and_the_new_methods_runs_each_cell_once_and_c
         f"{m}-E0-partialrollout-seed{s}" for s in (0, 1) for m in ("grpo", "bapo")
     ]
     assert StudyPlan.from_json(json.loads(json.dumps(plan.to_json()))) == plan
-    old_record = {k: v for k, v in PROFILES["full"].to_json().items() if k not in ("partial_rollout", "segment_tokens")}
-    assert StudyPlan.from_json(old_record).partial_rollout == ()
+    old_record = {
+        k: v for k, v in PROFILES["full"].to_json().items() if k not in ("partial_rollout_methods", "segment_tokens")
+    }
+    assert (
+        StudyPlan.from_json(old_record).partial_rollout_methods,
+        StudyPlan.from_json(old_record).segment_tokens,
+    ) == (
+        (),
+        2,  # a quarter of the full plan's 10-token budget
+    )
+    assert plan.segment_tokens == 16  # a quarter of the regime's 64
+    # the shared E=0 run is grpo's even when grpo is not among the methods or not first
+    alone = replace(plan, methods=("grpo-seq-mean", "bapo"), partial_rollout_methods=(), seeds=(0,))
+    assert [spec.name for spec in alone.runs() if spec.setting == "E=0"] == ["grpo-E0-seed0", "grpo-seq-mean-E0-seed0"]
 
     vllm = replace(tiny_plan(char_model), backend="vllm", segment_tokens=2)
     configs = {
@@ -373,12 +385,19 @@ def test_plan_with_partial_rollout_and_the_new_methods_runs_each_cell_once_and_c
 
 
 def test_plan_refuses_a_bad_partial_rollout_or_an_engine_correction_without_vllm():
-    with pytest.raises(ValueError, match="partial_rollout: gpro not among"):
-        replace(PROFILES["regime"], partial_rollout=("gpro",))
+    regime = PROFILES["regime"]
+    with pytest.raises(ValueError, match="partial_rollout_methods: gpro not among"):
+        replace(regime, partial_rollout_methods=("gpro",))
     with pytest.raises(ValueError, match="segment_tokens=64: partial rollout needs a segment between 1 and"):
-        replace(PROFILES["regime"], partial_rollout=("grpo",), segment_tokens=64)
-    assert replace(PROFILES["regime"], segment_tokens=64).partial_rollout == ()  # no partial rollout: unused
-    with pytest.raises(ValueError, match="methods: icepop correct the vLLM engine's gap, and backend hf has none"):
+        replace(regime, partial_rollout_methods=("grpo",), segment_tokens=64)
+    assert replace(regime, segment_tokens=64).partial_rollout_methods == ()  # no partial rollout: unused
+    with pytest.raises(ValueError, match="partial_rollout_methods: add grpo, the baseline"):
+        replace(regime, partial_rollout_methods=("bapo",))
+    with pytest.raises(ValueError, match="partial_rollout_methods: grpo given twice; name each method once"):
+        replace(regime, partial_rollout_methods=("grpo", "bapo", "grpo"))
+    with pytest.raises(ValueError, match="methods: bapo given twice"):
+        replace(regime, methods=("grpo", "bapo", "bapo"))
+    with pytest.raises(ValueError, match="methods: icepop weighs tokens by the vLLM engine's gap, which backend hf"):
         replace(PROFILES["gpu"], methods=("grpo", "icepop"))
 
 
@@ -402,18 +421,23 @@ def test_reuse_copies_only_the_finished_runs_the_plan_would_train_alike(char_mod
         (folder / "study.json").write_text(json.dumps(info))
         return folder
 
-    other_lr, other_eval = variant("lr", lr=2e-3), variant("eval", eval_every=2)
+    other_lr, other_eval, old_code = variant("lr", lr=2e-3), variant("eval", eval_every=2), variant("old")
+    # a run trained by code whose defaults differed: its saved config.yaml says so
+    saved = old_code / "grpo-E0-seed0" / "config.yaml"
+    saved.write_text(saved.read_text().replace("group_size: 2", "group_size: 3"))
     plan, study_dir = tiny_plan(char_model), tmp_path / "plan"
     prepare(plan, study_dir)
     lines: list[str] = []
-    assert reuse_runs(plan, study_dir, [other_lr, other_eval], lines.append) == []
+    assert reuse_runs(plan, study_dir, [other_lr, other_eval, old_code], lines.append) == []
     assert lines == [
         f"not reused: {other_lr / 'grpo-E0-seed0'} differs in optim.lr 0.002 (this plan: 0.001)",
-        f"not reused: {other_eval / 'grpo-E0-seed0'} differs in eval_every 2 (this plan: 1)",
+        f"not reused: the 1 finished runs of {other_eval} this plan has: they differ in eval_every 2 (this plan: 1)",
+        f"not reused: {old_code / 'grpo-E0-seed0'} differs in rollout.group_size 3 (this plan: 2)",
     ]
     assert not (study_dir / "grpo-E0-seed0").exists()
     (study_dir / "grpo-E0-seed0").mkdir()  # a started, unfinished run: the finished one replaces it
     assert reuse_runs(plan, study_dir, [gate], lines.append) == ["grpo-E0-seed0"]
+    assert sorted(path.name for path in study_dir.iterdir() if path.name.endswith(".reusing")) == []
     copied = (study_dir / "grpo-E0-seed0" / "metrics.jsonl").read_text()
     assert copied == (gate / "grpo-E0-seed0" / "metrics.jsonl").read_text()
     record = json.loads((study_dir / "study.json").read_text())["runs"]["grpo-E0-seed0"]
@@ -441,7 +465,9 @@ def test_full_plan_trains_the_headline_cells_of_every_seed_first():
         {"E=0, async delay 16"},
     ]
     # the regime plan's control (grpo-seq-mean) comes after the headline methods, before the other peers
-    plan = replace(PROFILES["regime"], methods=("grpo", "m2po", "grpo-seq-mean", "bapo"), partial_rollout=("bapo",))
+    plan = replace(
+        PROFILES["regime"], methods=("grpo", "m2po", "grpo-seq-mean", "bapo"), partial_rollout_methods=("grpo", "bapo")
+    )
     tiers = [spec.method for spec in plan.runs()]
     assert tiers.index("grpo-seq-mean") > max(i for i, m in enumerate(tiers) if m in ("grpo", "bapo"))
     assert tiers.index("m2po") > max(i for i, m in enumerate(tiers) if m == "grpo-seq-mean")
@@ -608,7 +634,11 @@ def test_study_task_option_sets_the_plans_space_and_refuses_a_bad_one(tmp_path, 
     assert str(run("--methods", "grpo,opsm", "--partial", "grpo", "--segment-tokens", "8").exception) == (
         "no runs in this test"
     )
-    assert (plans[-1].methods, plans[-1].partial_rollout, plans[-1].segment_tokens) == (("grpo", "opsm"), ("grpo",), 8)
+    assert (plans[-1].methods, plans[-1].partial_rollout_methods, plans[-1].segment_tokens) == (
+        ("grpo", "opsm"),
+        ("grpo",),
+        8,
+    )
     for args, message in (
         (("--partial", "bapo,gpro"), "--partial: gpro not among"),
         (("--partial", "grpo", "--segment-tokens", "64"), "segment_tokens=64: partial rollout needs a segment"),
@@ -616,15 +646,28 @@ def test_study_task_option_sets_the_plans_space_and_refuses_a_bad_one(tmp_path, 
         result = run(*args)
         assert result.exit_code == 2 and message in " ".join(result.output.replace("│", "").split())
     assert len(plans) == 3
-    # --reuse DIR: passed on to the runs; a folder without a study is refused before any plan
-    (tmp_path / "gate").mkdir()
-    (tmp_path / "gate" / "study.json").write_text("{}")
-    assert str(run("--reuse", str(tmp_path / "gate")).exception) == "no runs in this test"
-    assert reused[-1] == [tmp_path / "gate"] and reused[0] == ()
-    result = run("--reuse", str(tmp_path / "nothing"))
-    assert result.exit_code == 2 and "holds no study (no study.json)" in " ".join(
-        result.output.replace("│", "").split()
-    )
+    # --reuse DIR: passed on to the runs; a folder that is not a readable study is refused before any plan
+    gate = tmp_path / "gate"
+    (gate / "data").mkdir(parents=True)
+    (gate / "study.json").write_text(json.dumps({"plan": PROFILES["regime"].to_json(), "runs": {}}))
+    for split in ("train.jsonl", "heldout.jsonl"):
+        (gate / "data" / split).write_text("")
+    assert str(run("--reuse", str(gate)).exception) == "no runs in this test"
+    assert reused[-1] == (gate,) and reused[0] == ()
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "study.json").write_text("{}")
+    (gate / "data" / "heldout.jsonl").unlink()
+    for folder, message in (
+        ("nothing", "not a bapo study folder (no study.json)"),
+        ("empty", "not a bapo study folder (its study.json holds no valid plan"),
+        ("gate", "its task split data/heldout.jsonl is missing"),
+    ):
+        result = run("--reuse", str(tmp_path / folder))
+        line = " ".join(result.output.replace("│", "").split())
+        assert result.exit_code == 2 and message in line, line
+    result = run("--segment-tokens", "8")
+    line = " ".join(result.output.replace("│", "").split())
+    assert result.exit_code == 2 and "--segment-tokens sets --partial's segment: give --partial METHODS" in line
     assert len(plans) == 4
 
     # a model that cannot be converted: one line naming it and the converter's reason, no plan run

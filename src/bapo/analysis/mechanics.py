@@ -106,16 +106,18 @@ def _finite(rows: list[dict], key: str) -> list[float]:
 
 
 def search_bounds(runs: list[Run]) -> list[dict]:
-    """One row per (setting, method) whose runs searched bounds, seeds pooled: the updates, the mean
+    """One row per (setting, method) whose runs searched bounds, seeds pooled, over the updates with
+    signal (a no-signal update keeps its start bounds and has no share): their number, the mean
     positive share at BAPO's start bounds (`positive_share/start_bounds`, before the search; NaN
     where not logged) and at the bounds the search chose (`bapo/search/share`), and the bounds used,
-    each as (median, min, max) over the updates: what BAPO reduced to (a fixed clip when min = max)."""
+    each as (median, min, max): what BAPO reduced to (a fixed clip when min = max)."""
     table = []
     for setting, by_method in group_runs(runs).items():
         for method, group in by_method.items():
-            rows = [row for run in group for row in run.rows if _outcome(row)]
-            if not rows:
+            searched = [row for run in group for row in run.rows if _outcome(row)]
+            if not searched:
                 continue
+            rows = [row for row in searched if _outcome(row) != "no signal"]
             before = _finite(rows, "positive_share/start_bounds")
             after = _finite(rows, "bapo/search/share")
             bounds = {}
@@ -177,8 +179,8 @@ def mechanics_section(runs: list[Run]) -> list[str]:
         lines += [
             "",
             "Its positive share before the search (at the start bounds) and after it (at the bounds "
-            "used), means over updates with signal, and the bounds used, median [min, max] over "
-            "updates (min = max: a fixed clip).",
+            "used), means, and the bounds used, median [min, max] (min = max: a fixed clip), over the "
+            'updates with signal; "-": not logged (runs made before positive_share/start_bounds was).',
             "",
             "| setting | method | share at start bounds | share at bounds used | lower bound | upper bound |",
             "|---|---|---|---|---|---|",

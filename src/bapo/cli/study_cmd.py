@@ -47,18 +47,22 @@ def study(
     methods: str | None = typer.Option(
         None,
         "--methods",
-        help="comma-separated methods (default: grpo, clip-higher, bapo, bapo-paper, m2po, decoupled-ppo; "
-        "also grpo-seq-mean, dppo-tv, icepop, opsm)",
+        help="comma-separated methods (the full plan's: grpo, clip-higher, bapo, bapo-paper, m2po, decoupled-ppo; "
+        "--regime's: grpo; any of them and grpo-seq-mean, dppo-tv, icepop, opsm)",
     ),
     staleness_e: str | None = typer.Option(
         None, "--staleness", help="comma-separated staleness E values, E+1 updates per rollout batch (default 0,4)"
     ),
     delays: str | None = typer.Option(None, "--delays", help="comma-separated async delays k (default 4,16; '' none)"),
     partial: str | None = typer.Option(
-        None, "--partial", help="comma-separated methods also run with partial rollout at E=0 (default none)"
+        None,
+        "--partial",
+        help="comma-separated methods also run with partial rollout at E=0, grpo among them (default none)",
     ),
     segment_tokens: int | None = typer.Option(
-        None, "--segment-tokens", help="with --partial: new tokens per reply per rollout step (default 16)"
+        None,
+        "--segment-tokens",
+        help="with --partial: new tokens per reply per rollout step (default a quarter of the reply budget)",
     ),
     autocast: str | None = typer.Option(
         None, "--autocast", help="model.autocast of every run: none | bfloat16 | auto (default: bfloat16 where native)"
@@ -115,11 +119,12 @@ def study(
         except ValueError as err:
             raise typer.BadParameter(str(err)) from None
         return
-    missing = [str(folder) for folder in reuse or () if not (folder / "study.json").exists()]
-    if missing:
-        raise typer.BadParameter(f"--reuse: {', '.join(missing)} holds no study (no study.json)")
     if report_only and reuse:
         raise typer.BadParameter("--report only rewrites the report: drop --reuse")
+    for folder in reuse or ():
+        check_study_folder(folder, "--reuse")
+    if segment_tokens is not None and not partial:
+        raise typer.BadParameter("--segment-tokens sets --partial's segment: give --partial METHODS as well")
     if resume is not None:
         if any(v is not None for v in plan_options) or quick or gpu or regime:
             raise typer.BadParameter("--resume continues the saved plan: give no other plan option")
@@ -136,14 +141,14 @@ def study(
             raise typer.BadParameter("--quick, --gpu and --regime are three plans: give one")
         from bapo.experiments.study import METHODS
 
-        def names(option: str, text: str | None) -> tuple[str, ...] | None:
+        def method_names(option: str, text: str | None) -> tuple[str, ...] | None:
             chosen = tuple(m.strip() for m in text.split(",") if m.strip()) if text is not None else None
             unknown = [m for m in chosen or () if m not in METHODS]
             if unknown:
                 raise typer.BadParameter(f"{option}: {', '.join(unknown)} not among {', '.join(METHODS)}")
             return chosen
 
-        chosen = names("--methods", methods or None)
+        chosen = method_names("--methods", methods or None)
         profile = "quick" if quick else "gpu" if gpu else "regime" if regime else "full"
         try:
             from bapo.experiments.arith import task_from_spec
@@ -160,7 +165,7 @@ def study(
                 methods=chosen,
                 staleness_e=ints(staleness_e),
                 async_delays=ints(delays),
-                partial_rollout=names("--partial", partial),
+                partial_rollout_methods=method_names("--partial", partial),
                 segment_tokens=segment_tokens,
                 autocast=autocast,
             )
@@ -196,7 +201,12 @@ def study(
 
     try:
         run_study(
-            plan, study_dir, threads=threads, log=lambda line: typer.echo(line), max_runs=max_runs, reuse=reuse or ()
+            plan,
+            study_dir,
+            threads=threads,
+            log=lambda line: typer.echo(line),
+            max_runs=max_runs,
+            reuse=tuple(reuse or ()),
         )
     except RunFailed as err:  # the child printed its own error; this is the one line after it
         typer.echo(f"error: {err}", err=True)
@@ -206,6 +216,22 @@ def study(
     for line in json.loads((study_dir / "study.json").read_text()).get("headline", []):
         typer.echo(line.replace("**", ""))
     typer.echo(f"report: {study_dir / 'report.md'}  ({time.time() - started:.0f} s)")
+
+
+def check_study_folder(folder: Path, option: str) -> None:
+    """One line, before any work, when `folder` is not a readable study (its plan and task split)."""
+    from bapo.experiments.study import load_plan
+
+    try:
+        load_plan(folder)
+    except (FileNotFoundError, KeyError, ValueError, TypeError) as err:
+        reason = "no study.json" if isinstance(err, FileNotFoundError) else f"its study.json holds no valid plan: {err}"
+        raise typer.BadParameter(f"{option} {folder}: not a bapo study folder ({reason})") from None
+    missing = [split for split in ("train.jsonl", "heldout.jsonl") if not (folder / "data" / split).exists()]
+    if missing:
+        raise typer.BadParameter(
+            f"{option} {folder}: its task split data/{missing[0]} is missing; copy the whole folder"
+        )
 
 
 def check_peft(lora_rank: int | None) -> None:

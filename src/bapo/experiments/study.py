@@ -6,11 +6,13 @@ held-out checks use the same engine, Trainer.sample_texts). One bapo.train run p
 (method, setting, seed), judged by the demo's machinery: the claims engine with 95% intervals
 (bapo.analysis.run_claims), plots with seed bands, report.md, claims.json.
 
-Methods: grpo, clip-higher, bapo (bapo's default preset), bapo-paper (loss.bapo.preset=paper),
-m2po, decoupled-ppo. Settings: staleness E = 0 and 4 (the paper's axis: E+1 optimizer updates
-per rollout batch) and async delay k = 4 and 16 (a FIFO delay, the axis of M2PO's and AReaL's
-staleness tables). On-policy (E=0, no delay) every ratio is exactly 1, and all six losses then
-give GRPO's gradient (tests/experiments/test_study.py checks it), so E=0 is one run per seed, grpo.
+Methods (METHODS): the full plan's grpo, clip-higher, bapo (bapo's default preset), bapo-paper
+(loss.bapo.preset=paper), m2po, decoupled-ppo, and grpo-seq-mean, dppo-tv, icepop, opsm. Settings:
+staleness E (the paper's axis: E+1 optimizer updates per rollout batch), async delay k (a FIFO
+delay, the axis of M2PO's and AReaL's staleness tables) and partial rollout. On-policy (E=0, no
+delay) every ratio is exactly 1 and the clipped losses give GRPO's gradient
+(tests/experiments/test_study.py checks it), so they share one grpo run per seed at E=0; the
+methods of OWN_ON_POLICY_RUN_METHODS change the on-policy gradient and run their own.
 
 Every run checkpoints; the study folder holds:
     study.json                       the plan (what --resume continues), timings, CPU seconds
@@ -69,9 +71,9 @@ METHODS: dict[str, dict[str, object]] = {
 }
 # methods whose on-policy gradient is not GRPO's (another aggregation, the engine-gap weight or
 # mask): at E=0 without delay they run their own runs instead of sharing GRPO's
-ON_POLICY_DIFFERENT = ("grpo-seq-mean", "icepop", "opsm")
-# the short-reply study's methods (docs/study/full), the default plan's
-FIRST_METHODS = ("grpo", "clip-higher", "bapo", "bapo-paper", "m2po", "decoupled-ppo")
+OWN_ON_POLICY_RUN_METHODS = ("grpo-seq-mean", "icepop", "opsm")
+# the full plan's methods (the short-reply study, docs/study/full)
+FULL_PLAN_METHODS = ("grpo", "clip-higher", "bapo", "bapo-paper", "m2po", "decoupled-ppo")
 # trained first, on every axis: the paper's comparison (grpo vs bapo, both presets); then the control
 HEADLINE_METHODS = ("grpo", "bapo", "bapo-paper")
 CONTROL_METHODS = ("grpo-seq-mean",)
@@ -94,13 +96,14 @@ def native_bf16() -> bool:
 class StudyPlan:
     """What a study runs. Sizes: docs/STUDY.md (measured per-run cost, the lr choice)."""
 
-    methods: tuple[str, ...] = FIRST_METHODS
+    methods: tuple[str, ...] = FULL_PLAN_METHODS
     staleness_e: tuple[int, ...] = (0, 4)
     async_delays: tuple[int, ...] = (4, 16)
-    # methods also run with partial rollout (at E=0, no delay): each rollout step adds at most
-    # segment_tokens tokens to every unfinished reply, so a long reply spans policy versions
-    partial_rollout: tuple[str, ...] = ()
-    segment_tokens: int = 16
+    # methods also run with partial rollout (at E=0, no delay; grpo among them, their baseline): each
+    # rollout step adds at most segment_tokens tokens to every unfinished reply, so a long reply
+    # spans policy versions. None: a quarter of the reply budget (16 of 64), resolved and saved
+    partial_rollout_methods: tuple[str, ...] = ()
+    segment_tokens: int | None = None
     seeds: tuple[int, ...] = (0, 1, 2)
     rollout_steps: int = 20
     # 5 x 8 = 40 responses per rollout step (E=4: 5 mini-batches of 8; bapo train requires E+1 to
@@ -153,17 +156,26 @@ class StudyPlan:
                 f"task {task_spec(self.task)}: {questions} questions, not more than the "
                 f"{self.task.n_heldout} held out; widen the operand ranges"
             )
-        for name, chosen in (("methods", self.methods), ("partial_rollout", self.partial_rollout)):
+        if self.segment_tokens is None:
+            object.__setattr__(self, "segment_tokens", max(1, self.max_new_tokens // 4))
+        for name, chosen in (("methods", self.methods), ("partial_rollout_methods", self.partial_rollout_methods)):
             unknown = [method for method in chosen if method not in METHODS]
             if unknown:
                 raise ValueError(f"{name}: {', '.join(unknown)} not among {', '.join(METHODS)}")
-        engine_only = [m for m in {*self.methods, *self.partial_rollout} if "rollout.correction" in METHODS[m]]
-        if engine_only and self.backend != "vllm":
+            repeated = sorted({method for method in chosen if chosen.count(method) > 1})
+            if repeated:
+                raise ValueError(f"{name}: {', '.join(repeated)} given twice; name each method once")
+            engine_only = [method for method in chosen if "rollout.correction" in METHODS[method]]
+            if engine_only and self.backend != "vllm":
+                raise ValueError(
+                    f"{name}: {', '.join(engine_only)} weighs tokens by the vLLM engine's gap, which backend "
+                    f"{self.backend} does not have; leave {', '.join(engine_only)} out of this plan"
+                )
+        if self.partial_rollout_methods and "grpo" not in self.partial_rollout_methods:
             raise ValueError(
-                f"methods: {', '.join(sorted(engine_only))} correct the vLLM engine's gap, and backend "
-                f"{self.backend} has none; drop them or sample with vLLM"
+                "partial_rollout_methods: add grpo, the baseline the other methods there are judged against"
             )
-        if self.partial_rollout and not 0 < self.segment_tokens < self.max_new_tokens:
+        if self.partial_rollout_methods and not 0 < self.segment_tokens < self.max_new_tokens:
             raise ValueError(
                 f"segment_tokens={self.segment_tokens}: partial rollout needs a segment between 1 and the "
                 f"{self.max_new_tokens}-token budget minus 1 (at the budget every reply ends in one pass)"
@@ -186,16 +198,14 @@ class StudyPlan:
         finishes with all its seeds before the next axis starts."""
         specs: list[RunSpec] = []
         for staleness_e in self.staleness_e:
-            shared = staleness_e == 0 and self.on_policy_shared
-            methods = self.methods
-            if shared:
-                methods = self.methods[:1] + tuple(m for m in self.methods[1:] if m in ON_POLICY_DIFFERENT)
+            methods = self.on_policy_methods() if staleness_e == 0 else self.methods
             specs += [RunSpec(method, staleness_e, 0, False, seed) for seed in self.seeds for method in methods]
         for delay in self.async_delays:
             specs += [RunSpec(method, 0, delay, False, seed) for seed in self.seeds for method in self.methods]
-        specs += [RunSpec(method, 0, 0, True, seed) for seed in self.seeds for method in self.partial_rollout]
+        partial = self.partial_rollout_methods
+        specs += [RunSpec(method, 0, 0, True, seed) for seed in self.seeds for method in partial]
         block = {spec.setting: index for index, spec in enumerate(specs)}
-        methods = (*self.methods, *self.partial_rollout)
+        methods = ("grpo", *self.methods, *partial)
 
         def order(spec: RunSpec):
             axis = 1 + self.async_delays.index(spec.async_delay) if spec.async_delay else 0
@@ -206,6 +216,14 @@ class StudyPlan:
 
         return sorted(specs, key=order)
 
+    def on_policy_methods(self) -> tuple[str, ...]:
+        """The methods with runs of their own at E=0 without delay: with on_policy_shared, grpo (the
+        run every clipped method shares: their on-policy gradient is GRPO's) and the plan's
+        OWN_ON_POLICY_RUN_METHODS; else every method."""
+        if not self.on_policy_shared:
+            return self.methods
+        return ("grpo", *(method for method in self.methods if method in OWN_ON_POLICY_RUN_METHODS))
+
     def to_json(self) -> dict:
         return asdict(self)
 
@@ -214,8 +232,8 @@ class StudyPlan:
         known = {spec.name for spec in fields(cls)}
         values = {name: value for name, value in data.items() if name in known}
         values["task"] = ArithTaskConfig(**{**values.get("task", {}), "ops": tuple(values.get("task", {})["ops"])})
-        for name in ("methods", "staleness_e", "async_delays", "seeds", "partial_rollout"):
-            if name in values:  # partial_rollout: absent from the studies saved before it
+        for name in ("methods", "staleness_e", "async_delays", "seeds", "partial_rollout_methods"):
+            if name in values:  # partial_rollout_methods: absent from the studies saved before it
                 values[name] = tuple(values[name])
         return cls(**values)
 
@@ -390,7 +408,7 @@ def run_study(
     in_process: bool = False,
     log=print,
     max_runs: int | None = None,
-    reuse: list[Path] = (),
+    reuse: tuple[Path, ...] = (),
 ) -> Path:
     """Train every unfinished run of `plan` into study_dir (finished ones are skipped), and
     rewrite the report after each. in_process: runs in this process (the tests' tiny model);
@@ -444,55 +462,79 @@ def _record(study_dir: Path, spec: RunSpec, done: dict) -> None:
 
 # plan fields a run depends on outside its bapo.train config (the held-out hook's)
 HOOK_FIELDS = ("eval_every", "eval_prompts", "eval_k_during", "final_k")
+# config fields that name where a run lives, not what it trains
+RUN_PLACE_FIELDS = (("run", "output_dir"), ("run", "overwrite"), ("data", "path"))
 
 
-def _differs(plan: StudyPlan, spec: RunSpec, study_dir: Path, source_plan: StudyPlan, source: Path) -> str | None:
-    """What would make source's finished run of `spec` another run than the one `plan` trains in
-    study_dir (None when nothing): a held-out setting, the task split, or a field of the bapo.train
-    config (its output folder and data path aside)."""
+def _config_difference(ours: dict, theirs: dict) -> str | None:
+    """The first `section.key` of `ours` (a bapo.train config as JSON) that `theirs` holds with
+    another value, RUN_PLACE_FIELDS aside; keys `theirs` lacks (a config written before them) are
+    skipped."""
+    for section, values in ours.items():
+        for key, value in values.items() if isinstance(values, dict) else ():
+            if (section, key) in RUN_PLACE_FIELDS or key not in theirs.get(section, {}):
+                continue
+            if theirs[section][key] != value:
+                fix = "; reuse needs the same model folder" if (section, key) == ("model", "path") else ""
+                return f"{section}.{key} {theirs[section][key]!r} (this plan: {value!r}){fix}"
+    return None
+
+
+def _plan_difference(plan: StudyPlan, study_dir: Path, source_plan: StudyPlan, source: Path) -> str | None:
+    """What makes every run of `source` another run than this plan's (None when nothing): a
+    held-out setting or the task split."""
     for name in HOOK_FIELDS:
         if getattr(plan, name) != getattr(source_plan, name):
             return f"{name} {getattr(source_plan, name)} (this plan: {getattr(plan, name)})"
     for split in ("train.jsonl", "heldout.jsonl"):
         if (source / "data" / split).read_bytes() != (study_dir / "data" / split).read_bytes():
             return f"its task split (data/{split})"
-
-    def fields_of(run_plan: StudyPlan, folder: Path) -> dict:
-        cfg = train_config(run_plan, spec, model_path(run_plan), folder, folder / spec.name).model_dump(mode="json")
-        cfg["run"].pop("output_dir")
-        cfg["data"].pop("path")
-        return cfg
-
-    ours, theirs = fields_of(plan, study_dir), fields_of(source_plan, source)
-    for section in ours:
-        for key in ours[section]:
-            if ours[section][key] != theirs.get(section, {}).get(key):
-                return f"{section}.{key} {theirs.get(section, {}).get(key)!r} (this plan: {ours[section][key]!r})"
     return None
+
+
+def _run_difference(plan: StudyPlan, spec: RunSpec, study_dir: Path, source_plan: StudyPlan, source: Path):
+    """What makes source's finished run of `spec` another run than the one this plan trains (None
+    when nothing): its bapo.train config, as this code makes it from both plans and as the run
+    saved it (config.yaml: defaults of the code that trained it)."""
+    import yaml
+
+    def config_of(run_plan: StudyPlan, folder: Path) -> dict:
+        return train_config(run_plan, spec, model_path(run_plan), folder, folder / spec.name).model_dump(mode="json")
+
+    ours = config_of(plan, study_dir)
+    saved = yaml.safe_load((source / spec.name / "config.yaml").read_text())
+    return _config_difference(ours, config_of(source_plan, source)) or _config_difference(ours, saved)
 
 
 def reuse_runs(plan: StudyPlan, study_dir: Path, sources: list[Path], log=print) -> list[str]:
     """Copy into study_dir every finished run of the `sources` study folders that this plan would
     train and has not: the same cell and seed, the same bapo.train config, held-out settings and
     task split (e.g. the regime gate's grpo runs into the plan that follows it). Each copy is
-    recorded in study.json with `reused_from`; a run that differs is named with the first field
-    that differs and left alone. Returns the names copied."""
+    recorded in study.json with `reused_from`; a source or run that differs is named, with the
+    first field that differs, and left alone. Returns the names copied."""
     import shutil
 
     copied = []
     for source in sources:
         source_plan = load_plan(source)
-        for spec in plan.runs():
-            target, origin = study_dir / spec.name, source / spec.name
-            if is_done(target) or not is_done(origin):
-                continue
-            problem = _differs(plan, spec, study_dir, source_plan, origin.parent)
+        wanted = [spec for spec in plan.runs() if is_done(source / spec.name) and not is_done(study_dir / spec.name)]
+        problem = _plan_difference(plan, study_dir, source_plan, source) if wanted else None
+        if problem:
+            log(f"not reused: the {len(wanted)} finished runs of {source} this plan has: they differ in {problem}")
+            continue
+        for spec in wanted:
+            origin, target = source / spec.name, study_dir / spec.name
+            problem = _run_difference(plan, spec, study_dir, source_plan, source)
             if problem:
                 log(f"not reused: {origin} differs in {problem}")
                 continue
-            if target.exists():  # a started, unfinished run of this study: the finished one replaces it
-                shutil.rmtree(target)
-            shutil.copytree(origin, target)
+            # copied whole under another name, then renamed: a kill never leaves a done.json
+            # without the rest; a started, unfinished run of this study is replaced
+            partial = target.with_name(target.name + ".reusing")
+            shutil.rmtree(partial, ignore_errors=True)
+            shutil.copytree(origin, partial)
+            shutil.rmtree(target, ignore_errors=True)
+            partial.rename(target)
             done = json.loads((target / "done.json").read_text())
             _record(study_dir, spec, {**done, "reused_from": str(origin)})
             copied.append(spec.name)
@@ -502,13 +544,6 @@ def reuse_runs(plan: StudyPlan, study_dir: Path, sources: list[Path], log=print)
 
 def finished_runs(plan: StudyPlan, study_dir: Path) -> list[Path]:
     return [study_dir / spec.name for spec in plan.runs() if is_done(study_dir / spec.name)]
-
-
-def on_policy_own(plan: StudyPlan) -> list[str]:
-    """The plan's methods that run their own E=0 runs (ON_POLICY_DIFFERENT), when E=0 is shared."""
-    if not (plan.on_policy_shared and 0 in plan.staleness_e):
-        return []
-    return [method for method in plan.methods[1:] if method in ON_POLICY_DIFFERENT]
 
 
 def header(plan: StudyPlan, study_dir: Path) -> list[str]:
@@ -537,13 +572,13 @@ def header(plan: StudyPlan, study_dir: Path) -> list[str]:
         + (f"; async delay {', '.join(map(str, plan.async_delays))}" if plan.async_delays else "")
         + (
             f"; partial rollout ({plan.segment_tokens} tokens per reply per rollout step) for "
-            f"{', '.join(plan.partial_rollout)}"
-            if plan.partial_rollout
+            f"{', '.join(plan.partial_rollout_methods)}"
+            if plan.partial_rollout_methods
             else ""
         )
         + f"; seeds {', '.join(map(str, plan.seeds))}; bapo target share {BAPO_TARGET}. At E=0 without delay every "
         "ratio is 1 and every method gives GRPO's gradient, so E=0 is one run (listed as grpo)"
-        + (f", except {', '.join(own)}, which run their own." if (own := on_policy_own(plan)) else "."),
+        + (f", except {', '.join(own)}, which run their own." if (own := plan.on_policy_methods()[1:]) else "."),
         f"Held-out: avg@{plan.eval_k_during} / pass@{plan.eval_k_during} on {plan.eval_prompts} questions every "
         f"{plan.eval_every} rollout steps, avg@{plan.final_k} / pass@{plan.final_k} on all at the end.",
         f"Runs finished: {done} of {total}"
