@@ -443,7 +443,9 @@ def test_reuse_copies_only_the_finished_runs_the_plan_would_train_alike(char_mod
     record = json.loads((study_dir / "study.json").read_text())["runs"]["grpo-E0-seed0"]
     assert record["reused_from"] == str(gate / "grpo-E0-seed0") and record["wall_s"] > 0
     assert reuse_runs(plan, study_dir, [gate], lines.append) == []  # finished here: kept
-    assert f"Runs finished: 1 of 5 (PARTIAL study), 1 of them reused from {gate};" in " ".join(header(plan, study_dir))
+    line = " ".join(header(plan, study_dir))
+    assert f"Runs finished: 1 of 5 (PARTIAL study), 1 of them reused from {gate};" in line
+    assert "s summed (the reused runs' in their own study)." in line
 
 
 def test_full_plan_trains_the_headline_cells_of_every_seed_first():

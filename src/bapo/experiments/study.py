@@ -584,7 +584,8 @@ def header(plan: StudyPlan, study_dir: Path) -> list[str]:
         f"Runs finished: {done} of {total}"
         + (" (PARTIAL study)" if done < total else "")
         + (f", {len(reused)} of them reused from {', '.join(sorted(set(reused)))}" if reused else "")
-        + (f"; wall time per run {min(wall):.0f}-{max(wall):.0f} s, {sum(wall):.0f} s summed." if wall else "."),
+        + (f"; wall time per run {min(wall):.0f}-{max(wall):.0f} s, {sum(wall):.0f} s summed" if wall else "")
+        + (" (the reused runs' in their own study)." if reused and wall else "."),
         *step_time_lines(find_runs(finished_runs(plan, study_dir))),
     ]
 
