@@ -492,7 +492,9 @@ def _plan_difference(plan: StudyPlan, study_dir: Path, source_plan: StudyPlan, s
     return None
 
 
-def _run_difference(plan: StudyPlan, spec: RunSpec, study_dir: Path, source_plan: StudyPlan, source: Path):
+def _run_difference(
+    plan: StudyPlan, spec: RunSpec, study_dir: Path, source_plan: StudyPlan, source: Path
+) -> str | None:
     """What makes source's finished run of `spec` another run than the one this plan trains (None
     when nothing): its bapo.train config, as this code makes it from both plans and as the run
     saved it (config.yaml: defaults of the code that trained it)."""
@@ -578,7 +580,11 @@ def header(plan: StudyPlan, study_dir: Path) -> list[str]:
         )
         + f"; seeds {', '.join(map(str, plan.seeds))}; bapo target share {BAPO_TARGET}. At E=0 without delay every "
         "ratio is 1 and every method gives GRPO's gradient, so E=0 is one run (listed as grpo)"
-        + (f", except {', '.join(own)}, which run their own." if (own := plan.on_policy_methods()[1:]) else "."),
+        + (
+            f", except {', '.join(own)}, which run their own."
+            if (own := plan.on_policy_methods()[1:] if plan.on_policy_shared else ())
+            else "."
+        ),
         f"Held-out: avg@{plan.eval_k_during} / pass@{plan.eval_k_during} on {plan.eval_prompts} questions every "
         f"{plan.eval_every} rollout steps, avg@{plan.final_k} / pass@{plan.final_k} on all at the end.",
         f"Runs finished: {done} of {total}"
