@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -113,3 +114,35 @@ def test_search_bounds_pool_seeds_and_report_the_share_before_and_after():
     # a run that never logged a start share or a bound shows "-", not nan
     bare = [_run("bapo", 0, [0.1], extra=[{"bapo/search/reached": 1.0, "bapo/search/no_signal": 0.0}])]
     assert "| E=4 | bapo | - | - | - | - |" in mechanics_section(bare)
+
+
+def test_search_bounds_split_the_clipped_tokens_by_whether_the_search_moved_the_bounds():
+    def update(steps, reached, share_start, share_used, clip_lower, clip_upper):
+        return {
+            "bapo/search/reached": reached,
+            "bapo/search/no_signal": 0.0,
+            "bapo/search/steps": steps,
+            "bapo/search/lower": 0.6 if steps == 0 else 0.9,
+            "bapo/search/upper": 1.2 if steps == 0 else 3.0,
+            "positive_share/start_bounds": share_start,
+            "bapo/search/share": share_used,
+            "clip_frac/lower": clip_lower,
+            "clip_frac/upper": clip_upper,
+        }
+
+    rows = [
+        update(0, 1.0, 0.50, 0.50, 0.00, 0.02),  # met at the start bounds
+        update(0, 1.0, 0.46, 0.46, 0.01, 0.00),
+        update(3, 0.0, 0.30, 0.32, 0.06, 0.00),  # not met: the bounds ran to their maxima
+        update(2, 1.0, 0.38, 0.40, 0.04, "nan"),  # met after moving; a NaN clip share is left out
+    ]
+    (row,) = search_bounds([_run("bapo", 0, [0.1] * 4, extra=rows)])
+    assert row["moved"] == pytest.approx(0.5)
+    assert row["moved_share_start"] == pytest.approx(0.34) and row["moved_share_used"] == pytest.approx(0.36)
+    assert row["clip_lower"] == pytest.approx((0.005, 0.05))
+    assert row["clip_upper"] == pytest.approx((0.01, 0.0))
+    lines = mechanics_section([_run("bapo", 0, [0.1] * 4, extra=rows)])
+    assert "| E=4 | bapo | 0.500 | 0.340 -> 0.360 | 0.005 / 0.050 | 0.010 / 0.000 |" in lines
+    # a search that never moved: its "moved" columns are empty, not zero
+    (still,) = search_bounds([_run("bapo", 0, [0.1, 0.1], extra=rows[:2])])
+    assert still["moved"] == 0.0 and all(map(math.isnan, (still["moved_share_start"], still["clip_lower"][1])))

@@ -110,7 +110,14 @@ def search_bounds(runs: list[Run]) -> list[dict]:
     signal (a no-signal update keeps its start bounds and has no share): their number, the mean
     positive share at BAPO's start bounds (`positive_share/start_bounds`, before the search; NaN
     where not logged) and at the bounds the search chose (`bapo/search/share`), and the bounds used,
-    each as (median, min, max): what BAPO reduced to (a fixed clip when min = max)."""
+    each as (median, min, max): what BAPO reduced to (a fixed clip when min = max).
+
+    The updates whose search moved the bounds ("met after moving" or "not met") also get their own
+    means: "moved" (their share of the updates with signal), "moved_share_start" /
+    "moved_share_used" (the share before and after the search there), and "clip_lower" /
+    "clip_upper" as (at the start bounds, moved): the share of negative tokens below the lower bound
+    and of positive tokens above the upper one (clip_frac/*), which says how many tokens the moved
+    bounds acted on."""
     table = []
     for setting, by_method in group_runs(runs).items():
         for method, group in by_method.items():
@@ -118,27 +125,43 @@ def search_bounds(runs: list[Run]) -> list[dict]:
             if not searched:
                 continue
             rows = [row for row in searched if _outcome(row) != "no signal"]
-            before = _finite(rows, "positive_share/start_bounds")
-            after = _finite(rows, "bapo/search/share")
-            bounds = {}
+            at_start = [row for row in rows if _outcome(row) == "met at start bounds"]
+            moved = [row for row in rows if _outcome(row) != "met at start bounds"]
+            bounds: dict[str, tuple[float, float, float] | None] = {}
+            clipped: dict[str, tuple[float, float]] = {}
             for side in ("lower", "upper"):
                 values = _finite(rows, f"bapo/search/{side}")
                 bounds[side] = (statistics.median(values), min(values), max(values)) if values else None
+                clipped[f"clip_{side}"] = (_mean(at_start, f"clip_frac/{side}"), _mean(moved, f"clip_frac/{side}"))
             table.append(
                 {
                     "setting": setting,
                     "method": method,
                     "updates": len(rows),
-                    "share_start": statistics.fmean(before) if before else math.nan,
-                    "share_used": statistics.fmean(after) if after else math.nan,
+                    "share_start": _mean(rows, "positive_share/start_bounds"),
+                    "share_used": _mean(rows, "bapo/search/share"),
+                    "moved": len(moved) / len(rows) if rows else math.nan,
+                    "moved_share_start": _mean(moved, "positive_share/start_bounds"),
+                    "moved_share_used": _mean(moved, "bapo/search/share"),
                     **bounds,
+                    **clipped,
                 }
             )
     return table
 
 
+def _mean(rows: list[dict], key: str) -> float:
+    """The mean of `key`'s finite values over `rows`; NaN when there are none."""
+    values = _finite(rows, key)
+    return statistics.fmean(values) if values else math.nan
+
+
 def _share(value: float) -> str:
     return "-" if math.isnan(value) else f"{value:.3f}"
+
+
+def _pair(values: tuple[float, float]) -> str:
+    return " / ".join(_share(value) for value in values)
 
 
 def _spread(bound: tuple[float, float, float] | None) -> str:
@@ -185,10 +208,30 @@ def mechanics_section(runs: list[Run]) -> list[str]:
             "| setting | method | share at start bounds | share at bounds used | lower bound | upper bound |",
             "|---|---|---|---|---|---|",
         ]
+        bounds = search_bounds(runs)
         lines += [
             f"| {row['setting']} | {row['method']} | {_share(row['share_start'])} | {_share(row['share_used'])} | "
             f"{_spread(row['lower'])} | {_spread(row['upper'])} |"
-            for row in search_bounds(runs)
+            for row in bounds
+        ]
+        lines += [
+            "",
+            "Where the search moved the bounds: the share of updates with signal, the positive share there "
+            "before and after the search, and the tokens clipped at the start bounds (updates that met the "
+            "target there) and at the moved bounds: negative tokens below the lower bound, positive tokens "
+            "above the upper one (clip_frac/lower, clip_frac/upper). Few tokens clipped at the moved bounds "
+            "mean the search had little to act on: with ratios near 1 the share stays where the replies' "
+            "lengths and advantages put it.",
+            "",
+            "| setting | method | updates moved | share before -> after there | negative clipped low: start / moved "
+            "| positive clipped high: start / moved |",
+            "|---|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {row['setting']} | {row['method']} | {_share(row['moved'])} | "
+            f"{_share(row['moved_share_start'])} -> {_share(row['moved_share_used'])} | "
+            f"{_pair(row['clip_lower'])} | {_pair(row['clip_upper'])} |"
+            for row in bounds
         ]
         lines.append("")
     return lines
