@@ -121,12 +121,13 @@ def search_bounds(runs: list[Run]) -> list[dict]:
     table = []
     for setting, by_method in group_runs(runs).items():
         for method, group in by_method.items():
-            searched = [row for run in group for row in run.rows if _outcome(row)]
+            # classify each update once: (outcome, row) for the rows that searched
+            searched = [(outcome, row) for run in group for row in run.rows if (outcome := _outcome(row))]
             if not searched:
                 continue
-            rows = [row for row in searched if _outcome(row) != "no signal"]
-            at_start = [row for row in rows if _outcome(row) == "met at start bounds"]
-            moved = [row for row in rows if _outcome(row) != "met at start bounds"]
+            rows = [row for outcome, row in searched if outcome != "no signal"]
+            at_start = [row for outcome, row in searched if outcome == "met at start bounds"]
+            moved = [row for outcome, row in searched if outcome in ("met after moving", "not met")]
             bounds: dict[str, tuple[float, float, float] | None] = {}
             clipped: dict[str, tuple[float, float]] = {}
             for side in ("lower", "upper"):
