@@ -241,10 +241,15 @@ def bench_matmul(options, workdir: Path) -> dict:
     }
 
 
-def bench_bapo_update(options, workdir: Path, name: str, autocast: str, **extra) -> dict:
-    """(d): --updates timed optimizer updates (after one warm-up) of bapo.train on the saved batch."""
+def bench_bapo_update(options, workdir: Path, name: str, autocast: str, torch_autocast: bool = False, **extra) -> dict:
+    """(d): --updates timed optimizer updates (after one warm-up) of bapo.train on the saved batch.
+    torch_autocast: bf16 under plain torch.autocast even where bapo.train.precision would emulate
+    the GEMMs (a CPU without bf16 units: its slow fallback, for comparison)."""
+    import bapo.train.precision as precision
     from bapo.train.update import optimizer_update
 
+    if torch_autocast:
+        precision.native_bf16 = lambda device_type: True  # run_part gives this part a process of its own
     batch = load_batch(workdir)
     # model.autocast is given only when not "none": a --baseline-src tree may predate the option
     overrides = ({} if autocast == "none" else {"model.autocast": autocast}) | extra
@@ -437,6 +442,9 @@ PARTS = {
         o, w, "update-bapo-fp32-padded", "none", **{"model.shared_prompt_forward": "false"}
     ),
     "update-bapo-bf16": lambda o, w: bench_bapo_update(o, w, "update-bapo-bf16", "bfloat16"),
+    "update-bapo-bf16-torch": lambda o, w: bench_bapo_update(
+        o, w, "update-bapo-bf16-torch", "bfloat16", torch_autocast=True
+    ),
     "update-bapo-lora": lambda o, w: bench_bapo_update(o, w, "update-bapo-lora", "none", **lora(o)),
     "update-baseline-fp32": lambda o, w: bench_bapo_update(o, w, "update-baseline-fp32", "none"),
     "update-trl": bench_trl_update,
@@ -447,6 +455,7 @@ UPDATE_PARTS = (
     "update-bapo-fp32",
     "update-bapo-fp32-padded",
     "update-bapo-bf16",
+    "update-bapo-bf16-torch",
     "update-bapo-lora",
     "update-baseline-fp32",
     "update-trl",
@@ -462,7 +471,8 @@ VLLM_PARTS = (
 
 
 def in_subprocess(part: str, argv: list[str], workdir: Path, src: str | None = None) -> dict:
-    """One part in a fresh process (one vLLM engine per process; --baseline-src: another bapo)."""
+    """One part in a fresh process (one vLLM engine per process; --baseline-src: another bapo;
+    update-bapo-bf16-torch: its patched bapo.train.precision stays in it)."""
     env = dict(os.environ)
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([src or str(root / "src"), str(root), env.get("PYTHONPATH", "")])
@@ -515,6 +525,8 @@ def ratios(results: dict) -> dict:
         ),
         "update_lora_vs_fp32": ratio(tps("update-bapo-lora", "update_tok_s"), fp32),
         "update_bf16_vs_fp32": ratio(bf16, fp32),
+        # bapo.train.precision's fp32 GEMMs over torch.autocast's bf16 ones (--bf16-fallback)
+        "update_bf16_vs_torch_bf16": ratio(bf16, tps("update-bapo-bf16-torch", "update_tok_s")),
         "update_bf16_vs_baseline": ratio(bf16, baseline),
         "update_fp32_vs_baseline": ratio(fp32, baseline),
         "update_shared_vs_padded": ratio(fp32, tps("update-bapo-fp32-padded", "update_tok_s")),
@@ -549,6 +561,11 @@ def main() -> None:
     parser.add_argument("--method", default="bapo", help="bapo's loss.method in the update parts")
     parser.add_argument("--baseline-src", default=None, help="another bapo source tree: its fp32 update as 'today'")
     parser.add_argument("--vllm-fp32", action="store_true", help="also backend vllm with a float32 engine")
+    parser.add_argument(
+        "--bf16-fallback",
+        action="store_true",
+        help="also bf16 under plain torch.autocast (where the CPU has no bf16 units: minutes per update)",
+    )
     parser.add_argument("--lora-rank", type=int, default=16, help="model.lora.rank of the LoRA parts")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--study-prompts", action="store_true", help="the study's chat prompts (~45 tokens)")
@@ -586,7 +603,7 @@ def main() -> None:
     skipped: dict[str, str] = {}
 
     def run_part(part: str) -> dict:
-        if part in VLLM_PARTS:
+        if part in VLLM_PARTS or part == "update-bapo-bf16-torch":
             return in_subprocess(part, argv, workdir)
         if part == "update-baseline-fp32":
             return in_subprocess(part, argv, workdir, src=str(Path(options.baseline_src).resolve()))
@@ -605,6 +622,8 @@ def main() -> None:
             skipped[part] = f"vllm is not importable in {sys.executable}: run under a Python with vllm"
         elif part in ("rollout-vllm-fp32", "rollout-vllm-fp32-engine") and not options.vllm_fp32:
             skipped[part] = "no --vllm-fp32"
+        elif part == "update-bapo-bf16-torch" and not options.bf16_fallback:
+            skipped[part] = "no --bf16-fallback"
         elif part == "update-baseline-fp32" and not options.baseline_src:
             skipped[part] = "no --baseline-src"
         else:

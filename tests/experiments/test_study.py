@@ -87,14 +87,30 @@ def test_autocast_auto_is_resolved_when_the_plan_is_made_and_kept_on_resume(monk
     import bapo.experiments.study as study
 
     for native, expected in ((True, "bfloat16"), (False, "none")):
-        monkeypatch.setattr(study, "native_bf16", lambda native=native: native)
+        monkeypatch.setattr(study, "native_bf16", lambda device, native=native: native)
         plan = StudyPlan()
         assert plan.autocast == expected
         saved = json.loads(json.dumps(plan.to_json()))
-        monkeypatch.setattr(study, "native_bf16", lambda native=native: not native)
+        monkeypatch.setattr(study, "native_bf16", lambda device, native=native: not native)
         assert StudyPlan.from_json(saved).autocast == expected
     with pytest.raises(ValueError, match="autocast='fp16'"):
         StudyPlan(autocast="fp16")
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_done_json_says_which_kernels_ran_a_bf16_run(char_model, tmp_path, monkeypatch, native):
+    """A bf16 plan resumed on a CPU without bf16 units runs its GEMMs in fp32 (bapo.train.precision):
+    each run's done.json records which, so a report can tell the runs apart."""
+    import bapo.experiments.study as study
+    import bapo.train.precision as precision
+
+    monkeypatch.setattr(study, "native_bf16", lambda device, native=native: native)
+    monkeypatch.setattr(precision, "native_bf16", lambda device_type, native=native: native)
+    plan = tiny_plan(char_model, methods=("grpo",), staleness_e=(0,), async_delays=(), autocast="bfloat16")
+    run_study(plan, tmp_path / "study", threads=1, in_process=True, log=lambda line: None)
+    (name,) = [spec.name for spec in plan.runs()]
+    done = json.loads((tmp_path / "study" / name / "done.json").read_text())
+    assert done["bf16_gemms"] == ("native" if native else "fp32 on bf16-rounded operands")
 
 
 def test_task_split_is_disjoint_and_the_verifier_reads_the_last_integer():

@@ -48,6 +48,7 @@ from bapo.experiments.harness import (
     write_json,
 )
 from bapo.train.data import read_jsonl, write_jsonl
+from bapo.train.precision import native_bf16
 
 VERIFIER = "bapo.experiments.arith:verify"
 # study method -> the bapo.train overrides that make it
@@ -80,16 +81,6 @@ CONTROL_METHODS = ("grpo-seq-mean",)
 # the other methods, each judged against GRPO on held-out accuracy (claim 5) as BAPO is (claim 4)
 PEERS = ("clip-higher", "m2po", "decoupled-ppo", "grpo-seq-mean", "dppo-tv", "icepop", "opsm")
 BAPO_TARGET = 0.4  # rho0 of both bapo presets (the paper's); not tuned here
-
-
-def native_bf16() -> bool:
-    """Whether the trainer's device computes bf16 natively: a CUDA device with bf16, or a CPU whose
-    oneDNN has bf16 kernels (AVX512-BF16 / AMX); elsewhere bf16 autocast is emulated, and slow."""
-    import torch
-
-    if torch.cuda.is_available():
-        return torch.cuda.is_bf16_supported()
-    return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 @dataclass(frozen=True)
@@ -129,8 +120,9 @@ class StudyPlan:
     vllm_enforce_eager: bool = False
     # model.autocast of the trainer's forwards: "auto" is resolved when the plan is made (and saved
     # so, so a resumed study keeps it): bfloat16 where the machine computes bf16 natively (weights and
-    # optimizer state stay fp32; tests/train/test_autocast.py), else "none": on an AVX2-only CPU a
-    # bf16 Linear runs ~9x slower than fp32 (docs/STUDY.md). None leaves bapo.train's default
+    # optimizer state stay fp32; tests/train/test_autocast.py), else "none": an AVX2-only CPU gains no
+    # speed from bf16 (bapo.train.precision emulates its GEMMs in fp32 there, so that a bf16 plan
+    # resumed on such a machine still runs at fp32 speed). None leaves bapo.train's default
     autocast: str | None = "auto"
     checkpoint_every: int = 5
     chat: bool = True  # the model's chat template (the tests' tiny model has none)
@@ -140,7 +132,7 @@ class StudyPlan:
 
     def __post_init__(self):
         if self.autocast == "auto":
-            object.__setattr__(self, "autocast", "bfloat16" if native_bf16() else "none")
+            object.__setattr__(self, "autocast", "bfloat16" if native_bf16(self.device) else "none")
         if self.autocast not in (None, "none", "bfloat16"):
             raise ValueError(f"autocast={self.autocast!r}: use none, bfloat16 or auto")
         batch = self.prompts_per_batch * self.group_size
@@ -347,7 +339,8 @@ def _start_scores(trainer, plan: StudyPlan, heldout: list[dict], path: Path) -> 
 def run_one(plan: StudyPlan, spec: RunSpec, study_dir: Path, threads: int | None = None) -> dict:
     """Train (or resume, from its last checkpoint) one run into study_dir/spec.name; marks it done
     (done.json, checkpoints removed) when it finishes. Returns done.json's content: wall and CPU
-    seconds of this sitting (this process; vLLM runs in it) and whether it resumed."""
+    seconds of this sitting (this process; vLLM runs in it), whether it resumed and, under bf16
+    autocast, whether this machine's GEMMs ran bf16 natively or emulated it (bapo.train.precision)."""
     run_dir = study_dir / spec.name
     resume = resume_point(run_dir)
     cfg = train_config(plan, spec, model_path(plan), study_dir, run_dir)
@@ -362,6 +355,8 @@ def run_one(plan: StudyPlan, spec: RunSpec, study_dir: Path, threads: int | None
 
     wall, cpu = train_run(spec, run_dir, cfg, hook, threads=threads, progress=False, resume=resume, on_start=bind)
     done = {"wall_s": wall, "cpu_s": cpu, "resumed": resume is not None}
+    if cfg.model.autocast == "bfloat16":  # which kernels gave bf16 in this sitting (bapo.train.precision)
+        done["bf16_gemms"] = "native" if native_bf16(plan.device) else "fp32 on bf16-rounded operands"
     mark_done(run_dir, done)
     return done
 

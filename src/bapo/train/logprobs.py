@@ -6,13 +6,13 @@ the trainer's precision context (`forward_autocast`, model.autocast)."""
 
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
 from torch import Tensor
 
 from bapo.train.logits import chosen_log_probs
+from bapo.train.precision import forward_autocast
 from bapo.train.prefix import (
     bucketed,
     call_cost,
@@ -21,14 +21,6 @@ from bapo.train.prefix import (
     shared_prompt_log_probs,
     shared_prompt_reason,
 )
-
-
-def forward_autocast(model, autocast: str):
-    """The precision context of the trainer's forwards (model.autocast): torch.autocast to bf16 on
-    the model's device type, or no context for "none"."""
-    if autocast == "none":
-        return contextlib.nullcontext()
-    return torch.autocast(next(model.parameters()).device.type, dtype=torch.bfloat16)
 
 
 def token_log_probs(
