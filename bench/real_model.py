@@ -241,15 +241,30 @@ def bench_matmul(options, workdir: Path) -> dict:
     }
 
 
+@contextlib.contextmanager
+def torch_bf16_gemms():
+    """bf16 autocast through torch.autocast's own GEMMs, also on a CPU without bf16 units where
+    bapo.train.precision would run them in fp32 (to time or check torch's fallback there)."""
+    import bapo.train.precision as precision
+
+    saved = precision.native_bf16
+    precision.native_bf16 = lambda device_type: True
+    try:
+        yield
+    finally:
+        precision.native_bf16 = saved
+
+
 def bench_bapo_update(options, workdir: Path, name: str, autocast: str, torch_autocast: bool = False, **extra) -> dict:
     """(d): --updates timed optimizer updates (after one warm-up) of bapo.train on the saved batch.
-    torch_autocast: bf16 under plain torch.autocast even where bapo.train.precision would emulate
-    the GEMMs (a CPU without bf16 units: its slow fallback, for comparison)."""
-    import bapo.train.precision as precision
+    torch_autocast: bf16 through torch.autocast's own GEMMs (torch_bf16_gemms)."""
+    with torch_bf16_gemms() if torch_autocast else contextlib.nullcontext():
+        return _timed_updates(options, workdir, name, autocast, **extra)
+
+
+def _timed_updates(options, workdir: Path, name: str, autocast: str, **extra) -> dict:
     from bapo.train.update import optimizer_update
 
-    if torch_autocast:
-        precision.native_bf16 = lambda device_type: True  # run_part gives this part a process of its own
     batch = load_batch(workdir)
     # model.autocast is given only when not "none": a --baseline-src tree may predate the option
     overrides = ({} if autocast == "none" else {"model.autocast": autocast}) | extra
@@ -388,14 +403,18 @@ def autocast_error(model, batch, cfg) -> dict[str, float]:
 
 
 def bench_precision(options, workdir: Path) -> dict:
-    """bf16 autocast vs fp32 on the first micro-batch of the saved batch (autocast_error),
-    and the same with the output head in float32 ("fp32_head")."""
+    """bf16 autocast vs fp32 on the first micro-batch of the saved batch (autocast_error), the
+    same with the output head in float32 ("fp32_head") and, with --bf16-fallback, through
+    torch.autocast's own GEMMs ("torch_bf16_gemms": differs where bapo.train.precision emulates)."""
     batch = load_batch(workdir)
     batch = batch.select(torch.arange(min(options.micro_batch, len(batch))))
     trainer = trainer_for(options, workdir, "precision")
     error = autocast_error(trainer.model, batch, trainer.cfg)
     with float32_head(trainer.model):
         error["fp32_head"] = autocast_error(trainer.model, batch, trainer.cfg)
+    if options.bf16_fallback:  # the same check through torch.autocast's own GEMMs
+        with torch_bf16_gemms():
+            error["torch_bf16_gemms"] = autocast_error(trainer.model, batch, trainer.cfg)
     trainer.close()
     return error
 
@@ -471,8 +490,7 @@ VLLM_PARTS = (
 
 
 def in_subprocess(part: str, argv: list[str], workdir: Path, src: str | None = None) -> dict:
-    """One part in a fresh process (one vLLM engine per process; --baseline-src: another bapo;
-    update-bapo-bf16-torch: its patched bapo.train.precision stays in it)."""
+    """One part in a fresh process (one vLLM engine per process; --baseline-src: another bapo)."""
     env = dict(os.environ)
     root = Path(__file__).resolve().parents[1]
     env["PYTHONPATH"] = os.pathsep.join([src or str(root / "src"), str(root), env.get("PYTHONPATH", "")])
@@ -603,7 +621,7 @@ def main() -> None:
     skipped: dict[str, str] = {}
 
     def run_part(part: str) -> dict:
-        if part in VLLM_PARTS or part == "update-bapo-bf16-torch":
+        if part in VLLM_PARTS:
             return in_subprocess(part, argv, workdir)
         if part == "update-baseline-fp32":
             return in_subprocess(part, argv, workdir, src=str(Path(options.baseline_src).resolve()))

@@ -56,9 +56,15 @@ def fixed_batch(model, vocab: int, seed: int, rows: int = 8, prompt: int = 12, r
     )
 
 
+@pytest.mark.parametrize("native", [True, False], ids=["torch-gemms", "fp32-emulated-gemms"])
 @pytest.mark.parametrize("method", ["grpo", "bapo"])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_bf16_autocast_loss_and_gradient_agree_with_fp32(method, seed):
+def test_bf16_autocast_loss_and_gradient_agree_with_fp32(method, seed, native, monkeypatch):
+    """Both bf16 paths (bapo.train.precision: torch.autocast's GEMMs, or fp32 GEMMs of rounded
+    operands where the CPU lacks bf16 units) on whatever this CPU has."""
+    import bapo.train.precision as precision
+
+    monkeypatch.setattr(precision, "native_bf16", lambda device_type: native)
     tokenizer = build_tokenizer()
     model = build_model(ModelConfig(seed=seed), tokenizer)
     batch = fixed_batch(model, len(tokenizer), seed)

@@ -121,8 +121,8 @@ class StudyPlan:
     # model.autocast of the trainer's forwards: "auto" is resolved when the plan is made (and saved
     # so, so a resumed study keeps it): bfloat16 where the machine computes bf16 natively (weights and
     # optimizer state stay fp32; tests/train/test_autocast.py), else "none": an AVX2-only CPU gains no
-    # speed from bf16 (bapo.train.precision emulates its GEMMs in fp32 there, so that a bf16 plan
-    # resumed on such a machine still runs at fp32 speed). None leaves bapo.train's default
+    # speed from bf16 (bapo.train.precision runs its GEMMs in fp32 there, so that a bf16 plan resumed
+    # on such a machine runs at ~0.5-0.7x fp32's speed, not torch's ~0.1x). None leaves bapo.train's default
     autocast: str | None = "auto"
     checkpoint_every: int = 5
     chat: bool = True  # the model's chat template (the tests' tiny model has none)

@@ -144,7 +144,7 @@ class ModelSection(Section):
             "bf16 autocast of the trainer's forwards (update and log-prob forwards: behaviour recompute, "
             "proximal, reference); weights and optimizer state stay in model.dtype. Needs model.dtype=float32. "
             "Faster where bf16 matmuls are (a CPU with avx512_bf16 / AMX, a GPU); on a CPU without bf16 units its "
-            "GEMMs run in fp32 on bf16-rounded operands (train/precision.py), at fp32's speed. Relative error "
+            "GEMMs run in fp32 on bf16-rounded operands (train/precision.py), at 0.5-0.7x fp32's speed. Relative error "
             "vs fp32 of the loss / gradient: <= 6e-4 / 8e-3 on the tiny Llama (tests/train/test_autocast.py), "
             "~1e-2 / ~7e-2 on SmolLM2-135M (gradient cosine 0.998; bench/real_model.py)"
         ),

@@ -1,8 +1,8 @@
 """The trainer's precision context (model.autocast): `forward_autocast`.
 
 "bfloat16" is torch.autocast to bf16 on the model's device type. A CPU without bf16 units (AVX2
-only, no AVX512-BF16 / AMX) runs a bf16 GEMM through a slow fallback: a SmolLM2 update took 63.6 s
-there under torch.autocast, 8.4 s with this module and 5.8 s in fp32 (bench/README.md,
+only, no AVX512-BF16 / AMX) runs a bf16 GEMM through a slow fallback: a SmolLM2 update took 110 s
+there under torch.autocast, 22 s with this module and 11 s in fp32 (bench/README.md,
 `bench/real_model.py --bf16-fallback`). There the GEMMs that autocast would run in bf16 (linear,
 matmul, mm, bmm, addmm, baddbmm, addbmm) run instead as fp32 GEMMs of bf16-rounded operands, their
 output rounded to bf16. A bf16 GEMM multiplies bf16 operands exactly and accumulates in fp32, so
