@@ -110,7 +110,7 @@ def test_done_json_says_which_kernels_ran_a_bf16_run(char_model, tmp_path, monke
     run_study(plan, tmp_path / "study", threads=1, in_process=True, log=lambda line: None)
     (name,) = [spec.name for spec in plan.runs()]
     done = json.loads((tmp_path / "study" / name / "done.json").read_text())
-    assert done["bf16_gemms"] == ("native" if native else "fp32 on bf16-rounded operands")
+    assert done["bf16_gemms"] == ("torch" if native else "fp32 on bf16-rounded operands")
 
 
 def test_task_split_is_disjoint_and_the_verifier_reads_the_last_integer():

@@ -78,11 +78,21 @@ def test_bf16_autocast_loss_and_gradient_agree_with_fp32(method, seed, native, m
     assert all(p.grad is None for p in model.parameters())
 
 
-def test_autocast_update_runs_bf16_forwards_and_keeps_fp32_weights(tiny_model, tmp_path):
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["", "gradient-checkpointing"])
+@pytest.mark.parametrize("native", [True, False], ids=["torch-gemms", "fp32-emulated-gemms"])
+def test_autocast_update_runs_bf16_forwards_and_keeps_fp32_weights(
+    tiny_model, tmp_path, monkeypatch, native, checkpointing
+):
+    """Both bf16 paths of bapo.train.precision, with and without gradient checkpointing (whose
+    backward recompute must take the same path as the forward)."""
+    import bapo.train.precision as precision
     from bapo.train import Trainer
     from tests.helpers import arithmetic_examples, digit_share, make_config
+    from tests.train.test_precision import GemmDtypes
 
-    cfg = make_config(tiny_model, tmp_path / "run", **{"model.autocast": "bfloat16", "loss.method": "bapo"})
+    monkeypatch.setattr(precision, "native_bf16", lambda device: native)
+    overrides = {"model.autocast": "bfloat16", "loss.method": "bapo", "model.gradient_checkpointing": checkpointing}
+    cfg = make_config(tiny_model, tmp_path / "run", **overrides)
     trainer = Trainer(cfg, examples=arithmetic_examples(), verifier=digit_share)
     linear_dtypes = set()
     hook = trainer.model.model.layers[0].mlp.down_proj.register_forward_hook(
@@ -94,10 +104,13 @@ def test_autocast_update_runs_bf16_forwards_and_keeps_fp32_weights(tiny_model, t
     linear_dtypes.clear()
     optimizer = torch.optim.AdamW(trainer.model.parameters(), lr=1e-3)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
-    metrics = optimizer_update(trainer.model, optimizer, scheduler, batch, cfg, version=trainer.version)
+    with GemmDtypes() as kernels:
+        metrics = optimizer_update(trainer.model, optimizer, scheduler, batch, cfg, version=trainer.version)
     hook.remove()
     trainer.close()
     assert linear_dtypes == {torch.bfloat16}  # every forward of the update ran under autocast
+    # the GEMMs that ran, forward, recompute and backward: torch's bf16 ones, or fp32 ones only
+    assert kernels.seen == ({torch.bfloat16, torch.float32} if native else {torch.float32})
     assert metrics["skipped"] == 0 and metrics["grad_norm"] > 0
     assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
     assert all(state["exp_avg"].dtype == torch.float32 for state in optimizer.state.values())

@@ -48,7 +48,7 @@ from bapo.experiments.harness import (
     write_json,
 )
 from bapo.train.data import read_jsonl, write_jsonl
-from bapo.train.precision import native_bf16
+from bapo.train.precision import emulates_bf16_gemms, native_bf16
 
 VERIFIER = "bapo.experiments.arith:verify"
 # study method -> the bapo.train overrides that make it
@@ -340,7 +340,7 @@ def run_one(plan: StudyPlan, spec: RunSpec, study_dir: Path, threads: int | None
     """Train (or resume, from its last checkpoint) one run into study_dir/spec.name; marks it done
     (done.json, checkpoints removed) when it finishes. Returns done.json's content: wall and CPU
     seconds of this sitting (this process; vLLM runs in it), whether it resumed and, under bf16
-    autocast, whether this machine's GEMMs ran bf16 natively or emulated it (bapo.train.precision)."""
+    autocast, which GEMMs gave its bf16 in this sitting: torch's, or bapo.train.precision's fp32 ones."""
     run_dir = study_dir / spec.name
     resume = resume_point(run_dir)
     cfg = train_config(plan, spec, model_path(plan), study_dir, run_dir)
@@ -355,8 +355,8 @@ def run_one(plan: StudyPlan, spec: RunSpec, study_dir: Path, threads: int | None
 
     wall, cpu = train_run(spec, run_dir, cfg, hook, threads=threads, progress=False, resume=resume, on_start=bind)
     done = {"wall_s": wall, "cpu_s": cpu, "resumed": resume is not None}
-    if cfg.model.autocast == "bfloat16":  # which kernels gave bf16 in this sitting (bapo.train.precision)
-        done["bf16_gemms"] = "native" if native_bf16(plan.device) else "fp32 on bf16-rounded operands"
+    if cfg.model.autocast == "bfloat16":
+        done["bf16_gemms"] = "fp32 on bf16-rounded operands" if emulates_bf16_gemms(plan.device) else "torch"
     mark_done(run_dir, done)
     return done
 

@@ -1,15 +1,18 @@
 """The trainer's precision context (model.autocast): `forward_autocast`.
 
 "bfloat16" is torch.autocast to bf16 on the model's device type. A CPU without bf16 units (AVX2
-only, no AVX512-BF16 / AMX) runs a bf16 GEMM through a slow fallback: a SmolLM2 update took 110 s
-there under torch.autocast, 22 s with this module and 11 s in fp32 (bench/README.md,
-`bench/real_model.py --bf16-fallback`). There the GEMMs that autocast would run in bf16 (linear,
-matmul, mm, bmm, addmm, baddbmm, addbmm) run instead as fp32 GEMMs of bf16-rounded operands, their
-output rounded to bf16. A bf16 GEMM multiplies bf16 operands exactly and accumulates in fp32, so
-this is the same computation up to summation order: a few outputs in 1e5 land one bf16 step apart,
-and the backward's gradients come out bf16-rounded as torch's do (tests/train/test_precision.py).
-Every other op keeps torch.autocast's rule, attention (bf16 SDPA) included, so its rounding stays
-torch's; the fallback runs it at a tolerable cost.
+only, no AVX512-BF16 / AMX) runs torch's bf16 GEMMs through a slow fallback (a SmolLM2 update ~10x
+its fp32 time, bench/README.md). There the GEMMs that an HF decoder's forward and backward reach
+(linear, matmul / @, mm, bmm, addmm, baddbmm, addbmm) run instead as fp32 GEMMs of bf16-rounded
+operands, their output rounded to bf16. A bf16 GEMM multiplies bf16 operands exactly and
+accumulates in fp32, so this is the same computation up to summation order (~1e-4 of the outputs
+land one bf16 step apart, more with longer sums), and the backward's gradients come out
+bf16-rounded as torch's do (tests/train/test_precision.py). Every other op keeps torch.autocast's
+rule: attention (bf16 SDPA) stays torch's, so does its rounding, and what autocast lists but a
+decoder does not call from Python (einsum, tensordot, convolutions) takes torch's kernels, right but
+slow. Memory: each GEMM keeps fp32 copies of its rounded operands for backward where torch keeps
+bf16 ones (twice the GEMM inputs' share of activation memory, and an fp32 copy of the weights per
+live graph: ~0.5 GB for SmolLM2-135M).
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import functools
 
 import torch
 from torch.overrides import TorchFunctionMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 F = torch.nn.functional
 
@@ -45,21 +48,42 @@ _GEMMS = frozenset(
 )
 
 
+def device_type(device: str) -> str:
+    """The torch device type of a model.device value ("auto": cuda when available, else cpu)."""
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return torch.device(device).type
+
+
 @functools.cache
-def native_bf16(device_type: str) -> bool:
-    """Whether `device_type` computes bf16 GEMMs natively: CUDA with bf16, or a CPU whose oneDNN has
-    bf16 kernels (AVX512-BF16 / AMX). Other devices are left to torch.autocast."""
-    if device_type == "cuda":
+def _native_bf16(kind: str) -> bool:
+    if kind == "cuda":
         return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
-    if device_type == "cpu":
+    if kind == "cpu":
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return True
+
+
+def native_bf16(device: str) -> bool:
+    """Whether `device` (cpu, cuda, cuda:0, auto) computes bf16 GEMMs natively: CUDA with bf16, or a
+    CPU whose oneDNN has bf16 kernels (AVX512-BF16 / AMX). Other device types count as native."""
+    return _native_bf16(device_type(device))
+
+
+def emulates_bf16_gemms(device: str) -> bool:
+    """Whether bf16 autocast on `device` runs its GEMMs in fp32 (Bf16GemmsInFp32): a CPU without
+    bf16 units. The one decision forward_autocast and the study's records both read."""
+    return device_type(device) == "cpu" and not native_bf16("cpu")
 
 
 def _bf16_rounded_fp32(value):
     if isinstance(value, torch.Tensor) and value.dtype in (torch.float32, torch.bfloat16):
         return value.to(torch.bfloat16).to(torch.float32)
     return value
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    return [value for value in tree_leaves(tree) if isinstance(value, torch.Tensor)]
 
 
 def _to_bf16(value):
@@ -75,7 +99,13 @@ class Bf16GemmsInFp32(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _GEMMS or not torch.is_autocast_enabled("cpu"):
+        if not (
+            func in _GEMMS
+            and torch.is_autocast_enabled("cpu")
+            and torch.get_autocast_dtype("cpu") == torch.bfloat16
+            and "out" not in kwargs  # out= variants are not autocast's either: they run as called
+            and all(value.device.type == "cpu" for value in _tensors((args, kwargs)))
+        ):
             return func(*args, **kwargs)
         with torch.autocast("cpu", enabled=False):
             out = func(*tree_map(_bf16_rounded_fp32, args), **tree_map(_bf16_rounded_fp32, kwargs))
@@ -95,7 +125,17 @@ def forward_autocast(model, autocast: str):
     fp32 on a CPU without bf16 units (module docstring)."""
     if autocast == "none":
         return contextlib.nullcontext()
-    device_type = next(model.parameters()).device.type
-    if device_type == "cpu" and not native_bf16("cpu"):
+    device = next(model.parameters()).device
+    if emulates_bf16_gemms(str(device)):
         return emulated_cpu_bf16_autocast()
-    return torch.autocast(device_type, dtype=torch.bfloat16)
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def checkpointing_kwargs(model, autocast: str) -> dict | None:
+    """gradient_checkpointing_kwargs for the model's gradient_checkpointing_enable (None: its
+    defaults). Where the forwards run Bf16GemmsInFp32, the backward's recompute must too: torch's
+    non-reentrant checkpoint restores autocast there but not a TorchFunctionMode, so it would
+    recompute with torch's bf16 GEMMs and find bf16 tensors where the forward saved fp32 ones."""
+    if autocast == "none" or not emulates_bf16_gemms(str(next(model.parameters()).device)):
+        return None
+    return {"use_reentrant": False, "context_fn": lambda: (contextlib.nullcontext(), Bf16GemmsInFp32())}

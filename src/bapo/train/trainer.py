@@ -48,6 +48,7 @@ from bapo.train.data import (
 from bapo.train.logprobs import batched_log_probs
 from bapo.train.lora import ADAPTER_DIR, add_lora, load_adapter
 from bapo.train.metrics import MetricsLog, NoSignalWarning, ProgressFn, make_progress
+from bapo.train.precision import checkpointing_kwargs
 from bapo.train.rewards import resolve_verifier
 from bapo.train.rollout import Batch, Rollout
 from bapo.train.rundir import RunLock, check_resume_config, holds_run
@@ -288,7 +289,8 @@ class Trainer:
         if checkpoint is None:
             self.model, self.tokenizer, self.lora = _load_policy(cfg, None)
         if cfg.model.gradient_checkpointing:
-            self.model.gradient_checkpointing_enable()
+            kwargs = checkpointing_kwargs(self.model, cfg.model.autocast)
+            self.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
             if self.lora is not None:  # frozen embeddings: the checkpointed blocks' inputs must carry grad
                 self.model.enable_input_require_grads()
         # dropout off for rollout and update alike (as verl): behaviour and current log-probs
