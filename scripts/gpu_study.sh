@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
-# The study's plan on one CUDA device (issue 22, part 3): `bapo study --gpu`, the CPU study's cells
-# (grpo, clip-higher, bapo, bapo-paper, m2po, decoupled-ppo at E = 0, 4 and async delay k = 4, 16)
-# with 3x its batch (15 prompts x 8), 5 seeds, 40 rollout steps and a final avg@8, HF rollout
-# (vLLM is not assumed there), fp32 like the CPU study. CI never runs it.
+# The plan in the regime on one CUDA device (issue 38; docs/STUDY.md, "On a GPU"): `bapo study --gpu`,
+# the CPU plan of docs/study/regime-plan (64-token budget, 8 x 8 batch, lr 1e-6, E = 0, 3, async
+# delay 8, partial rollout for grpo and bapo, 5 seeds, 40 rollout steps, bf16 autocast) with HF
+# rollout (vLLM is not assumed there), so without icepop (it weighs tokens by the vLLM engine's gap).
+# A study of its own: its records never join the CPU plan's (another device and rollout engine).
+# CI never runs it.
 #
 # Usage, from the repo root on a CUDA machine:   scripts/gpu_study.sh [STUDY_DIR]   (default runs/gpu-study)
 # The whole script stops itself after BAPO_GPU_MINUTES (default 9): the study gets what is left after

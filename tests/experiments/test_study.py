@@ -491,16 +491,26 @@ def test_full_plan_trains_the_headline_cells_of_every_seed_first():
     assert tiers.index("m2po") > max(i for i, m in enumerate(tiers) if m == "grpo-seq-mean")
 
 
-def test_gpu_plan_has_the_full_plans_cells_larger_and_on_cuda():
-    """scripts/gpu_study.sh's plan: the CPU study's cells, with more seeds, steps and batch."""
-    gpu, full = PROFILES["gpu"], PROFILES["full"]
-    assert {(s.method, s.setting) for s in gpu.runs()} == {(s.method, s.setting) for s in full.runs()}
-    assert len(gpu.runs()) == 19 * len(gpu.seeds) and len(gpu.seeds) > len(full.seeds)
-    assert gpu.rollout_steps > full.rollout_steps and gpu.final_k > full.final_k
-    assert gpu.prompts_per_batch * gpu.group_size > full.prompts_per_batch * full.group_size
-    assert (gpu.device, gpu.backend, gpu.autocast) == ("cuda", "hf", "none")
+def test_gpu_plan_is_the_regime_plan_on_cuda_without_the_vllm_only_method(tmp_path):
+    """scripts/gpu_study.sh runs the current regime: the plan saved in docs/study/regime-plan, field
+    for field, but on CUDA with HF rollout (no vLLM there, so no icepop) and sparser checkpoints."""
+    gpu = PROFILES["gpu"]
+    saved = json.loads((Path(__file__).parents[2] / "docs/study/regime-plan/study.json").read_text())["plan"]
+    cpu = StudyPlan.from_json(saved)
+    moved = {"backend", "device", "vllm_enforce_eager", "checkpoint_every", "model", "methods"}
+    assert {k: v for k, v in gpu.to_json().items() if k not in moved} == {
+        k: v for k, v in cpu.to_json().items() if k not in moved
+    }
+    assert gpu.methods == tuple(method for method in cpu.methods if method != "icepop") and "icepop" in cpu.methods
+    assert (gpu.device, gpu.backend, gpu.autocast, gpu.lr) == ("cuda", "hf", "bfloat16", 1e-6)
+    assert {s.setting for s in gpu.runs()} == {s.setting for s in cpu.runs()}
+    assert {s.method for s in gpu.runs()} == set(cpu.methods) - {"icepop"}
+    from bapo.experiments.study import train_config
+
+    for spec in {(s.method, s.setting): s for s in gpu.runs()}.values():  # each run's config validates
+        train_config(replace(gpu, device="cpu"), spec, tmp_path / "model", tmp_path, tmp_path / "run")
     assert StudyPlan.from_json(json.loads(json.dumps(gpu.to_json()))) == gpu
-    old = {k: v for k, v in full.to_json().items() if k != "device"}  # a study.json from before the field
+    old = {k: v for k, v in gpu.to_json().items() if k != "device"}  # a study.json from before the field
     assert StudyPlan.from_json(json.loads(json.dumps(old))).device == "cpu"
 
 

@@ -16,7 +16,8 @@ def study(
     gpu: bool = typer.Option(
         False,
         "--gpu",
-        help="the plan on a CUDA device: HF rollout, 15x8 batch, 5 seeds, 40 rollout steps (gpu_study.sh)",
+        help="the plan in the regime (docs/study/regime-plan) on a CUDA device with HF rollout, icepop left out "
+        "(it needs vLLM): scripts/gpu_study.sh",
     ),
     regime: bool = typer.Option(
         False,
@@ -88,8 +89,9 @@ def study(
     """Does BAPO help a real pretrained model on stale data? SmolLM2-135M-Instruct with vLLM rollout
     on in-house arithmetic: grpo, clip-higher, bapo (default and paper presets), m2po and decoupled
     PPO at staleness E = 0, 4 and async delay k = 4, 16, 3 seeds; claims with 95% intervals.
-    --gpu: the same cells on CUDA with HF rollout, larger (5 seeds). --regime: the regime gate's plan
-    (grpo alone where failing replies are longer; docs/STUDY.md); --gate DIR reads its verdict."""
+    --regime: the regime gate's plan (grpo alone where failing replies are longer; docs/STUDY.md);
+    --gate DIR reads its verdict. --gpu: the plan in that regime (every method, 5 seeds) on CUDA with
+    HF rollout."""
     import time
 
     from bapo.experiments.study import finished_runs, load_plan, plan_for, run_study, write_study_report

@@ -29,7 +29,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from bapo.experiments.arith import ArithTaskConfig, make_split, operands, task_spec, verify
@@ -75,6 +75,19 @@ METHODS: dict[str, dict[str, object]] = {
 OWN_ON_POLICY_RUN_METHODS = ("grpo-seq-mean", "icepop", "opsm")
 # the full plan's methods (the short-reply study, docs/study/full)
 FULL_PLAN_METHODS = ("grpo", "clip-higher", "bapo", "bapo-paper", "m2po", "decoupled-ppo")
+# the plan in the regime (docs/STUDY.md, "The plan in the regime"), in its `--methods` order
+REGIME_PLAN_METHODS = (
+    "grpo",
+    "bapo",
+    "bapo-paper",
+    "grpo-seq-mean",
+    "clip-higher",
+    "m2po",
+    "decoupled-ppo",
+    "dppo-tv",
+    "icepop",
+    "opsm",
+)
 # trained first, on every axis: the paper's comparison (grpo vs bapo, both presets); then the control
 HEADLINE_METHODS = ("grpo", "bapo", "bapo-paper")
 CONTROL_METHODS = ("grpo-seq-mean",)
@@ -230,6 +243,20 @@ class StudyPlan:
         return cls(**values)
 
 
+# the regime gate (docs/STUDY.md, "The regime gate"): GRPO alone where failing replies are longer
+# than correct ones (a 64-token budget: share 0.38-0.42 at ratio 1 at the start, docs/STUDY.md),
+# 8 x 8 = 64 responses (E+1 = 2, 4 or 8 divides it), 40 rollout steps. The lr is chosen on
+# on-policy runs (`--staleness 0 --delays ''` at each candidate lr), then the stale cells run at it.
+_REGIME = StudyPlan(
+    methods=("grpo",),
+    staleness_e=(0, 3),
+    async_delays=(8,),
+    rollout_steps=40,
+    prompts_per_batch=8,
+    eval_every=20,
+    eval_prompts=100,
+    task=ArithTaskConfig(max_new_tokens=64),
+)
 PROFILES = {
     "full": StudyPlan(),
     # one seed, two cells (grpo and bapo at E=4, the paper's headline comparison), shorter
@@ -242,32 +269,22 @@ PROFILES = {
         eval_every=5,
         final_k=2,
     ),
-    # the regime gate (docs/STUDY.md, "The regime gate"): GRPO alone where failing replies are longer
-    # than correct ones (a 64-token budget: share 0.38-0.42 at ratio 1 at the start, docs/STUDY.md),
-    # 8 x 8 = 64 responses (E+1 = 2, 4 or 8 divides it), 40 rollout steps. The lr is chosen on
-    # on-policy runs (`--staleness 0 --delays ''` at each candidate lr), then the stale cells run at it.
-    "regime": StudyPlan(
-        methods=("grpo",),
-        staleness_e=(0, 3),
-        async_delays=(8,),
-        rollout_steps=40,
-        prompts_per_batch=8,
-        eval_every=20,
-        eval_prompts=100,
-        task=ArithTaskConfig(max_new_tokens=64),
-    ),
-    # scripts/gpu_study.sh: the same cells on one CUDA device with HF rollout (its machine has no
-    # vLLM), 3x the batch (15 x 8 = 120 responses: E+1 = 5 divides it), 5 seeds, 40 rollout steps,
-    # final avg@8. fp32 like the CPU study (they differ in size, engine and device); lr kept (the loss is a
-    # per-token mean, so a larger batch lowers the gradient's noise, not its scale).
-    "gpu": StudyPlan(
+    "regime": _REGIME,
+    # scripts/gpu_study.sh: the plan in the regime (docs/STUDY.md, docs/study/regime-plan: the regime
+    # profile with REGIME_PLAN_METHODS, lr 1e-6, E 0,3, delay 8, partial grpo,bapo, 5 seeds) moved to
+    # one CUDA device with HF rollout (its machine has no vLLM), so without icepop, whose weight is the
+    # vLLM engine's gap. Same batch, budget, lr, held-out protocol and bf16 autocast as the CPU plan:
+    # the two studies differ in device and rollout engine only. Checkpoints every 10 rollout steps
+    # (a lent GPU machine is fresh each time: a run cut off there starts over anyway).
+    "gpu": replace(
+        _REGIME,
+        methods=tuple(method for method in REGIME_PLAN_METHODS if method != "icepop"),
         seeds=(0, 1, 2, 3, 4),
-        rollout_steps=40,
-        prompts_per_batch=15,
-        final_k=8,
+        lr=1e-6,
+        partial_rollout_methods=("grpo", "bapo"),
         backend="hf",
         device="cuda",
-        autocast="none",
+        autocast="bfloat16",
         checkpoint_every=10,
     ),
 }
